@@ -1,0 +1,150 @@
+"""The KV block pool: block tables, reference counts and automatic prefix caching.
+
+A full block is identified by a chained hash of (its parent's hash, its token ids). A block whose last
+user is gone keeps its contents and its hash in the free pool, so a later prompt with the same prefix
+can take it back; when a fresh block is needed, blocks with no cached contents go first, then cached
+ones in least-recently-freed order.
+"""
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set while the block is registered in the prefix cache
+    token_ids: tuple[int, ...] | None = None
+    parent_id: int | None = None  # the block before it in the sequence that filled it
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_empty: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self._cached: dict[int, int] = {}  # hash -> block id
+
+    # -- pool state --------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_empty) + len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def max_new_tokens(self, seq: Sequence) -> int:
+        """How many more tokens of `seq` fit in its blocks plus the whole free pool."""
+        capacity = (len(seq.block_table) + self.num_free_blocks) * self.block_size
+        return capacity - seq.num_computed_tokens
+
+    # -- allocation ----------------------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens; False (and nothing taken) if the pool is short."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        if self._free_empty:
+            block = self.blocks[self._free_empty.popleft()]
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)
+            block = self.blocks[block_id]
+            self._uncache(block)
+        block.ref_count = 1
+        return block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block of `seq`. Tail blocks are freed first, so they are evicted before the
+        shared prefix blocks that precede them."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self._free_empty.append(block_id)
+                else:
+                    self._free_cached[block_id] = None
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+
+    # -- prefix caching ------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        """For a sequence without blocks: take the longest run of cached full blocks of its tokens and
+        mark them computed. The last token is always left to compute, so that there is a token to sample
+        from. Returns the number of tokens reused."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = seq.token_ids
+        parent_hash, parent_id = None, None
+        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
+            chunk = tuple(tokens[start:start + self.block_size])
+            h = hash((parent_hash, chunk))
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            # Compare contents, not only hashes: a collision must never hand out wrong KV.
+            if block.token_ids != chunk or block.parent_id != parent_id:
+                break
+            if block.ref_count == 0:
+                del self._free_cached[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            parent_hash, parent_id = h, block_id
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that became full of computed tokens since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = len(seq.block_hashes)
+        if num_full <= start:
+            return
+        tokens = seq.token_ids
+        parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(start, num_full):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = hash((parent_hash, chunk))
+            block = self.blocks[seq.block_table[i]]
+            parent_id = seq.block_table[i - 1] if i else None
+            # Only extend a chain whose parent is itself the cached block for the parent hash, so that
+            # a match (which checks parent ids) proves the whole prefix is identical.
+            parent_cached = parent_id is None or self.blocks[parent_id].hash == parent_hash
+            if parent_cached and h not in self._cached and block.hash is None:
+                block.hash, block.token_ids, block.parent_id = h, chunk, parent_id
+                self._cached[h] = block.block_id
+            seq.block_hashes.append(h)
+            parent_hash = h
+
+    def _uncache(self, block: Block) -> None:
+        if block.hash is not None:
+            del self._cached[block.hash]
+            block.hash = block.token_ids = block.parent_id = None
+
+    def check_all_free(self) -> None:
+        """Raise if any block is still referenced (used by tests and at shutdown)."""
+        leaked = [b.block_id for b in self.blocks if b.ref_count]
+        if leaked or self.num_free_blocks != self.num_blocks:
+            raise AssertionError(f"{len(leaked)} KV blocks still referenced: {leaked[:10]}")

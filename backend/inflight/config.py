@@ -1,0 +1,70 @@
+"""EngineConfig: every engine knob, validated once. The same names are used by `LLM(...)`,
+`model_repository/llm/1/model.json`, the metrics and the README."""
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "float32"  # float32 | float16 | bfloat16 | auto (the checkpoint's dtype)
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # pool size as a block count ...
+    kv_cache_memory: int | None = None  # ... or as bytes ...
+    kv_cache_memory_fraction: float | None = None  # ... or as a share of free device memory
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
+    max_model_len: int | None = None  # prompt + output; default: the model's limit, capped by the pool
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+
+    # Share of free memory given to the KV pool when neither a block count nor bytes are set.
+    # A GPU holds little else; on a CPU host the rest of the machine needs its memory.
+    DEFAULT_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.2}
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
+        positive("block_size")
+        if self.block_size & (self.block_size - 1) or self.block_size < 8:
+            raise ValueError(f"block_size must be a power of two of at least 8, got {self.block_size}")
+        positive("num_kv_blocks", allow_none=True)
+        positive("kv_cache_memory", allow_none=True)
+        positive("max_num_seqs")
+        positive("max_num_batched_tokens")
+        positive("max_model_len", allow_none=True)
+        positive("num_threads", allow_none=True)
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("set num_kv_blocks or kv_cache_memory, not both")
+        frac = self.kv_cache_memory_fraction
+        if frac is not None and not 0.0 < frac <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {frac!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence must be able to decode in the same step.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.device_type not in self.DEFAULT_MEMORY_FRACTION:
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown engine setting(s): {', '.join(unknown)}")
+        return cls(**values)

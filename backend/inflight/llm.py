@@ -1,0 +1,41 @@
+"""LLM: the engine plus an offline `generate()`."""
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM(LLMEngine):
+    _ids = itertools.count()
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in the order of `prompts`."""
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.add_request(request_id, prompt, p)
+        token_ids: dict[str, list[int]] = {i: [] for i in ids}
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        reasons: dict[str, str] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        while len(reasons) < len(ids):
+            for delta in self.step():
+                token_ids[delta.request_id] += delta.new_token_ids
+                texts[delta.request_id].append(delta.new_text)
+                if delta.finished:
+                    reasons[delta.request_id] = delta.finish_reason
+                    bar.update(1)
+        bar.close()
+        prompt_ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
+        return [RequestOutput(i, prompt_ids[k], token_ids[i], "".join(texts[i]), reasons[i])
+                for k, i in enumerate(ids)]

@@ -1,0 +1,39 @@
+"""Paged-attention operations with two implementations: Triton kernels and torch.
+
+`impl=None` picks Triton for CUDA tensors and torch for CPU tensors; the environment variable
+INFLIGHT_ATTENTION=triton|torch forces one (the Triton interpreter, TRITON_INTERPRET=1, runs the
+kernels on CPU tensors).
+"""
+
+import os
+
+from . import torch_ops
+
+IMPLS = ("triton", "torch")
+
+
+def resolve_impl(impl: str | None, device_type: str) -> str:
+    impl = impl or os.environ.get("INFLIGHT_ATTENTION") or ("triton" if device_type == "cuda" else "torch")
+    if impl not in IMPLS:
+        raise ValueError(f"attention implementation must be one of {IMPLS}, got {impl!r}")
+    if impl == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 on CPU")
+    return impl
+
+
+def _module(impl: str | None, device_type: str):
+    if resolve_impl(impl, device_type) == "torch":
+        return torch_ops
+    from . import triton_ops  # imported lazily: triton is only needed when its kernels run
+
+    return triton_ops
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, impl=None) -> None:
+    _module(impl, key.device.type).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                    sliding_window=None, out=None, impl=None):
+    return _module(impl, query.device.type).paged_attention(
+        query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window, out)

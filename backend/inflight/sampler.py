@@ -1,0 +1,78 @@
+"""Batched sampling with per-request parameters.
+
+Greedy rows take the argmax. Other rows go through penalties, temperature, top-k, top-p and min-p,
+then draw with the exponential-race trick (argmax of p / Exp(1) noise), the noise drawn from the
+request's own generator when it has a seed, so its output does not depend on what else is batched.
+"""
+
+import torch
+
+from .sequence import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition penalty over prompt and output (as HF), presence and frequency over output (as vLLM)."""
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
+            seen = seen[seen < vocab]
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                            values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
+    """Before min_tokens are out, EOS and the request's stop tokens cannot be drawn."""
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        if len(seq.output_token_ids) < seq.params.min_tokens:
+            ids = [t for t in (*eos_token_ids, *seq.params.stop_token_ids) if t < vocab]
+            logits[row, ids] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p for the rows that sample; returns probabilities."""
+    device = logits.device
+    temps = torch.tensor([s.params.temperature for s in seqs], device=device)[:, None]
+    logits = logits / temps
+    vocab = logits.shape[-1]
+    top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
+    if min(top_k) < vocab:
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(
+            1, torch.tensor(top_k, device=device)[:, None] - 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)[:, None]
+    if bool((top_p < 1.0).any()):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass.
+        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)[:, None]
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> list[int]:
+    """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place)."""
+    if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+           for s in seqs):
+        apply_penalties(logits, seqs)
+    if any(s.params.min_tokens for s in seqs):
+        suppress_stops(logits, seqs, eos_token_ids)
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if rows:
+        probs = _filter(logits[rows], [seqs[i] for i in rows])
+        for j, row in enumerate(rows):
+            noise = torch.empty_like(probs[j]).exponential_(generator=seqs[row].generator)
+            tokens[row] = torch.argmax(probs[j] / noise)
+    return tokens.tolist()

@@ -1,0 +1,126 @@
+"""SamplingParams: the per-request knobs (vLLM's names), validated with errors that name the field."""
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+
+    MAX_STOP_STRINGS = 64
+    MAX_STOP_LENGTH = 256
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}")
+            setattr(self, name, list(getattr(self, name)))
+        self._check_int("max_tokens", minimum=1)
+        self._check_int("min_tokens", minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        self._check_float("temperature", minimum=0.0)
+        self._check_int("top_k", minimum=-1)
+        self._check_float("top_p", minimum=0.0, maximum=1.0)
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self._check_float("min_p", minimum=0.0, maximum=1.0)
+        if self.seed is not None:
+            self._check_int("seed", minimum=0)
+            if self.seed >= 2**64:
+                raise ValueError(f"seed must be below 2**64, got {self.seed}")
+        self._check_float("repetition_penalty", minimum=0.0)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        self._check_float("presence_penalty", minimum=-2.0, maximum=2.0)
+        self._check_float("frequency_penalty", minimum=-2.0, maximum=2.0)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if len(self.stop) > self.MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {self.MAX_STOP_STRINGS} are allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+            if len(s) > self.MAX_STOP_LENGTH:
+                raise ValueError(f"stop strings must be at most {self.MAX_STOP_LENGTH} characters long")
+        if len(self.stop_token_ids) > self.MAX_STOP_STRINGS:
+            raise ValueError(f"stop_token_ids has more than {self.MAX_STOP_STRINGS} entries")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def max_stop_length(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def _check_int(self, name: str, minimum: int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+    def _check_float(self, name: str, minimum: float, maximum: float = math.inf) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value) or not minimum <= value <= maximum:
+            bounds = f"[{minimum}, {maximum}]" if math.isfinite(maximum) else f">= {minimum}"
+            raise ValueError(f"{name} must be a finite number {bounds}, got {value}")
+        setattr(self, name, float(value))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], strings_allowed: bool = False) -> "SamplingParams":
+        """Build from a mapping (a JSON object). Unknown keys are an error. With `strings_allowed`,
+        scalar values may arrive as strings (genai-perf sends {"max_tokens": "32"})."""
+        if not isinstance(values, dict):
+            raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
+        types = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(values) - set(types))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        parsed = {}
+        for name, value in values.items():
+            if strings_allowed and isinstance(value, str) and name not in ("stop",):
+                value = _parse_string(name, value, types[name])
+            parsed[name] = value
+        return cls(**parsed)
+
+
+def _parse_string(name: str, text: str, annotation: Any) -> Any:
+    kind = str(annotation)
+    try:
+        if "bool" in kind:
+            lowered = text.strip().lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError
+            return lowered in ("true", "1")
+        if "int" in kind and "list" not in kind:
+            return int(text)
+        if "float" in kind:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{name} could not be read from the string {text!r}") from None
+    return text

@@ -1,0 +1,122 @@
+"""The step policy: which sequences run this step and how many tokens each.
+
+Every step: each running sequence that is decoding gets one token, then sequences still prefilling
+(running ones first, then waiting ones, first come first served) get chunks of their prompts until the
+token budget is spent. When the pool cannot give a decoding sequence its next block, the newest running
+sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # new tokens computed for each sequence
+    _ids: set[int] = field(default_factory=set)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+        self._ids.add(id(seq))
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return id(seq) in self._ids
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.num_preemptions = 0
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at admission
+        self.prefix_hit_tokens = 0  # of those, found there
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        # 1. Decodes: one token for every running sequence whose prompt is fully computed.
+        for seq in list(self.running):
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+                if self._make_room(batch, seq, 1):
+                    self.block_manager.allocate(seq, 1)
+                    batch.add(seq, 1)
+                    budget -= 1
+
+        # 2. Prefill chunks of running sequences whose prompts are not finished yet. They too may
+        #    preempt newer sequences, so that two half-prefilled prompts can never block each other.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 1:
+                if self._make_room(batch, seq, 1):
+                    budget -= self._schedule_chunk(batch, seq, budget)
+
+        # 3. Admit waiting sequences while there is budget, room and memory.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.block_manager.match_prefix(seq)
+            n = self._schedule_chunk(batch, seq, budget)
+            if n == 0:
+                self.block_manager.free(seq)  # give back the prefix blocks taken for nothing
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += hit
+            budget -= n
+        return batch
+
+    def _make_room(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> bool:
+        """Preempt the newest unscheduled sequences until `seq` can get blocks for `num_tokens` more
+        tokens; if none is left to preempt, preempt `seq` itself and return False."""
+        while self.block_manager.blocks_needed(seq, num_tokens) > self.block_manager.num_free_blocks:
+            victim = next((s for s in reversed(self.running) if s is not seq and s not in batch), None)
+            self.preempt(victim or seq)
+            if victim is None:
+                return False
+        return True
+
+    def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed_tokens, budget, self.block_manager.max_new_tokens(seq))
+        if n <= 0 or not self.block_manager.allocate(seq, n):
+            return 0
+        batch.add(seq, n)
+        return n
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take `seq` out of the queues for good and return its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

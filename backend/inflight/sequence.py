@@ -1,0 +1,62 @@
+"""A request's state inside the engine: its tokens, how many of them have KV in the cache, its blocks."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # no blocks: new, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds blocks; prefilling in chunks or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks cached so far
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+
+    output_text: str = ""  # text decoded so far, stop strings cut
+    num_text_sent: int = 0  # characters of output_text already handed out as deltas
+    num_tokens_sent: int = 0  # output tokens already handed out as deltas
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
