@@ -1,0 +1,43 @@
+# The two commands of the README: `make serve` (set up, then serve the default model on tritonserver)
+# and `make test` (set up, then run every test). Each does its own set-up on a fresh machine.
+SHELL := /bin/bash
+PY := .venv/bin/python
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+THREADS ?= 2
+
+.PHONY: setup setup-serving serve demo test test-fast bench bench-kernels load soak clean
+
+setup:
+	@bash scripts/setup.sh
+
+setup-serving:
+	@bash scripts/setup.sh --serving
+
+serve: setup-serving
+	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) $(PY) scripts/serve.py
+
+demo: setup
+	$(PY) client/demo.py
+
+test: setup-serving
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests -m "not slow and not server"
+
+bench: setup-serving
+	$(PY) client/bench.py --threads $(THREADS)
+
+bench-kernels: setup
+	$(PY) client/bench_kernels.py
+
+load: setup-serving
+	$(PY) client/load.py --grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT)
+
+soak: setup-serving
+	$(PY) client/soak.py
+
+clean:
+	rm -rf .venv .tools models artifacts

@@ -1,0 +1,205 @@
+"""Throughput benchmark: the same fixed-seed workload through HF static batching, HF continuous
+batching and inflight (offline, and through tritonserver when asked), in one process on one model and
+dtype, and the prefix-caching workload. Prints markdown tables for the README.
+
+    make bench                        # everything, 64 requests
+    .venv/bin/python client/bench.py --num-requests 24 --peers inflight,hf-cb
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "backend"))
+DEFAULT_MODEL = str(ROOT / "models" / "SmolLM2-135M-Instruct")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(n: int, seed: int, prompt_range=(16, 512), output_range=(16, 256), vocab=49152) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
+    return Workload(prompts, [rng.randint(*output_range) for _ in range(n)])
+
+
+def load_hf(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def run_hf_static(model_dir: str, work: Workload, batch_size: int) -> float:
+    """HF `generate` on batches of `batch_size`, left padded; a batch runs to its longest request and
+    only each request's own tokens are counted."""
+    model = load_hf(model_dir)
+    model.generation_config.eos_token_id = None
+    pad = 0
+    start = time.perf_counter()
+    with tqdm(total=len(work.prompts), desc=f"hf static (batch {batch_size})", leave=False) as bar:
+        for i in range(0, len(work.prompts), batch_size):
+            prompts = work.prompts[i:i + batch_size]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
+                               max_new_tokens=max(work.output_lens[i:i + batch_size]),
+                               min_new_tokens=max(work.output_lens[i:i + batch_size]))
+            bar.update(len(prompts))
+    return time.perf_counter() - start
+
+
+def run_hf_continuous(model_dir: str, work: Workload, max_batch_tokens: int) -> float:
+    """transformers' ContinuousBatchingManager with per-request max_new_tokens."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model = load_hf(model_dir)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens), eos_token_id=-1, pad_token_id=0)
+    blocks = sum(len(p) + n for p, n in zip(work.prompts, work.output_lens)) // 16 + len(work.prompts) + 64
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=blocks, max_batch_tokens=max_batch_tokens)
+    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                   block=True, timeout=5) as manager:
+        start = time.perf_counter()
+        for i, (p, n) in enumerate(zip(work.prompts, work.output_lens)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+        with tqdm(total=len(work.prompts), desc=f"hf continuous ({max_batch_tokens})", leave=False) as bar:
+            done = 0
+            while done < len(work.prompts):
+                if manager.get_result(timeout=1) is not None:
+                    done += 1
+                    bar.update(1)
+        return time.perf_counter() - start
+
+
+def make_llm(model_dir: str, **settings):
+    from inflight import LLM
+
+    settings.setdefault("num_kv_blocks", 4096)
+    return LLM(model_dir, dtype="float32", **settings)
+
+
+def run_inflight(model_dir: str, work: Workload, **settings) -> float:
+    from inflight import SamplingParams
+
+    llm = make_llm(model_dir, **settings)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outs) == work.output_tokens
+    llm.block_manager.check_all_free()
+    return elapsed
+
+
+def stream_ttft(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """Submit everything at once; return mean time to first token and output tokens/s."""
+    from inflight import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        llm.add_request(f"ttft-{i}", p, params)
+    first: dict[str, float] = {}
+    tokens = 0
+    while llm.has_unfinished():
+        for d in llm.step():
+            tokens += len(d.new_token_ids)
+            if d.new_token_ids and d.request_id not in first:
+                first[d.request_id] = time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    return statistics.mean(first.values()), tokens / elapsed
+
+
+def bench_prefix_caching(model_dir: str, n: int, seed: int) -> list[tuple]:
+    rng = random.Random(seed)
+    system = [rng.randrange(100, 49152) for _ in range(400)]
+    shared = [system + [rng.randrange(100, 49152) for _ in range(rng.randint(8, 24))] for _ in range(n)]
+    distinct = [[rng.randrange(100, 49152) for _ in range(len(p))] for p in shared]
+    rows = []
+    for name, prompts in (("shared 400-token prefix", shared), ("no sharing", distinct)):
+        for caching in (False, True):
+            llm = make_llm(model_dir, enable_prefix_caching=caching)
+            llm.generate([prompts[0][:8]], None)  # warm-up
+            ttft, tps = stream_ttft(llm, prompts, 32)
+            hit = llm.stats()["prefix_cache_hit_tokens"]
+            rows.append((name, "on" if caching else "off", ttft, tps, hit))
+            print(f"  {name}, caching {'on' if caching else 'off'}: mean TTFT {ttft:.2f} s, {tps:.1f} tok/s",
+                  file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix",
+                        help="comma-separated: hf-static, hf-cb, inflight, triton, prefix")
+    parser.add_argument("--hf-static-batch", type=int, default=8)
+    parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    peers = args.peers.split(",")
+    work = make_workload(args.num_requests, args.seed)
+    print(f"workload: {args.num_requests} requests, prompts 16-512 tokens, outputs 16-256 tokens "
+          f"({work.output_tokens} output tokens), EOS ignored, float32, {args.threads} threads", file=sys.stderr)
+
+    results: list[tuple[str, float]] = []
+
+    def record(name: str, seconds: float) -> None:
+        results.append((name, work.output_tokens / seconds))
+        print(f"  {name}: {work.output_tokens / seconds:.1f} tok/s ({seconds:.1f} s)", file=sys.stderr)
+
+    if "hf-static" in peers:
+        record(f"HF static batching (generate, batches of {args.hf_static_batch})",
+               run_hf_static(args.model, work, args.hf_static_batch))
+    if "hf-cb" in peers:
+        for tokens in map(int, args.hf_cb_tokens.split(",")):
+            record(f"HF continuous batching (max_batch_tokens={tokens})",
+                   run_hf_continuous(args.model, work, tokens))
+    if "inflight" in peers:
+        record(f"inflight offline (max_num_batched_tokens={args.max_num_batched_tokens})",
+               run_inflight(args.model, work, max_num_batched_tokens=args.max_num_batched_tokens))
+    if "triton" in peers:
+        from triton_bench import run_through_tritonserver
+
+        record("inflight through tritonserver (gRPC streaming, concurrency 64)",
+               run_through_tritonserver(args.model, work, args.threads))
+
+    if results:
+        hf_cb = [tps for name, tps in results if name.startswith("HF continuous")]
+        best_cb = max(hf_cb) if hf_cb else None
+        print(f"\n| system | output tok/s | vs best HF continuous batching |\n|---|---:|---:|")
+        for name, tps in results:
+            ratio = f"{tps / best_cb:.2f}x" if best_cb else "-"
+            print(f"| {name} | {tps:.1f} | {ratio} |")
+    if "prefix" in peers:
+        rows = bench_prefix_caching(args.model, args.num_requests, args.seed)
+        print("\n| workload (64 requests, 32 output tokens) | prefix caching | mean TTFT (s) | output tok/s | hit tokens |"
+              .replace("64", str(args.num_requests)))
+        print("|---|---|---:|---:|---:|")
+        for name, caching, ttft, tps, hit in rows:
+            print(f"| {name} | {caching} | {ttft:.2f} | {tps:.1f} | {hit} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Shared fixtures: the default model, tiny random checkpoints of each supported family, and HF
+transformers references computed one request at a time."""
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+
+torch.set_num_threads(int(os.environ.get("INFLIGHT_TEST_THREADS", "2")))
+
+# Tiny checkpoints of each family, small enough to run in milliseconds. initializer_range is raised
+# above the usual 0.02 so that logits are peaked: greedy comparisons then test the engine, not
+# float32 rounding between two near-equal logits.
+TINY_FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=32),
+    "mistral": dict(model_type="mistral", sliding_window=48),
+}
+
+
+def make_tiny_model(family: str, out: Path, vocab_size: int = 512) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    settings = dict(TINY_FAMILIES[family])
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=0.2, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, **settings,
+    )
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    # Any tokenizer works for token-id prompts; the default model's one keeps the tests offline.
+    AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    if not (DEFAULT_MODEL / "config.json").exists():
+        pytest.fail(f"{DEFAULT_MODEL} is missing: run `make setup`")
+    return str(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: str(make_tiny_model(family, root / family)) for family in TINY_FAMILIES}
+
+
+def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of lengths spread from min_len to max_len (both included)."""
+    rng = random.Random(seed)
+    lengths = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(count - 2)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+class HFReference:
+    """Greedy continuations from HF `generate`, one request at a time, memoized per model."""
+
+    def __init__(self):
+        self._models = {}
+        self._cache = {}
+
+    def __call__(self, model_dir: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+        from transformers import AutoModelForCausalLM
+
+        key = (model_dir, tuple(prompt), max_new_tokens)
+        if key not in self._cache:
+            if model_dir not in self._models:
+                self._models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            model = self._models[model_dir]
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
+            self._cache[key] = out[0, len(prompt):].tolist()
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> HFReference:
+    return HFReference()

@@ -1,0 +1,45 @@
+"""Greedy outputs equal HF transformers' `generate` token for token, whatever the batching does."""
+
+import pytest
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+# Engine settings that change how the same work is cut into steps.
+SCHEDULES = {
+    "roomy": dict(num_kv_blocks=512, max_num_seqs=64, max_num_batched_tokens=512),
+    "chunked-prefill": dict(num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=37),
+    "preemption": dict(num_kv_blocks=40, max_num_seqs=16, max_num_batched_tokens=128),
+    "one-at-a-time": dict(num_kv_blocks=512, max_num_seqs=1, max_num_batched_tokens=512),
+}
+
+
+def run_and_compare(model_dir, prompts, hf_reference, **settings):
+    llm = LLM(model_dir, block_size=16, enable_prefix_caching=False, **settings)
+    outs = llm.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.finish_reason == "length"
+        assert out.token_ids == hf_reference(model_dir, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
+    llm.block_manager.check_all_free()
+    return llm
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tiny_models_match_hf(tiny_models, hf_reference, family, schedule):
+    prompts = random_prompts(16, 1, 320, vocab=512, seed=7)
+    llm = run_and_compare(tiny_models[family], prompts, hf_reference, **SCHEDULES[schedule])
+    if schedule == "preemption":
+        assert llm.stats()["num_preemptions"] > 0, "the pool was meant to be too small to hold every sequence"
+
+
+@pytest.mark.slow
+def test_default_model_matches_hf(default_model, hf_reference):
+    prompts = random_prompts(16, 1, 300, vocab=49152, seed=3)
+    # chunked prefill and a pool small enough to preempt, on real weights
+    llm = run_and_compare(default_model, prompts, hf_reference, num_kv_blocks=48, max_num_seqs=16,
+                          max_num_batched_tokens=96)
+    assert llm.stats()["num_preemptions"] > 0
