@@ -41,6 +41,12 @@ if [ ! -f "$TOOLS/pytriton/.stamp" ]; then
   .venv/bin/python -m pip install -q --no-deps --target "$TOOLS/pytriton" nvidia-pytriton==0.7.0
   touch "$TOOLS/pytriton/.stamp"
 fi
+# The stub's C++ side reads numpy arrays with the numpy 1 ABI: give it numpy 1.26 ahead of the venv's.
+if [ ! -f "$TOOLS/stub-numpy/.stamp" ]; then
+  rm -rf "$TOOLS/stub-numpy"
+  .venv/bin/python -m pip install -q --no-deps --target "$TOOLS/stub-numpy" numpy==1.26.4
+  touch "$TOOLS/stub-numpy/.stamp"
+fi
 BACKENDS=$TOOLS/backends/python
 if [ ! -f "$BACKENDS/triton_python_backend_stub" ]; then
   mkdir -p "$BACKENDS"

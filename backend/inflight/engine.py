@@ -85,6 +85,7 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})")
+        bad_words_ids = self._bad_words_ids(params.bad_words)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -95,16 +96,32 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                                self._tokenizer_lock),
             generator=generator,
+            bad_words_ids=bad_words_ids,
         )
         with self._lock:
             if request_id in self._requests or any(s.request_id == request_id for s in self._inbox):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox.append(seq)
 
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as it would be tokenized alone and after a space."""
+        variants = set()
+        with self._tokenizer_lock:
+            for word in words:
+                for text in (word, " " + word.lstrip()):
+                    ids = self.tokenizer.encode(text, add_special_tokens=False)
+                    if ids:
+                        variants.add(tuple(ids))
+        return [list(v) for v in sorted(variants)]
+
     def abort(self, request_id: str) -> None:
         """Cancel a request; its final delta (finish_reason "abort") comes from the next step()."""
         with self._lock:
             self._abort_inbox.append(request_id)
+
+    def unfinished_request_ids(self) -> list[str]:
+        with self._lock:
+            return [*self._requests, *(s.request_id for s in self._inbox)]
 
     def has_unfinished(self) -> bool:
         with self._lock:

@@ -36,6 +36,17 @@ def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: li
             logits[row, ids] = float("-inf")
 
 
+def ban_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """A bad word's last token is banned wherever the output so far ends with the rest of it."""
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        tail = seq.token_ids
+        for ids in seq.bad_words_ids:
+            prefix = ids[:-1]
+            if ids[-1] < vocab and (not prefix or tail[len(tail) - len(prefix):] == prefix):
+                logits[row, ids[-1]] = float("-inf")
+
+
 def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p for the rows that sample; returns probabilities."""
     device = logits.device
@@ -68,6 +79,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int])
         apply_penalties(logits, seqs)
     if any(s.params.min_tokens for s in seqs):
         suppress_stops(logits, seqs, eos_token_ids)
+    if any(s.bad_words_ids for s in seqs):
+        ban_bad_words(logits, seqs)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if rows:

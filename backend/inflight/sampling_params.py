@@ -20,6 +20,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)  # never generated (TensorRT-LLM's bad_words)
     skip_special_tokens: bool = True
 
     MAX_STOP_STRINGS = 64
@@ -28,7 +29,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "bad_words"):
             if not isinstance(getattr(self, name), (list, tuple)):
                 raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}")
             setattr(self, name, list(getattr(self, name)))
@@ -61,6 +62,10 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
             if len(s) > self.MAX_STOP_LENGTH:
                 raise ValueError(f"stop strings must be at most {self.MAX_STOP_LENGTH} characters long")
+        if len(self.bad_words) > self.MAX_STOP_STRINGS:
+            raise ValueError(f"bad_words has {len(self.bad_words)} entries; at most {self.MAX_STOP_STRINGS} are allowed")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise ValueError("bad_words must hold non-empty strings")
         if len(self.stop_token_ids) > self.MAX_STOP_STRINGS:
             raise ValueError(f"stop_token_ids has more than {self.MAX_STOP_STRINGS} entries")
         for t in self.stop_token_ids:
@@ -93,31 +98,34 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], strings_allowed: bool = False) -> "SamplingParams":
-        """Build from a mapping (a JSON object). Unknown keys are an error. With `strings_allowed`,
-        scalar values may arrive as strings (genai-perf sends {"max_tokens": "32"})."""
+        """Build from a mapping (a JSON object); see `parse_fields`."""
+        return cls(**cls.parse_fields(values, strings_allowed))
+
+    @classmethod
+    def parse_fields(cls, values: dict[str, Any], strings_allowed: bool = False) -> dict[str, Any]:
+        """Check a mapping's keys against the fields (unknown keys are an error) and, with
+        `strings_allowed`, read scalar values sent as strings (genai-perf sends {"max_tokens": "32"})."""
         if not isinstance(values, dict):
             raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
         types = {f.name: f.type for f in fields(cls)}
         unknown = sorted(set(values) - set(types))
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        parsed = {}
-        for name, value in values.items():
-            if strings_allowed and isinstance(value, str) and name not in ("stop",):
-                value = _parse_string(name, value, types[name])
-            parsed[name] = value
-        return cls(**parsed)
+        return {name: _parse_string(name, value, types[name]) if strings_allowed and isinstance(value, str)
+                else value for name, value in values.items()}
 
 
 def _parse_string(name: str, text: str, annotation: Any) -> Any:
     kind = str(annotation)
+    if "list" in kind:
+        return [text]  # a single stop string or bad word
     try:
         if "bool" in kind:
             lowered = text.strip().lower()
             if lowered not in ("true", "false", "1", "0"):
                 raise ValueError
             return lowered in ("true", "1")
-        if "int" in kind and "list" not in kind:
+        if "int" in kind:
             return int(text)
         if "float" in kind:
             return float(text)

@@ -23,6 +23,7 @@ class Sequence:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never to complete
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

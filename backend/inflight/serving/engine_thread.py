@@ -1,0 +1,93 @@
+"""Run an engine in the background: one thread steps it while there is work and sleeps when idle;
+a second thread hands each step's deltas to the caller, so that sending never delays the next step."""
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+from ..engine import LLMEngine
+from ..outputs import RequestDelta
+
+logger = logging.getLogger(__name__)
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine,
+                 on_delta: Callable[[RequestDelta, str | None], None],
+                 poll_cancelled: Callable[[], list[str]] = lambda: [],
+                 on_step: Callable[[], None] = lambda: None):
+        """on_delta(delta, error) runs on the responder thread for every delta; `error` is set when the
+        request was ended by a failure of the engine rather than by its own course. poll_cancelled()
+        runs before every step and names requests to abort. on_step() runs after every step and when idle."""
+        self.engine = engine
+        self._on_delta = on_delta
+        self._poll_cancelled = poll_cancelled
+        self._on_step = on_step
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._failed: dict[str, str] = {}  # request id -> why the engine dropped it
+        self._outbox: queue.Queue[list[RequestDelta] | None] = queue.Queue()
+        self._stepper = threading.Thread(target=self._step_loop, name="inflight-engine", daemon=True)
+        self._responder = threading.Thread(target=self._respond_loop, name="inflight-responder", daemon=True)
+
+    def start(self) -> None:
+        self._stepper.start()
+        self._responder.start()
+
+    def submit(self, request_id: str, prompt, params) -> None:
+        """Queue a request; raises ValueError (from the engine's validation) without queueing it."""
+        self.engine.add_request(request_id, prompt, params)
+        with self._wake:
+            self._wake.notify()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        with self._wake:
+            self._wake.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._stepper.join(timeout)
+        self._outbox.put(None)
+        self._responder.join(timeout)
+
+    def _step_loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.engine.has_unfinished():
+                    self._on_step()
+                    self._wake.wait(timeout=0.5)
+                if self._stopping:
+                    return
+            for request_id in self._poll_cancelled():
+                self.engine.abort(request_id)
+            try:
+                deltas = self.engine.step()
+            except Exception as e:  # a bug or an out-of-memory: fail what is in flight, keep serving
+                logger.exception("engine step failed")
+                deltas = self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
+            if deltas:
+                self._outbox.put(deltas)
+            self._on_step()
+
+    def _fail_all(self, reason: str) -> list[RequestDelta]:
+        for request_id in self.engine.unfinished_request_ids():
+            self._failed[request_id] = reason
+            self.engine.abort(request_id)
+        try:
+            return self.engine.step()  # only the aborts: nothing is scheduled any more
+        except Exception:
+            logger.exception("engine could not recover")
+            return []
+
+    def _respond_loop(self) -> None:
+        while (deltas := self._outbox.get()) is not None:
+            for delta in deltas:
+                error = self._failed.pop(delta.request_id, None) if delta.finished else None
+                try:
+                    self._on_delta(delta, error)
+                except Exception:
+                    logger.exception("sending the response of %s failed", delta.request_id)

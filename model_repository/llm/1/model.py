@@ -1,0 +1,173 @@
+"""Triton Python backend model `llm` (decoupled): a thin adapter between Triton and the inflight engine.
+
+execute() only parses, validates and queues; it never waits for the model. The engine runs on its
+own thread; a responder thread sends each request's new text as it comes, the last response of a
+request carrying the FINAL flag, and aborts requests whose clients cancelled.
+"""
+
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _project_root() -> str:
+    # The stub embeds Python in isolated mode (PYTHONPATH is ignored): the launcher names the venv's
+    # site-packages and the project root in INFLIGHT_SITE_PACKAGES and INFLIGHT_ROOT.
+    # INFLIGHT_SITE_PACKAGES may list several folders, the first taking precedence.
+    root = os.environ.get("INFLIGHT_ROOT") or str(Path(__file__).resolve().parents[3])
+    paths = [*os.environ.get("INFLIGHT_SITE_PACKAGES", "").split(os.pathsep), os.path.join(root, "backend")]
+    sys.path[:0] = [p for p in paths if p and p not in sys.path]
+    return root
+
+
+ROOT = _project_root()
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+import numpy as np  # noqa: E402
+
+from inflight import LLM  # noqa: E402
+from inflight.serving.engine_thread import EngineThread  # noqa: E402
+from inflight.serving.metrics import TritonMetrics  # noqa: E402
+from inflight.serving.request import ParsedRequest, parse_request  # noqa: E402
+from inflight.serving.settings import split_settings  # noqa: E402
+
+
+def _error(message: str, code_name: str = "INVALID_ARG"):
+    code = getattr(pb_utils.TritonError, code_name, None)
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(error=error)
+
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class AdmissionRefused(Exception):
+    """The server is full: the client may retry later (UNAVAILABLE)."""
+
+
+@dataclass
+class ActiveRequest:
+    request: object
+    sender: object
+    parsed: ParsedRequest
+    arrival: float
+    last_token_time: float | None = None
+    text: list[str] = field(default_factory=list)  # non-streaming requests collect their text here
+    cancelled: bool = False
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("model `llm` must use the decoupled transaction policy")
+        settings_path = os.environ.get("INFLIGHT_MODEL_JSON") or os.path.join(
+            args["model_repository"], args["model_version"], "model.json")
+        with open(settings_path) as f:
+            settings = json.load(f)
+        settings["model"] = os.environ.get("INFLIGHT_MODEL") or settings.get("model")
+        if not os.path.isabs(settings["model"]):
+            settings["model"] = os.path.join(ROOT, settings["model"])
+        engine_settings, self.limits = split_settings(settings)
+        self.engine = LLM(**engine_settings)
+        self.active: dict[str, ActiveRequest] = {}
+        self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        self.thread = EngineThread(self.engine, on_delta=self._respond, poll_cancelled=self._poll_cancelled,
+                                   on_step=lambda: self.metrics.update(self.engine.stats()))
+        self.thread.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._admit(request, sender)
+            except ValueError as e:
+                sender.send(_error(str(e)), flags=FINAL)
+            except AdmissionRefused as e:
+                sender.send(_error(str(e), "UNAVAILABLE"), flags=FINAL)
+        return None
+
+    def _admit(self, request, sender) -> None:
+        inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+        parsed = parse_request(inputs, defaults={"max_tokens": self.limits.default_max_tokens})
+        if parsed.params.max_tokens > self.limits.max_tokens_limit:
+            raise ValueError(f"max_tokens ({parsed.params.max_tokens}) exceeds this server's limit "
+                             f"of {self.limits.max_tokens_limit}")
+        if self.engine.stats()["num_waiting"] >= self.limits.max_queued_requests:
+            raise AdmissionRefused(f"the server is at its limit of {self.limits.max_queued_requests} "
+                                   "queued requests; retry later")
+        token_ids = self.engine.encode(parsed.prompt)
+        cap = self.limits.max_prompt_tokens
+        if cap is not None and len(token_ids) > cap:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
+        request_id = uuid.uuid4().hex
+        self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic())
+        try:
+            self.thread.submit(request_id, token_ids, parsed.params)
+        except Exception:
+            del self.active[request_id]
+            raise
+
+    def _poll_cancelled(self) -> list[str]:
+        cancelled = []
+        for request_id, active in list(self.active.items()):
+            if not active.cancelled and active.request.is_cancelled():
+                active.cancelled = True
+                cancelled.append(request_id)
+        return cancelled
+
+    def _respond(self, delta, error: str | None) -> None:
+        active = self.active.pop(delta.request_id, None) if delta.finished else self.active.get(delta.request_id)
+        if active is None:
+            return
+        if error is not None:
+            active.sender.send(_error(error, "INTERNAL"), flags=FINAL)
+            return
+        if delta.finish_reason == "abort":
+            active.sender.send(flags=FINAL)  # the client cancelled: close the stream, nothing to say
+            return
+        self._observe_latency(active, len(delta.new_token_ids))
+        parsed = active.parsed
+        if parsed.stream:
+            if delta.new_text or delta.finished:
+                active.sender.send(self._response(parsed, delta, delta.new_text), flags=FINAL if delta.finished else 0)
+            return
+        active.text.append(delta.new_text)
+        if delta.finished:
+            text = "".join(active.text)
+            if not parsed.exclude_input_in_output:
+                text = parsed.prompt + text
+            active.sender.send(self._response(parsed, delta, text), flags=FINAL)
+
+    def _observe_latency(self, active: ActiveRequest, num_new_tokens: int) -> None:
+        if not num_new_tokens:
+            return
+        now = time.monotonic()
+        if active.last_token_time is None:
+            self.metrics.observe_time_to_first_token(now - active.arrival)
+        else:
+            self.metrics.observe_inter_token_latency((now - active.last_token_time) / num_new_tokens)
+        active.last_token_time = now
+
+    @staticmethod
+    def _response(parsed: ParsedRequest, delta, text: str):
+        outputs = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if parsed.return_finish_reason:
+            reason = (delta.finish_reason or "") if delta.finished else ""
+            outputs.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+        if parsed.return_num_input_tokens:
+            outputs.append(pb_utils.Tensor("num_input_tokens", np.array([delta.num_prompt_tokens], dtype=np.uint32)))
+        if parsed.return_num_output_tokens:
+            outputs.append(pb_utils.Tensor("num_output_tokens", np.array([delta.num_output_tokens], dtype=np.uint32)))
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    def finalize(self):
+        self.thread.stop()
+        for active in self.active.values():
+            active.sender.send(_error("the model is being unloaded; the request was not finished", "UNAVAILABLE"),
+                               flags=FINAL)
+        self.active.clear()

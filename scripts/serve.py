@@ -1,0 +1,61 @@
+"""Start a real tritonserver on 127.0.0.1 with this project's model repository.
+
+Uses `tritonserver` from PATH when there is one (the NGC image), else the binary inside the
+nvidia-pytriton wheel that `scripts/setup.sh --serving` put under .tools/. Ports come from HTTP_PORT,
+GRPC_PORT and METRICS_PORT (defaults 8000, 8001, 8002).
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / ".tools"
+
+
+def server_command(model_repository: Path, http_port: int, grpc_port: int, metrics_port: int,
+                   address: str = "127.0.0.1", log_verbose: int = 0) -> tuple[list[str], dict]:
+    """The tritonserver command line and environment for this project."""
+    env = dict(os.environ)
+    env["INFLIGHT_ROOT"] = str(ROOT)
+    site_packages = [sysconfig.get_paths()["purelib"]]
+    stub_numpy = TOOLS / "stub-numpy"
+    if stub_numpy.exists():
+        # The bundled stub's C++ side reads numpy arrays with the numpy 1 ABI: numpy 1.26 must win.
+        site_packages.insert(0, str(stub_numpy))
+    env["INFLIGHT_SITE_PACKAGES"] = os.pathsep.join(site_packages)
+    bundled = TOOLS / "pytriton" / "pytriton" / "tritonserver" / "bin" / "tritonserver"
+    binary = shutil.which("tritonserver") or str(bundled)
+    if not Path(binary).exists():
+        raise SystemExit("tritonserver not found: run `make setup-serving` (or use the Docker image)")
+    args = [binary, "--model-repository", str(model_repository),
+            "--http-address", address, "--http-port", str(http_port),
+            "--grpc-address", address, "--grpc-port", str(grpc_port),
+            "--metrics-address", address, "--metrics-port", str(metrics_port),
+            "--allow-gpu-metrics", "false", "--log-verbose", str(log_verbose)]
+    if binary == str(bundled):
+        args += ["--backend-directory", str(TOOLS / "backends")]
+        libs = str(TOOLS / "pytriton" / "nvidia_pytriton.libs")
+        env["LD_LIBRARY_PATH"] = libs + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    return args, env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-repository", default=str(ROOT / "model_repository"))
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
+    parser.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    parser.add_argument("--address", default="127.0.0.1")
+    args = parser.parse_args()
+    command, env = server_command(Path(args.model_repository), args.http_port, args.grpc_port,
+                                  args.metrics_port, args.address)
+    print("starting:", " ".join(command), file=sys.stderr, flush=True)
+    os.execvpe(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main()
