@@ -72,6 +72,7 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> list[int]:
     """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place)."""
     if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty

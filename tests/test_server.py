@@ -1,0 +1,164 @@
+"""The `llm` model on a real tritonserver, through real tritonclient calls."""
+
+import json
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "client"))
+
+from grpc_stream import generate  # noqa: E402
+from tritonserver_process import TritonServer  # noqa: E402
+
+pytestmark = pytest.mark.server
+
+PROMPTS = [
+    "In 1969, the first humans landed on",
+    "The three primary colors are",
+    "def fibonacci(n):",
+    "Photosynthesis is the process by which",
+    "Une phrase en français : le chat",
+    "The capital of Japan is",
+]
+MAX_TOKENS = 24
+SETTINGS = dict(num_kv_blocks=256, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with TritonServer(**SETTINGS) as s:
+        yield s
+        assert s.alive(), "the server died during the tests"
+
+
+@pytest.fixture(scope="module")
+def offline_texts(default_model):
+    """The offline engine's greedy text for each prompt, under the same settings."""
+    from inflight import LLM, SamplingParams
+
+    llm = LLM(default_model, **SETTINGS)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return {p: o.text for p, o in zip(PROMPTS, outs)}
+
+
+def greedy(**extra):
+    return dict(max_tokens=MAX_TOKENS, temperature=0.0, **extra)
+
+
+def test_streamed_text_equals_offline_engine(server, offline_texts):
+    for prompt in PROMPTS:
+        result = generate(server.grpc_url, prompt, **greedy(return_finish_reason=True))
+        assert result.error is None
+        assert result.text == offline_texts[prompt]
+        assert len(result.chunks) > 1, "a stream sends its text in pieces"
+        assert result.finish_reason in ("stop", "length")
+
+
+def test_non_streaming_sends_one_response(server, offline_texts):
+    prompt = PROMPTS[0]
+    result = generate(server.grpc_url, prompt, stream=False, **greedy(exclude_input_in_output=True))
+    assert result.error is None and len(result.chunks) == 1
+    assert result.text == offline_texts[prompt]
+    with_prompt = generate(server.grpc_url, prompt, stream=False, **greedy())
+    assert with_prompt.text == prompt + offline_texts[prompt]
+
+
+def test_32_concurrent_streams(server, offline_texts):
+    results = {}
+
+    def run(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        results[i] = (prompt, generate(server.grpc_url, prompt, **greedy()))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert len(results) == 32
+    for prompt, result in results.values():
+        assert result.error is None
+        assert result.text == offline_texts[prompt]
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0)
+
+
+def http_generate_stream(server, body: dict) -> list[dict]:
+    request = urllib.request.Request(f"{server.http_url}/v2/models/llm/generate_stream",
+                                     data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=120) as r:
+        events = [line[len(b"data: "):] for line in r.read().splitlines() if line.startswith(b"data: ")]
+    return [json.loads(e) for e in events]
+
+
+def test_http_generate_stream(server, offline_texts):
+    prompt = PROMPTS[1]
+    events = http_generate_stream(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                           "stream": True})
+    assert len(events) > 1 and all("error" not in e for e in events)
+    assert "".join(e["text_output"] for e in events) == offline_texts[prompt]
+
+
+def test_genai_perf_vllm_style_inputs(server):
+    """genai-perf --backend vllm: JSON sampling parameters whose values are strings."""
+    result = generate(server.grpc_url, PROMPTS[0], exclude_input_in_output=True, return_num_output_tokens=True,
+                      sampling_parameters={"max_tokens": "9", "ignore_eos": "true", "temperature": "0"})
+    assert result.error is None
+    assert result.outputs["num_output_tokens"] == 9
+
+
+def test_genai_perf_tensorrtllm_style_inputs(server):
+    """genai-perf --backend tensorrtllm: max_tokens and min_length tensors."""
+    result = generate(server.grpc_url, PROMPTS[2], exclude_input_in_output=True, max_tokens=7, min_length=7,
+                      return_num_output_tokens=True, return_num_input_tokens=True, return_finish_reason=True)
+    assert result.error is None
+    assert result.outputs["num_output_tokens"] == 7
+    assert result.outputs["num_input_tokens"] > 0
+    assert result.finish_reason == "length"
+
+
+def test_cancelled_stream_returns_its_blocks(server):
+    result = generate(server.grpc_url, PROMPTS[3], max_tokens=400, ignore_eos=True, cancel_after=3)
+    assert result.error == "cancelled"
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0)
+    server.wait_for_metric("inflight_num_requests_running", lambda v: v == 0)
+    assert generate(server.grpc_url, PROMPTS[0], **greedy()).error is None
+
+
+BAD_INPUTS = {
+    "missing text_input": (None, {}, "text_input"),
+    "empty prompt": ("", {}, "empty"),
+    "not UTF-8": (b"\xff\xfe\xfa", {}, "UTF-8"),
+    "negative max_tokens": ("hi", {"max_tokens": -3}, "max_tokens"),
+    "zero max_tokens": ("hi", {"max_tokens": 0}, "max_tokens"),
+    "negative temperature": ("hi", {"temperature": -1.0}, "temperature"),
+    "NaN temperature": ("hi", {"temperature": float("nan")}, "temperature"),
+    "top_p zero": ("hi", {"top_p": 0.0}, "top_p"),
+    "malformed JSON": ("hi", {"sampling_parameters": "{not json"}, "JSON"),
+    "unknown sampling parameter": ("hi", {"sampling_parameters": {"bogus": 1}}, "bogus"),
+    "wrong dtype": ("hi", {"max_tokens": np.array([3.5], dtype=np.float32)}, "max_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gets_an_error_naming_it(server, case):
+    prompt, inputs, expected = BAD_INPUTS[case]
+    if prompt is None:
+        # a request without text_input: send only another input
+        from grpc_stream import make_inputs
+        import tritonclient.grpc as grpcclient
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        errors = []
+        client.start_stream(callback=lambda result, error: errors.append(error or result))
+        client.async_stream_infer("llm", make_inputs("x")[1:])
+        client.stop_stream()
+        assert errors and expected in str(errors[0])
+    else:
+        result = generate(server.grpc_url, prompt, **inputs)
+        assert result.error is not None and expected in result.error, result.error
+    assert server.alive()
+    assert generate(server.grpc_url, PROMPTS[0], max_tokens=2).error is None

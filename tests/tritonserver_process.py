@@ -1,0 +1,114 @@
+"""Start and stop a real tritonserver on free loopback ports, serving this project's model repository
+with the engine settings a test asks for."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from serve import server_command  # noqa: E402
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class TritonServer:
+    def __init__(self, **settings):
+        base = json.loads((ROOT / "model_repository" / "llm" / "1" / "model.json").read_text())
+        base.update(settings)
+        self._dir = tempfile.TemporaryDirectory(prefix="inflight-server-")
+        self.settings_path = Path(self._dir.name) / "model.json"
+        self.settings_path.write_text(json.dumps(base))
+        self.settings = base
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        self.log_path = Path(self._dir.name) / "tritonserver.log"
+        self.process = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self, timeout: float = 180.0) -> "TritonServer":
+        command, env = server_command(ROOT / "model_repository", self.http_port, self.grpc_port, self.metrics_port)
+        env["INFLIGHT_MODEL_JSON"] = str(self.settings_path)
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.http_url}/v2/models/llm/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"tritonserver was not ready in {timeout} s:\n{self.log()[-4000:]}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def metrics(self) -> dict[str, float]:
+        """The inflight_* samples on the metrics port, by name (labels dropped; histograms by suffix)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        values = {}
+        for line in text.splitlines():
+            m = re.match(r"^(inflight_\w+?)(\{[^}]*\})?\s+(\S+)$", line)
+            if m and 'le="' not in (m.group(2) or ""):
+                values[m.group(1)] = float(m.group(3))
+        return values
+
+    def wait_for_metric(self, name: str, predicate, timeout: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.metrics().get(name)
+            if value is not None and predicate(value):
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} stayed at {value}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, 15)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait()
+        if self.process is not None:
+            self._log.close()
+        self._dir.cleanup()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
