@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate  # noqa: E402
-from tritonserver_process import TritonServer  # noqa: E402
+from server_process import TritonServer  # noqa: E402
 
 pytestmark = pytest.mark.server
 

@@ -86,6 +86,10 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     # -- prefix caching ------------------------------------------------------------------------
+    @staticmethod
+    def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+        return hash((parent_hash, token_ids))
+
     def match_prefix(self, seq: Sequence) -> int:
         """For a sequence without blocks: take the longest run of cached full blocks of its tokens and
         mark them computed. The last token is always left to compute, so that there is a token to sample
@@ -97,7 +101,7 @@ class BlockManager:
         parent_hash, parent_id = None, None
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start:start + self.block_size])
-            h = hash((parent_hash, chunk))
+            h = self.hash_block(parent_hash, chunk)
             block_id = self._cached.get(h)
             if block_id is None:
                 break
@@ -126,7 +130,7 @@ class BlockManager:
         parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(start, num_full):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = hash((parent_hash, chunk))
+            h = self.hash_block(parent_hash, chunk)
             block = self.blocks[seq.block_table[i]]
             parent_id = seq.block_table[i - 1] if i else None
             # Only extend a chain whose parent is itself the cached block for the parent hash, so that

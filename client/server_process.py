@@ -1,5 +1,5 @@
 """Start and stop a real tritonserver on free loopback ports, serving this project's model repository
-with the engine settings a test asks for."""
+with the engine settings a test or benchmark asks for (written to a model.json of its own)."""
 
 import json
 import os

@@ -1,0 +1,224 @@
+"""Sampling parameters, stop conditions, detokenization, aborts and threads, on the default model."""
+
+import threading
+
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+from inflight.detokenizer import IncrementalDetokenizer
+
+PROMPT = "In 1969, the first humans landed on"
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    engine = LLM(default_model, num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=256)
+    yield engine
+    engine.block_manager.check_all_free()
+
+
+def stream(llm, requests: dict[str, tuple]) -> dict[str, list]:
+    """Run requests through add_request/step; return each one's deltas."""
+    for request_id, (prompt, params) in requests.items():
+        llm.add_request(request_id, prompt, params)
+    deltas = {request_id: [] for request_id in requests}
+    while llm.has_unfinished():
+        for d in llm.step():
+            deltas[d.request_id].append(d)
+    return deltas
+
+
+def test_seeded_sampling_is_reproducible_across_batch_mixes(llm):
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    alone = llm.generate([PROMPT], params)[0].token_ids
+    others = random_prompts(6, 5, 80, vocab=49152, seed=5)
+    mixed = llm.generate(others + [PROMPT] + others[:2],
+                         [SamplingParams(max_tokens=12, temperature=1.0)] * 6 + [params]
+                         + [SamplingParams(max_tokens=12, temperature=0.5, seed=9)] * 2)
+    assert mixed[6].token_ids == alone
+    reseeded = llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=99))
+    assert reseeded[0].token_ids != alone, "another seed should sample otherwise"
+
+
+def test_sampling_filters_restrict_the_choice(llm):
+    greedy = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids
+    for params in (SamplingParams(max_tokens=1, temperature=1.5, top_k=1, seed=s) for s in range(5)):
+        assert llm.generate([PROMPT], params)[0].token_ids == greedy
+    for seed in range(5):
+        tiny_p = SamplingParams(max_tokens=1, temperature=1.0, top_p=1e-6, seed=seed)
+        assert llm.generate([PROMPT], tiny_p)[0].token_ids == greedy
+        high_min_p = SamplingParams(max_tokens=1, temperature=1.0, min_p=1.0, seed=seed)
+        assert llm.generate([PROMPT], high_min_p)[0].token_ids == greedy
+
+
+def test_penalties_change_greedy_output(llm):
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0.0))[0].token_ids
+    for penalty in (dict(repetition_penalty=1.8), dict(frequency_penalty=1.5), dict(presence_penalty=1.5)):
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0.0, **penalty))[0].token_ids
+        assert out != plain, penalty
+        assert len(set(out)) >= len(set(plain))
+
+
+def test_max_tokens_and_length(llm):
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    first = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    stopped = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[first]))[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[first],
+                                                 min_tokens=4))[0]
+    assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
+
+
+def test_eos_ends_generation_unless_ignored(llm):
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=False,
+                                             add_generation_prompt=True)
+    out = llm.generate([chat], SamplingParams(max_tokens=200, temperature=0.0))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.eos_token_ids
+    assert "<|im_end|>" not in out.text
+    ignored = llm.generate([chat], SamplingParams(max_tokens=len(out.token_ids) + 5, temperature=0.0,
+                                                  ignore_eos=True))[0]
+    assert ignored.finish_reason == "length"
+
+
+def test_stop_strings_are_cut_also_across_tokens(llm):
+    reference = llm.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0.0))[0]
+    tokens = [llm.tokenizer.decode([t]) for t in reference.token_ids]
+    # A stop string made of the end of one token and the start of the next.
+    i = next(i for i in range(2, len(tokens) - 1) if len(tokens[i]) >= 2 and len(tokens[i + 1]) >= 2)
+    stop = tokens[i][-2:] + tokens[i + 1][:2]
+    cut_at = reference.text.index(stop)
+    deltas = stream(llm, {"s": (PROMPT, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]))})["s"]
+    text = "".join(d.new_text for d in deltas)
+    assert text == reference.text[:cut_at]
+    assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
+    # No delta ever showed any part of the stop string.
+    assert all(stop not in "".join(d.new_text for d in deltas[:k + 1]) for k in range(len(deltas)))
+
+
+def test_streamed_deltas_concatenate_to_the_full_decode(llm):
+    params = SamplingParams(max_tokens=60, temperature=1.2, seed=3)  # sampling: odd bytes and characters
+    prompts = ["Écris un poème sur les étoiles 🌟 et", "日本の首都は", "Emoji party: 🎉🎉", PROMPT]
+    deltas = stream(llm, {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, prompt in enumerate(prompts):
+        ds = deltas[str(i)]
+        token_ids = [t for d in ds for t in d.new_token_ids]
+        prompt_ids = llm.encode(prompt)
+        full = llm.tokenizer.decode(prompt_ids + token_ids, skip_special_tokens=True)
+        assert "".join(d.new_text for d in ds) == full[len(llm.tokenizer.decode(prompt_ids,
+                                                                               skip_special_tokens=True)):]
+
+
+def test_detokenizer_round_trip(default_model):
+    import threading as th
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    text = " Hello wörld! 你好，世界 🌍🚀 naïve café  — done.\n\ttabs"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, lock=th.Lock())
+    pieces = [detok.add_tokens([t]) for t in ids]
+    assert "".join(pieces) + detok.flush() == text
+    assert any(p == "" for p in pieces), "multi-byte characters should be held back until complete"
+
+
+def test_abort_frees_blocks_at_once(llm):
+    llm.add_request("long", PROMPT, SamplingParams(max_tokens=500, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    assert llm.stats()["kv_blocks_used"] > 0
+    llm.abort("long")
+    deltas = llm.step()
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("long", "abort")]
+    assert llm.stats()["kv_blocks_used"] == 0 and not llm.has_unfinished()
+
+
+def test_requests_added_from_another_thread_while_stepping(llm):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([PROMPT], params)[0].token_ids
+    done = {}
+    stop = threading.Event()
+
+    def stepper():
+        while not stop.is_set() or llm.has_unfinished():
+            for d in llm.step():
+                done.setdefault(d.request_id, []).extend(d.new_token_ids)
+
+    thread = threading.Thread(target=stepper)
+    thread.start()
+    for i in range(12):
+        llm.add_request(f"t{i}", PROMPT, params)
+    llm.add_request("gone", PROMPT, SamplingParams(max_tokens=300, ignore_eos=True))
+    llm.abort("gone")
+    stop.set()
+    thread.join(timeout=120)
+    assert all(done[f"t{i}"] == expected for i in range(12))
+
+
+def test_prompt_longer_than_max_model_len_is_rejected(default_model):
+    small = LLM(default_model, num_kv_blocks=4, max_num_seqs=4, max_num_batched_tokens=64)
+    assert small.max_model_len == 64  # capped by the pool
+    with pytest.raises(ValueError, match="max_model_len"):
+        small.add_request("x", list(range(100, 165)), SamplingParams())
+    out = small.generate([list(range(100, 160))], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4  # stopped at max_model_len
+
+
+def test_duplicate_request_id_is_rejected(llm):
+    llm.add_request("dup", PROMPT, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="dup"):
+        llm.add_request("dup", PROMPT, SamplingParams(max_tokens=2))
+    while llm.has_unfinished():
+        llm.step()
+
+
+def test_bad_words_are_never_generated(llm):
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    banned = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, bad_words=[plain.text.strip()]))[0]
+    assert plain.text.strip() not in banned.text
+
+
+BAD_PARAMS = {
+    "max_tokens": dict(max_tokens=-1),
+    "max_tokens=0": dict(max_tokens=0),
+    "temperature": dict(temperature=-0.5),
+    "temperature NaN": dict(temperature=float("nan")),
+    "top_p": dict(top_p=1.5),
+    "top_p zero": dict(top_p=0.0),
+    "top_k": dict(top_k=-5),
+    "min_p": dict(min_p=2.0),
+    "min_tokens": dict(min_tokens=10, max_tokens=5),
+    "seed": dict(seed=-1),
+    "repetition_penalty": dict(repetition_penalty=0.0),
+    "presence_penalty": dict(presence_penalty=float("inf")),
+    "stop": dict(stop=[""]),
+    "stop_token_ids": dict(stop_token_ids=["x"]),
+    "ignore_eos": dict(ignore_eos="yes"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PARAMS)
+def test_bad_parameters_raise_value_error_naming_the_field(case):
+    field = case.split(" ")[0].split("=")[0]
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**BAD_PARAMS[case])
+
+
+def test_unknown_field_and_strings():
+    with pytest.raises(ValueError, match="bogus"):
+        SamplingParams.from_dict({"max_tokens": 3, "bogus": 1})
+    params = SamplingParams.from_dict({"max_tokens": "32", "temperature": "0.5", "ignore_eos": "true"},
+                                      strings_allowed=True)
+    assert (params.max_tokens, params.temperature, params.ignore_eos) == (32, 0.5, True)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams.from_dict({"max_tokens": "lots"}, strings_allowed=True)
+
+
+def test_empty_prompt_is_rejected(llm):
+    for prompt in ("", []):
+        with pytest.raises(ValueError, match="empty"):
+            llm.add_request("e", prompt, SamplingParams())

@@ -1,0 +1,109 @@
+"""Automatic prefix caching: same greedy outputs with and without it, real reuse, no leaks."""
+
+import pytest
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+from inflight.block_manager import BlockManager
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+BLOCK = 16
+
+
+def shared_prefix_prompts(prefix_len: int, count: int, seed: int) -> list[list[int]]:
+    prefix = random_prompts(1, prefix_len, prefix_len, vocab=512, seed=seed)[0]
+    tails = random_prompts(count, 1, 20, vocab=512, seed=seed + 1)
+    return [prefix + tail for tail in tails]
+
+
+def run(model, prompts, caching: bool, **settings):
+    settings = {"num_kv_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64, **settings}
+    llm = LLM(model, block_size=BLOCK, enable_prefix_caching=caching, **settings)
+    outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    return llm, outs
+
+
+def assert_no_leak(llm):
+    bm = llm.block_manager
+    bm.check_all_free()
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+@pytest.mark.parametrize("prefix_len", [5, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK, 3 * BLOCK + 7, 100])
+def test_same_outputs_with_and_without_caching(tiny_models, prefix_len):
+    model = tiny_models["llama"]
+    prompts = shared_prefix_prompts(prefix_len, 6, seed=prefix_len)
+    # Run twice in a row so that the second wave finds the first wave's blocks.
+    prompts = prompts + prompts[::-1]
+    _, expected = run(model, prompts, caching=False)
+    llm, got = run(model, prompts, caching=True)
+    assert got == expected
+    stats = llm.stats()
+    full_blocks = (prefix_len + 1 - 1) // BLOCK  # blocks of the shared prefix that are full
+    if full_blocks:
+        assert stats["prefix_cache_hit_tokens"] >= full_blocks * BLOCK
+    assert_no_leak(llm)
+
+
+def test_identical_prompts_reuse_all_but_the_last_token(tiny_models):
+    model = tiny_models["qwen3"]
+    prompt = random_prompts(1, 4 * BLOCK, 4 * BLOCK, vocab=512, seed=3)[0]  # exactly 4 blocks
+    llm = LLM(model, block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=True)
+    first = llm.generate([prompt], GREEDY)[0].token_ids
+    before = llm.stats()["prefix_cache_hit_tokens"]
+    second = llm.generate([prompt], GREEDY)[0].token_ids
+    assert second == first
+    # The last block holds the last prompt token, which is recomputed to sample from: 3 blocks hit.
+    assert llm.stats()["prefix_cache_hit_tokens"] - before == 3 * BLOCK
+    assert_no_leak(llm)
+
+
+def test_evicted_prefix_is_recomputed(tiny_models):
+    model = tiny_models["mistral"]
+    first_wave = shared_prefix_prompts(3 * BLOCK, 2, seed=21)
+    flood = random_prompts(6, 100, 140, vocab=512, seed=22)  # fills the small pool with other blocks
+    prompts_and_order = [first_wave, flood, first_wave]
+    settings = dict(num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
+    llm = LLM(model, block_size=BLOCK, enable_prefix_caching=True, **settings)
+    reference = LLM(model, block_size=BLOCK, enable_prefix_caching=False, **settings)
+    for prompts in prompts_and_order:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == \
+               [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    assert_no_leak(llm)
+
+
+def test_caching_with_chunked_prefill_and_preemption(tiny_models):
+    model = tiny_models["qwen2"]
+    prompts = shared_prefix_prompts(70, 12, seed=31)
+    settings = dict(num_kv_blocks=14, max_num_seqs=12, max_num_batched_tokens=40)
+    _, expected = run(model, prompts, caching=False, **settings)
+    llm, got = run(model, prompts, caching=True, **settings)
+    assert got == expected
+    assert llm.stats()["num_preemptions"] > 0
+    assert llm.stats()["prefix_cache_hit_tokens"] > 0
+    assert_no_leak(llm)
+
+
+def test_hash_collisions_never_share_wrong_blocks(tiny_models, monkeypatch):
+    """With every block hashing alike, matching must fall back on comparing token ids."""
+    model = tiny_models["llama"]
+    prompts = random_prompts(8, 40, 90, vocab=512, seed=41)
+    _, expected = run(model, prompts, caching=False)
+    monkeypatch.setattr(BlockManager, "hash_block", staticmethod(lambda parent, tokens: 7))
+    llm, got = run(model, prompts + prompts[:2], caching=True)
+    assert got == expected + expected[:2]
+    assert_no_leak(llm)
+
+
+def test_default_model_shared_system_prompt(default_model):
+    system = "You are a helpful assistant who answers questions about astronomy briefly and precisely. " * 4
+    prompts = [system + q for q in ("What is a comet?", "Why is Mars red?", "How far is the Moon?")]
+    results = {}
+    for caching in (False, True):
+        llm = LLM(default_model, num_kv_blocks=128, enable_prefix_caching=caching)
+        results[caching] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        results[caching] += [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        if caching:
+            assert llm.stats()["prefix_cache_hit_tokens"] > 0
+            assert_no_leak(llm)
+    assert results[True] == results[False]
