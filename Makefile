@@ -6,8 +6,11 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 THREADS ?= 2
+MINUTES ?= 10
+CONCURRENCY ?= 1,2,4,8,16,32
+REQUESTS ?= 64
 
-.PHONY: setup setup-serving serve demo test test-fast bench bench-kernels load soak clean
+.PHONY: setup setup-serving serve test test-fast bench bench-kernels load soak clean
 
 setup:
 	@bash scripts/setup.sh
@@ -17,9 +20,6 @@ setup-serving:
 
 serve: setup-serving
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) $(PY) scripts/serve.py
-
-demo: setup
-	$(PY) client/demo.py
 
 test: setup-serving
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -34,10 +34,12 @@ bench-kernels: setup
 	$(PY) client/bench_kernels.py
 
 load: setup-serving
-	$(PY) client/load.py --grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT)
+	@bash scripts/setup.sh --load
+	.tools/genai-perf/bin/python client/load.py --grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) \
+		--concurrency $(CONCURRENCY) --requests $(REQUESTS)
 
 soak: setup-serving
-	$(PY) client/soak.py
+	$(PY) client/soak.py --minutes $(MINUTES)
 
 clean:
 	rm -rf .venv .tools models artifacts

@@ -32,7 +32,7 @@ if [ ! -f "$MODEL_DIR/.stamp" ]; then
   touch "$MODEL_DIR/.stamp"
 fi
 
-[ "${1:-}" = "--serving" ] || exit 0
+[ "${1:-}" = "--serving" ] || [ "${1:-}" = "--load" ] || exit 0
 
 # 3. tritonserver 2.51 from the nvidia-pytriton wheel, kept out of the venv (it pins numpy<2).
 if [ ! -f "$TOOLS/pytriton/.stamp" ]; then
@@ -71,4 +71,14 @@ if [ ! -f "$TOOLS/perf/.stamp" ]; then
     apt-get install -y -q libb64-0d >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libb64-0d >/dev/null; }
   fi
   touch "$TOOLS/perf/.stamp"
+fi
+
+[ "${1:-}" = "--load" ] || exit 0
+
+# 5. genai-perf 0.0.16 in an environment of its own (about 950 MB; pandas, pyarrow), with matplotlib.
+if [ ! -f "$TOOLS/genai-perf/.stamp" ]; then
+  echo "[setup] installing genai-perf 0.0.16"
+  "$PY" -m venv "$TOOLS/genai-perf"
+  "$TOOLS/genai-perf/bin/python" -m pip install -q genai-perf==0.0.16 matplotlib
+  touch "$TOOLS/genai-perf/.stamp"
 fi

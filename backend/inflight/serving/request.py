@@ -75,11 +75,17 @@ def _word_list(name: str, array: np.ndarray) -> list[str]:
     return [w for w in words if w]
 
 
-def parse_request(inputs: dict[str, np.ndarray], defaults: dict | None = None) -> ParsedRequest:
-    """`inputs` maps each input name the request carried to its numpy array."""
+def parse_request(inputs: dict[str, np.ndarray], defaults: dict | None = None,
+                  parameters: dict | None = None) -> ParsedRequest:
+    """`inputs` maps each input name the request carried to its numpy array; `parameters` are the
+    request's parameters (HTTP generate turns unknown JSON keys into parameters, so a misspelt input
+    arrives there and must not pass silently)."""
     unknown = sorted(set(inputs) - KNOWN_INPUTS)
     if unknown:
         raise ValueError(f"unknown input(s): {', '.join(unknown)}")
+    unknown = sorted(k for k in (parameters or {}) if not k.startswith("triton_"))
+    if unknown:
+        raise ValueError(f"unknown parameter(s): {', '.join(unknown)}; inputs are: {', '.join(sorted(KNOWN_INPUTS))}")
     if "text_input" not in inputs:
         raise ValueError("input 'text_input' is required")
     prompt = _text("text_input", _scalar("text_input", inputs["text_input"]))

@@ -93,7 +93,9 @@ class TritonPythonModel:
 
     def _admit(self, request, sender) -> None:
         inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
-        parsed = parse_request(inputs, defaults={"max_tokens": self.limits.default_max_tokens})
+        parameters = json.loads(request.parameters() or "{}")
+        parsed = parse_request(inputs, defaults={"max_tokens": self.limits.default_max_tokens},
+                               parameters=parameters)
         if parsed.params.max_tokens > self.limits.max_tokens_limit:
             raise ValueError(f"max_tokens ({parsed.params.max_tokens}) exceeds this server's limit "
                              f"of {self.limits.max_tokens_limit}")
