@@ -38,7 +38,11 @@ class SoakResult:
 def model_rss(server: TritonServer) -> int:
     """Resident memory of the Python backend stub that hosts the engine."""
     children = psutil.Process(server.process.pid).children(recursive=True)
-    return sum(c.memory_info().rss for c in children if "stub" in c.name())
+    # (process names are cut to 15 characters: match the command line)
+    rss = sum(c.memory_info().rss for c in children if "triton_python_backend_stub" in " ".join(c.cmdline()))
+    if not rss:
+        raise RuntimeError("the Python backend stub process was not found")
+    return rss
 
 
 def soak(server: TritonServer, seconds: float, concurrency: int = 32, requests_per_run: int = 160,
