@@ -182,7 +182,7 @@ def main() -> None:
     if "triton" in peers:
         from triton_bench import run_through_tritonserver
 
-        record("inflight through tritonserver (gRPC streaming, concurrency 64)",
+        record(f"inflight through tritonserver (gRPC streaming, all {args.num_requests} requests at once)",
                run_through_tritonserver(args.model, work, args.threads))
 
     if results:

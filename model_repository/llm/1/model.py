@@ -73,12 +73,12 @@ class TritonPythonModel:
         if not os.path.isabs(settings["model"]):
             settings["model"] = os.path.join(ROOT, settings["model"])
         engine_settings, self.limits = split_settings(settings)
-        self.engine = LLM(**engine_settings)
         self.active: dict[str, ActiveRequest] = {}
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
-        self.thread = EngineThread(self.engine, on_delta=self._respond, poll_cancelled=self._poll_cancelled,
-                                   on_step=lambda: self.metrics.update(self.engine.stats()))
-        self.thread.start()
+        self.thread = EngineThread(lambda: LLM(**engine_settings), on_delta=self._respond,
+                                   poll_cancelled=self._poll_cancelled,
+                                   on_step=self.metrics.update)
+        self.engine = self.thread.start()
 
     def execute(self, requests):
         for request in requests:

@@ -1,0 +1,123 @@
+"""The Triton-free pieces of the serving layer: request parsing and the engine thread."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+from inflight.serving.engine_thread import EngineThread
+from inflight.serving.request import parse_request
+from inflight.serving.settings import split_settings
+
+
+def text(s: str | bytes) -> np.ndarray:
+    return np.array([s.encode() if isinstance(s, str) else s], dtype=np.object_)
+
+
+def test_parse_vllm_style():
+    parsed = parse_request({"text_input": text("hello"), "stream": np.array([True]),
+                            "sampling_parameters": text('{"max_tokens": "32", "temperature": "0.5", "stop": ["x"]}')})
+    assert parsed.prompt == "hello" and parsed.stream
+    assert (parsed.params.max_tokens, parsed.params.temperature, parsed.params.stop) == (32, 0.5, ["x"])
+
+
+def test_parse_tensorrtllm_style():
+    parsed = parse_request({"text_input": text("hi"), "max_tokens": np.array([7], np.int32),
+                            "min_length": np.array([3], np.int32), "end_id": np.array([2], np.int32),
+                            "stop_words": np.array([b"END", b""], dtype=np.object_),
+                            "bad_words": np.array([b"darn"], dtype=np.object_)})
+    p = parsed.params
+    assert (p.max_tokens, p.min_tokens, p.stop_token_ids, p.stop, p.bad_words) == (7, 3, [2], ["END"], ["darn"])
+
+
+@pytest.mark.parametrize("inputs, words", [
+    ({}, "text_input"),
+    ({"text_input": text(b"\xff")}, "UTF-8"),
+    ({"text_input": text("hi"), "sampling_parameters": text("[1]")}, "JSON object"),
+    ({"text_input": text("hi"), "max_tokens": np.array([3, 4], np.int32)}, "exactly one"),
+    ({"text_input": text("hi"), "temperature": np.array([np.inf], np.float32)}, "finite"),
+])
+def test_parse_errors_name_the_problem(inputs, words):
+    with pytest.raises(ValueError, match=words):
+        parse_request(inputs)
+
+
+def test_unknown_parameters_are_refused_but_triton_ones_pass():
+    with pytest.raises(ValueError, match="colour"):
+        parse_request({"text_input": text("hi")}, parameters={"colour": "blue"})
+    assert parse_request({"text_input": text("hi")}, parameters={"triton_enable_empty_final_response": True})
+
+
+def test_settings_split_and_unknown_keys():
+    engine, limits = split_settings({"model": "m", "max_num_seqs": 8, "max_queued_requests": 3})
+    assert engine == {"model": "m", "max_num_seqs": 8} and limits.max_queued_requests == 3
+    with pytest.raises(ValueError, match="bogus"):
+        split_settings({"model": "m", "bogus": 1})
+    with pytest.raises(ValueError, match="max_tokens_limit"):
+        split_settings({"model": "m", "max_tokens_limit": 0})
+
+
+def collect(thread_kwargs, submit):
+    """Run an EngineThread; submit(thread) queues work; returns {id: (deltas, error)} once all finish."""
+    results, done = {}, threading.Event()
+    expected = []
+
+    def on_delta(delta, error):
+        results.setdefault(delta.request_id, ([], []))[0].append(delta)
+        if delta.finished:
+            results[delta.request_id][1].append(error)
+            if all(r in results and results[r][0][-1].finished for r in expected):
+                done.set()
+
+    thread = EngineThread(on_delta=on_delta, **thread_kwargs)
+    engine = thread.start()
+    expected.extend(submit(thread))
+    assert done.wait(120)
+    thread.stop()
+    return engine, results
+
+
+def test_engine_thread_serves_and_cancels(tiny_models):
+    model = tiny_models["llama"]
+    prompts = random_prompts(4, 5, 40, vocab=512, seed=2)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model, num_kv_blocks=64).generate(prompts, params)]
+    cancel = {"long"}
+
+    def submit(thread):
+        for i, p in enumerate(prompts):
+            thread.submit(str(i), p, params)
+        thread.submit("long", prompts[0], SamplingParams(max_tokens=500, ignore_eos=True))
+        return [*map(str, range(len(prompts))), "long"]
+
+    engine, results = collect(dict(make_engine=lambda: LLM(model, num_kv_blocks=64),
+                                   poll_cancelled=lambda: [cancel.pop()] if cancel else []), submit)
+    for i in range(len(prompts)):
+        deltas, errors = results[str(i)]
+        assert [t for d in deltas for t in d.new_token_ids] == expected[i] and errors == [None]
+    assert results["long"][0][-1].finish_reason == "abort"
+    engine.block_manager.check_all_free()
+
+
+def test_engine_failure_ends_requests_with_an_error_and_keeps_serving(tiny_models, monkeypatch):
+    model = tiny_models["llama"]
+    engine = LLM(model, num_kv_blocks=64)
+    calls = {"n": 0}
+    real_execute = engine.runner.execute
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated device error")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    _, results = collect(dict(make_engine=lambda: engine),
+                         lambda t: [t.submit("a", [5, 6, 7], params), "a"][1:])
+    assert "simulated device error" in results["a"][1][0]
+    engine.block_manager.check_all_free()
+    _, again = collect(dict(make_engine=lambda: engine), lambda t: [t.submit("b", [5, 6, 7], params), "b"][1:])
+    assert again["b"][1] == [None] and len([x for d in again["b"][0] for x in d.new_token_ids]) == 5
