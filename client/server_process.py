@@ -105,6 +105,7 @@ class TritonServer:
                 self.process.wait()
         if self.process is not None:
             self._log.close()
+            self.final_log = self.log()  # kept for post-mortems after the folder is gone
         self._dir.cleanup()
 
     def __enter__(self):

@@ -91,6 +91,17 @@ class HFReference:
         return self._cache[key]
 
 
+def serve(**settings):
+    """Body of a module-scoped fixture: a real tritonserver with these engine settings, which must
+    still be alive when the module's tests are done."""
+    sys.path.insert(0, str(ROOT / "client"))
+    from server_process import TritonServer
+
+    with TritonServer(**settings) as server:
+        yield server
+        assert server.alive(), "the server died during the tests"
+
+
 @pytest.fixture(scope="session")
 def hf_reference() -> HFReference:
     return HFReference()

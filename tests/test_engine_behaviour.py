@@ -222,3 +222,10 @@ def test_empty_prompt_is_rejected(llm):
     for prompt in ("", []):
         with pytest.raises(ValueError, match="empty"):
             llm.add_request("e", prompt, SamplingParams())
+
+
+def test_generate_refuses_a_batch_with_a_bad_prompt_and_leaves_nothing_behind(llm):
+    with pytest.raises(ValueError, match="prompt 2"):
+        llm.generate([PROMPT, PROMPT, ""], SamplingParams(max_tokens=3))
+    assert not llm.has_unfinished()
+    assert llm.stats()["kv_blocks_used"] == 0

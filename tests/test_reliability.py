@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate, make_inputs  # noqa: E402
+from conftest import serve  # noqa: E402
 from server_process import TritonServer  # noqa: E402
 from soak import soak  # noqa: E402
 
@@ -30,9 +31,7 @@ PROMPTS = ["In 1969, the first humans landed on", "The three primary colors are"
 
 @pytest.fixture(scope="module")
 def server():
-    with TritonServer(**SETTINGS) as s:
-        yield s
-        assert s.alive(), "the server died during the tests"
+    yield from serve(**SETTINGS)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate  # noqa: E402
-from server_process import TritonServer  # noqa: E402
+from conftest import serve  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -31,9 +31,7 @@ SETTINGS = dict(num_kv_blocks=256, kv_cache_memory=None, max_num_seqs=64, max_nu
 
 @pytest.fixture(scope="module")
 def server():
-    with TritonServer(**SETTINGS) as s:
-        yield s
-        assert s.alive(), "the server died during the tests"
+    yield from serve(**SETTINGS)
 
 
 @pytest.fixture(scope="module")

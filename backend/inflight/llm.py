@@ -22,8 +22,15 @@ class LLM(LLMEngine):
         else:
             params = [params or SamplingParams()] * len(prompts)
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
-        for request_id, prompt, p in zip(ids, prompts, params):
-            self.add_request(request_id, prompt, p)
+        for k, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):
+            try:
+                self.add_request(request_id, prompt, p)
+            except ValueError as e:
+                for queued in ids[:k]:  # leave nothing behind for a batch that is refused
+                    self.abort(queued)
+                while self.has_unfinished():
+                    self.step()
+                raise ValueError(f"prompt {k}: {e}") from None
         token_ids: dict[str, list[int]] = {i: [] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
         reasons: dict[str, str] = {}

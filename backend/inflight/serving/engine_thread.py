@@ -9,6 +9,7 @@ busy one (small matmuls about 1.5x slower, measured here).
 import logging
 import queue
 import threading
+import time
 from typing import Callable
 
 from ..engine import LLMEngine
@@ -21,17 +22,21 @@ class EngineThread:
     def __init__(self, make_engine: Callable[[], LLMEngine],
                  on_delta: Callable[[RequestDelta, str | None], None],
                  poll_cancelled: Callable[[], list[str]] = lambda: [],
-                 on_step: Callable[[dict], None] = lambda stats: None):
+                 on_step: Callable[[dict], None] = lambda stats: None,
+                 poll_interval_s: float = 0.0):
         """on_delta(delta, error) runs on the responder thread for every delta; `error` is set when the
         request was ended by a failure of the engine rather than by its own course. poll_cancelled()
-        runs before every step and names requests to abort. on_step(engine.stats()) runs after every
-        step and when idle."""
+        runs on the responder thread and names requests to abort. on_step(engine.stats()) runs after every
+        step and when idle. Polling can cost a message to the server per request, so it runs at most
+        every `poll_interval_s`."""
         self._make_engine = make_engine
         self.engine: LLMEngine | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._on_delta = on_delta
         self._poll_cancelled = poll_cancelled
+        self._poll_interval_s = poll_interval_s
+        self._last_poll = 0.0
         self._on_step = on_step
         self._wake = threading.Condition()
         self._stopping = False
@@ -85,11 +90,6 @@ class EngineThread:
                 if self._stopping:
                     return
             try:
-                for request_id in self._poll_cancelled():
-                    self.engine.abort(request_id)
-            except Exception:
-                logger.exception("polling for cancelled requests failed")
-            try:
                 deltas = self.engine.step()
             except Exception as e:  # a bug or an out-of-memory: fail what is in flight, keep serving
                 logger.exception("engine step failed")
@@ -115,10 +115,30 @@ class EngineThread:
             return []
 
     def _respond_loop(self) -> None:
-        while (deltas := self._outbox.get()) is not None:
+        # Polling for cancellations runs here, on the thread that sends responses: a request is never
+        # asked about once its last response is out (its Triton request may be gone by then).
+        while True:
+            try:
+                deltas = self._outbox.get(timeout=max(self._poll_interval_s, 0.01))
+            except queue.Empty:
+                deltas = []
+            if deltas is None:
+                return
             for delta in deltas:
                 error = self._failed.pop(delta.request_id, None) if delta.finished else None
                 try:
                     self._on_delta(delta, error)
                 except Exception:
                     logger.exception("sending the response of %s failed", delta.request_id)
+            if time.monotonic() - self._last_poll >= self._poll_interval_s:
+                self._last_poll = time.monotonic()
+                self._poll()
+
+    def _poll(self) -> None:
+        try:
+            cancelled = self._poll_cancelled()
+        except Exception:
+            logger.exception("polling for cancelled requests failed")
+            return
+        for request_id in cancelled:
+            self.abort(request_id)

@@ -1,5 +1,5 @@
 """Settings of the Triton model, from model_repository/llm/1/model.json: the engine's own knobs (the
-names of `LLM(...)`) plus the admission limits that protect the server."""
+names of `LLM(...)`) plus the serving settings: admission limits and cancellation polling."""
 
 from dataclasses import dataclass, fields
 
@@ -7,27 +7,32 @@ from ..config import EngineConfig
 
 
 @dataclass
-class AdmissionLimits:
+class ServingSettings:
     max_queued_requests: int = 1024  # waiting requests past which new ones are refused (UNAVAILABLE)
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # the longest prompt accepted (max_model_len applies anyway)
     default_max_tokens: int = 16  # max_tokens of a request that does not say
+    # Asking Triton whether a request was cancelled is a message per request: at most this often.
+    cancel_poll_interval_s: float = 0.2
 
     def __post_init__(self) -> None:
+        interval = self.cancel_poll_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 10:
+            raise ValueError(f"cancel_poll_interval_s must be a number of seconds in [0, 10], got {interval!r}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name == "max_prompt_tokens":
+            if f.name == "cancel_poll_interval_s" or (value is None and f.name == "max_prompt_tokens"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
 
 
-def split_settings(settings: dict) -> tuple[dict, AdmissionLimits]:
-    """Engine settings (validated later by EngineConfig) and admission limits; unknown keys are an error."""
+def split_settings(settings: dict) -> tuple[dict, ServingSettings]:
+    """Engine settings (validated later by EngineConfig) and serving settings; unknown keys are an error."""
     engine_keys = {f.name for f in fields(EngineConfig)}
-    limit_keys = {f.name for f in fields(AdmissionLimits)}
-    unknown = sorted(set(settings) - engine_keys - limit_keys)
+    serving_keys = {f.name for f in fields(ServingSettings)}
+    unknown = sorted(set(settings) - engine_keys - serving_keys)
     if unknown:
         raise ValueError(f"unknown setting(s) in model.json: {', '.join(unknown)}")
-    limits = AdmissionLimits(**{k: v for k, v in settings.items() if k in limit_keys})
-    return {k: v for k, v in settings.items() if k in engine_keys}, limits
+    serving = ServingSettings(**{k: v for k, v in settings.items() if k in serving_keys})
+    return {k: v for k, v in settings.items() if k in engine_keys}, serving

@@ -77,7 +77,8 @@ class TritonPythonModel:
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         self.thread = EngineThread(lambda: LLM(**engine_settings), on_delta=self._respond,
                                    poll_cancelled=self._poll_cancelled,
-                                   on_step=self.metrics.update)
+                                   on_step=self.metrics.update,
+                                   poll_interval_s=self.limits.cancel_poll_interval_s)
         self.engine = self.thread.start()
 
     def execute(self, requests):
@@ -89,6 +90,9 @@ class TritonPythonModel:
                 sender.send(_error(str(e)), flags=FINAL)
             except AdmissionRefused as e:
                 sender.send(_error(str(e), "UNAVAILABLE"), flags=FINAL)
+            except Exception as e:  # never leave a client waiting for a FINAL that will not come
+                pb_utils.Logger.log_error(f"inflight: request failed: {type(e).__name__}: {e}")
+                sender.send(_error(f"internal error: {type(e).__name__}: {e}", "INTERNAL"), flags=FINAL)
         return None
 
     def _admit(self, request, sender) -> None:
