@@ -7,7 +7,6 @@ dtype, and the prefix-caching workload. Prints markdown tables for the README.
 """
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -188,7 +187,7 @@ def main() -> None:
     if results:
         hf_cb = [tps for name, tps in results if name.startswith("HF continuous")]
         best_cb = max(hf_cb) if hf_cb else None
-        print(f"\n| system | output tok/s | vs best HF continuous batching |\n|---|---:|---:|")
+        print("\n| system | output tok/s | vs best HF continuous batching |\n|---|---:|---:|")
         for name, tps in results:
             ratio = f"{tps / best_cb:.2f}x" if best_cb else "-"
             print(f"| {name} | {tps:.1f} | {ratio} |")

@@ -29,7 +29,7 @@ def genai_perf(grpc_url: str, tokenizer: str, concurrency: int, requests: int, i
     command = [str(Path(sys.executable).parent / "genai-perf"), "profile", "-m", "llm", "--backend", "vllm",
                "--streaming", "-u", grpc_url, "--tokenizer", tokenizer,
                "--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0",
-               "--output-tokens-mean", str(output_tokens), "--output-tokens-mode", "deterministic",
+               "--output-tokens-mean", str(output_tokens), "--output-tokens-mean-deterministic",
                "--concurrency", str(concurrency), "--request-count", str(requests),
                "--warmup-request-count", str(concurrency), "--artifact-dir", str(artifacts)]
     env = perf_env()

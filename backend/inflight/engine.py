@@ -4,7 +4,6 @@
 only validate and post to an inbox, which `step()` drains under a lock before scheduling.
 """
 
-import logging
 import threading
 from collections import deque
 
@@ -19,10 +18,7 @@ from .outputs import RequestDelta
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
-
-logger = logging.getLogger(__name__)
-
+from .sequence import Sequence
 
 class LLMEngine:
     def __init__(self, model: str, **settings):

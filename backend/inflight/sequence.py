@@ -1,7 +1,6 @@
 """A request's state inside the engine: its tokens, how many of them have KV in the cache, its blocks."""
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +23,6 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never to complete
-    arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
