@@ -1,9 +1,11 @@
 """Shared fixtures: the default model, tiny random checkpoints of each supported family, and HF
 transformers references computed one request at a time."""
 
+import contextlib
 import os
 import random
 import sys
+import threading
 from pathlib import Path
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before triton is imported.
@@ -89,6 +91,17 @@ class HFReference:
                                      do_sample=False, eos_token_id=None, pad_token_id=0)
             self._cache[key] = out[0, len(prompt):].tolist()
         return self._cache[key]
+
+
+@contextlib.contextmanager
+def concurrently(calls, timeout: float):
+    """Run each call on a thread of its own while the body runs; wait for all of them at the end."""
+    threads = [threading.Thread(target=call) for call in calls]
+    for t in threads:
+        t.start()
+    yield
+    for t in threads:
+        t.join(timeout=timeout)
 
 
 def serve(**settings):

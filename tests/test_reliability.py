@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate, make_inputs  # noqa: E402
-from conftest import serve  # noqa: E402
+from conftest import concurrently, serve  # noqa: E402
 from server_process import TritonServer  # noqa: E402
 from soak import soak  # noqa: E402
 
@@ -163,20 +163,16 @@ def test_bad_input_matrix(server, reference):
     def good(i):
         good_results[i] = generate(server.grpc_url, good_prompts[i], **greedy(48))
 
-    runners = [threading.Thread(target=good, args=(i,)) for i in range(len(good_prompts))]
-    for r in runners:
-        r.start()
     failures = []
-    for name, (make, words) in GRPC_CASES.items():
-        error = raw_grpc(server, make())
-        if error is None or words.lower() not in error.lower():
-            failures.append(f"gRPC {name}: {error}")
-    for name, (body, words) in HTTP_CASES.items():
-        error = http_error(server, body)
-        if error is None or words.lower() not in error.lower():
-            failures.append(f"HTTP {name}: {error}")
-    for r in runners:
-        r.join(timeout=300)
+    with concurrently([lambda i=i: good(i) for i in range(len(good_prompts))], timeout=300):
+        for name, (make, words) in GRPC_CASES.items():
+            error = raw_grpc(server, make())
+            if error is None or words.lower() not in error.lower():
+                failures.append(f"gRPC {name}: {error}")
+        for name, (body, words) in HTTP_CASES.items():
+            error = http_error(server, body)
+            if error is None or words.lower() not in error.lower():
+                failures.append(f"HTTP {name}: {error}")
     assert not failures, "\n".join(failures)
     assert len(GRPC_CASES) + len(HTTP_CASES) >= 25
     assert [good_results[i].text for i in range(len(good_prompts))] == expected
@@ -198,13 +194,10 @@ def test_cancellation_storm(server, reference):
     def survivor(i):
         results[f"s{i}"] = generate(server.grpc_url, survivors[i], **greedy(24))
 
-    threads = [threading.Thread(target=cancelled, args=(i,)) for i in range(64)]
-    threads += [threading.Thread(target=survivor, args=(i,)) for i in range(len(survivors))]
-    random.Random(8).shuffle(threads)
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    calls = [lambda i=i: cancelled(i) for i in range(64)] + [lambda i=i: survivor(i) for i in range(len(survivors))]
+    random.Random(8).shuffle(calls)
+    with concurrently(calls, timeout=600):
+        pass
     assert all(results[f"c{i}"].error == "cancelled" for i in range(64))
     assert [results[f"s{i}"].text for i in range(len(survivors))] == expected
     assert_all_blocks_free(server)
@@ -221,11 +214,8 @@ def test_cache_exhaustion_preempts_and_completes_everything(server, reference):
     def run(i):
         results[i] = generate(server.grpc_url, prompts[i], **greedy(120))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=900)
+    with concurrently([lambda i=i: run(i) for i in range(len(prompts))], timeout=900):
+        pass
     assert all(results[i].error is None for i in range(len(prompts)))
     assert [results[i].text for i in range(len(prompts))] == expected
     assert server.metrics()["inflight_num_preemptions_total"] > before
@@ -245,11 +235,8 @@ def test_admission_limits():
         def run():
             results.append(generate(server.grpc_url, PROMPTS[0], max_tokens=60, ignore_eos=True))
 
-        threads = [threading.Thread(target=run) for _ in range(12)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=600)
+        with concurrently([run] * 12, timeout=600):
+            pass
         refused = [r for r in results if r.error]
         served = [r for r in results if not r.error]
         assert refused and all("queued requests" in r.error for r in refused)

@@ -2,7 +2,6 @@
 
 import json
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -13,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate  # noqa: E402
-from conftest import serve  # noqa: E402
+from conftest import concurrently, serve  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -73,11 +72,8 @@ def test_32_concurrent_streams(server, offline_texts):
         prompt = PROMPTS[i % len(PROMPTS)]
         results[i] = (prompt, generate(server.grpc_url, prompt, **greedy()))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    with concurrently([lambda i=i: run(i) for i in range(32)], timeout=600):
+        pass
     assert len(results) == 32
     for prompt, result in results.values():
         assert result.error is None
