@@ -3,7 +3,7 @@ batching and inflight (offline, and through tritonserver when asked), in one pro
 dtype, and the prefix-caching workload. Prints markdown tables for the README.
 
     make bench                        # everything, 64 requests
-    .venv/bin/python client/bench.py --num-requests 24 --peers inflight,hf-cb
+    .venv/bin/python client/bench.py --num-requests 24 --peers inflight,hf-cb --repeats 1
 """
 
 import argparse
@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of inflight offline and through tritonserver, alternating; medians are shown")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     peers = args.peers.split(",")
@@ -168,6 +170,9 @@ def main() -> None:
         results.append((name, work.output_tokens / seconds))
         print(f"  {name}: {work.output_tokens / seconds:.1f} tok/s ({seconds:.1f} s)", file=sys.stderr)
 
+    def record_median(name: str, runs: list[float]) -> None:
+        record(f"{name}, median of {len(runs)}" if len(runs) > 1 else name, statistics.median(runs))
+
     if "hf-static" in peers:
         record(f"HF static batching (generate, batches of {args.hf_static_batch})",
                run_hf_static(args.model, work, args.hf_static_batch))
@@ -175,14 +180,24 @@ def main() -> None:
         for tokens in map(int, args.hf_cb_tokens.split(",")):
             record(f"HF continuous batching (max_batch_tokens={tokens})",
                    run_hf_continuous(args.model, work, tokens))
-    if "inflight" in peers:
-        record(f"inflight offline (max_num_batched_tokens={args.max_num_batched_tokens})",
-               run_inflight(args.model, work, max_num_batched_tokens=args.max_num_batched_tokens))
-    if "triton" in peers:
-        from triton_bench import run_through_tritonserver
+    # Offline and served runs alternate, so that a slow spell of a shared machine hits both alike.
+    offline, served = [], []
+    for _ in range(args.repeats):
+        if "inflight" in peers:
+            offline.append(run_inflight(args.model, work, max_num_batched_tokens=args.max_num_batched_tokens))
+        if "triton" in peers:
+            from triton_bench import run_through_tritonserver
 
-        record(f"inflight through tritonserver (gRPC streaming, all {args.num_requests} requests at once)",
-               run_through_tritonserver(args.model, work, args.threads))
+            served.append(run_through_tritonserver(args.model, work, args.threads, args.max_num_batched_tokens))
+    if offline:
+        record_median(f"inflight offline (max_num_batched_tokens={args.max_num_batched_tokens})", offline)
+    if served:
+        record_median(f"inflight through tritonserver (gRPC streaming, all {args.num_requests} requests at once)",
+                      served)
+    for name, runs in (("offline", offline), ("through tritonserver", served)):
+        if len(runs) > 1:
+            print(f"  inflight {name}, each run: " + ", ".join(f"{work.output_tokens / t:.1f}" for t in runs)
+                  + " tok/s", file=sys.stderr)
 
     if results:
         hf_cb = [tps for name, tps in results if name.startswith("HF continuous")]
@@ -191,6 +206,9 @@ def main() -> None:
         for name, tps in results:
             ratio = f"{tps / best_cb:.2f}x" if best_cb else "-"
             print(f"| {name} | {tps:.1f} | {ratio} |")
+        if offline and served:
+            share = statistics.median(offline) / statistics.median(served)
+            print(f"\nthrough tritonserver: {share:.1%} of offline throughput (medians)")
     if "prefix" in peers:
         rows = bench_prefix_caching(args.model, args.num_requests, args.seed)
         print("\n| workload (64 requests, 32 output tokens) | prefix caching | mean TTFT (s) | output tok/s | hit tokens |"

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
+from inflight.outputs import RequestDelta, coalesce
 from inflight.serving.engine_thread import EngineThread
 from inflight.serving.request import parse_request
 from inflight.serving.settings import split_settings
@@ -121,3 +122,44 @@ def test_engine_failure_ends_requests_with_an_error_and_keeps_serving(tiny_model
     engine.block_manager.check_all_free()
     _, again = collect(dict(make_engine=lambda: engine), lambda t: [t.submit("b", [5, 6, 7], params), "b"][1:])
     assert again["b"][1] == [None] and len([x for d in again["b"][0] for x in d.new_token_ids]) == 5
+
+
+def test_coalesce_joins_each_requests_deltas_in_order():
+    def delta(rid, ids, text, finished=False):
+        return RequestDelta(rid, ids, text, finished, "length" if finished else None, 3, 0)
+
+    steps = [[delta("a", [1], "x"), delta("b", [7], "p")], [delta("b", [8], "q")],
+             [delta("a", [2, 3], "yz", finished=True), delta("c", [9], "r")]]
+    merged = coalesce(steps)
+    assert [(d.request_id, d.new_token_ids, d.new_text, d.finished) for d in merged] == [
+        ("a", [1, 2, 3], "xyz", True), ("b", [7, 8], "pq", False), ("c", [9], "r", False)]
+    assert merged[0].finish_reason == "length" and steps[0][0].new_token_ids == [1]  # inputs untouched
+
+
+def test_a_slow_responder_gets_fewer_larger_deltas_and_loses_nothing(tiny_models):
+    model = tiny_models["llama"]
+    prompts = random_prompts(3, 5, 20, vocab=512, seed=4)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = LLM(model, num_kv_blocks=64).generate(prompts, params)
+    calls = []
+    results, done = {}, threading.Event()
+
+    def slow_send(delta, error):  # a send far slower than a step of the tiny model
+        calls.append(delta)
+        threading.Event().wait(0.05)
+        results.setdefault(delta.request_id, []).append(delta)
+        if sum(d.finished for ds in results.values() for d in ds) == len(prompts):
+            done.set()
+
+    thread = EngineThread(make_engine=lambda: LLM(model, num_kv_blocks=64), on_delta=slow_send)
+    thread.start()
+    for i, p in enumerate(prompts):
+        thread.submit(str(i), p, params)
+    assert done.wait(120)
+    thread.stop()
+    assert len(calls) < len(prompts) * params.max_tokens
+    for i, out in enumerate(expected):
+        deltas = results[str(i)]
+        assert [t for d in deltas for t in d.new_token_ids] == out.token_ids
+        assert "".join(d.new_text for d in deltas) == out.text
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]

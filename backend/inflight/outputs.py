@@ -1,6 +1,6 @@
 """What the engine hands out: per-step deltas for streaming, and whole results for generate()."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -14,6 +14,21 @@ class RequestDelta:
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int
     num_output_tokens: int
+
+    def followed_by(self, later: "RequestDelta") -> "RequestDelta":
+        """This delta and a later one of the same request, as one."""
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                       new_text=self.new_text + later.new_text)
+
+
+def coalesce(steps: list[list[RequestDelta]]) -> list[RequestDelta]:
+    """Several steps' deltas as one delta per request, in the order requests first appear."""
+    merged: dict[str, RequestDelta] = {}
+    for deltas in steps:
+        for delta in deltas:
+            earlier = merged.get(delta.request_id)
+            merged[delta.request_id] = delta if earlier is None else earlier.followed_by(delta)
+    return list(merged.values())
 
 
 @dataclass

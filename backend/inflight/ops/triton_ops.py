@@ -47,21 +47,31 @@ def _write_kv_cache_kernel(
     tl.store(vc + head[None, :] * stride_vc_head + dim[None, :], v, mask=mask)
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, block_t: int = 16) -> None:
+def kv_write_meta(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  block_t: int | None = None) -> tuple[tuple[int], dict]:
+    """The launch grid and compile-time constants of `_write_kv_cache_kernel`."""
+    heads_pad, dim_pad = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    # About 2048 elements a program: few registers per thread, and few programs for the interpreter.
+    block_t = block_t or max(1, min(16, 2048 // (heads_pad * dim_pad)))
+    constants = dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                     HEADS_PAD=heads_pad, DIM_PAD=dim_pad, BLOCK_T=block_t)
+    return (triton.cdiv(num_tokens, block_t),), constants
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, block_t: int | None = None) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     key = key.to(key_cache.dtype)
     value = value.to(value_cache.dtype)
     assert key.stride(2) == 1 and value.stride(2) == 1 and key_cache.stride(3) == 1
-    _write_kv_cache_kernel[(triton.cdiv(num_tokens, block_t),)](
+    grid, constants = kv_write_meta(num_tokens, num_kv_heads, head_dim, key_cache.shape[1], block_t)
+    _write_kv_cache_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_T=block_t,
+        **constants,
     )
 
 
@@ -159,25 +169,43 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
+def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int, dtype: torch.dtype, sliding_window: int | None = None,
+                   block_m: int | None = None, tile_n: int | None = None) -> tuple[tuple[int, int], dict]:
+    """The launch grid and compile-time constants (with num_warps) of `_paged_attention_kernel` for
+    one batch."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # Decode-only batches waste rows on a tall tile; prefill-heavy ones want it tall. Compiled float32
+    # tiles take twice the registers: they get half the rows and more warps (no spills on sm_80/sm_90,
+    # scripts/compile_kernels.py shows it).
+    wide = dtype == torch.float32 and not _INTERPRETED
+    block_m = max(block_m or (16 if num_tokens == num_seqs else 32 if wide else 64), group_pad, 16)
+    block_q = block_m // group_pad
+    constants = dict(
+        SLIDING_WINDOW=sliding_window or 0,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(32, block_size),
+        DOT_FP32=dtype == torch.float32 or _INTERPRETED,
+        num_warps=8 if head_dim > 64 or wide else 4,
+    )
+    return (num_tokens // block_q + num_seqs, num_kv_heads), constants
+
+
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                     sliding_window=None, out=None, block_m: int | None = None, tile_n: int | None = None):
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    num_seqs = seq_lens.shape[0]
+    grid, constants = attention_meta(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                     query.dtype, sliding_window, block_m, tile_n)
     if out is None:
         out = torch.empty_like(query)
-    num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    # Decode-only batches waste rows on a tall tile; prefill-heavy ones want it tall.
-    block_m = max(block_m or (16 if num_tokens == num_seqs else 64), group_pad, 16)
-    block_q = block_m // group_pad
-    tile_n = tile_n or max(32, block_size)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_tables,
         scale, num_seqs,
@@ -185,9 +213,6 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        SLIDING_WINDOW=sliding_window or 0,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        DOT_FP32=query.dtype == torch.float32 or _INTERPRETED,
+        **constants,
     )
     return out

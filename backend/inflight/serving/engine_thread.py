@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from ..engine import LLMEngine
-from ..outputs import RequestDelta
+from ..outputs import RequestDelta, coalesce
 
 logger = logging.getLogger(__name__)
 
@@ -119,20 +119,32 @@ class EngineThread:
         # asked about once its last response is out (its Triton request may be gone by then).
         while True:
             try:
-                deltas = self._outbox.get(timeout=max(self._poll_interval_s, 0.01))
+                steps = [self._outbox.get(timeout=max(self._poll_interval_s, 0.01))]
             except queue.Empty:
-                deltas = []
-            if deltas is None:
-                return
-            for delta in deltas:
+                steps = []
+            steps += self._drain_outbox()
+            stopping = None in steps
+            # When sending falls behind the engine (fast steps, many requests), the steps waiting here
+            # go out as one response per request: fewer messages, and every client catches up at once.
+            for delta in coalesce([deltas for deltas in steps if deltas is not None]):
                 error = self._failed.pop(delta.request_id, None) if delta.finished else None
                 try:
                     self._on_delta(delta, error)
                 except Exception:
                     logger.exception("sending the response of %s failed", delta.request_id)
+            if stopping:
+                return
             if time.monotonic() - self._last_poll >= self._poll_interval_s:
                 self._last_poll = time.monotonic()
                 self._poll()
+
+    def _drain_outbox(self) -> list:
+        steps = []
+        while True:
+            try:
+                steps.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return steps
 
     def _poll(self) -> None:
         try:

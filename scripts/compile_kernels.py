@@ -1,0 +1,123 @@
+"""Compile the Triton kernels ahead of time for NVIDIA GPUs, on any machine (no GPU needed: Triton
+ships ptxas). Catches what the CPU interpreter cannot: code that does not lower to a GPU, and tiles
+that need more registers or shared memory than the GPU has. Prints one row per kernel variant.
+
+    .venv/bin/python scripts/compile_kernels.py                  # sm_80 and sm_90, every dtype
+    .venv/bin/python scripts/compile_kernels.py --targets 90 --dtypes float16
+
+The variants are those the engine launches: decode and prefill tiles for the default model's shape
+(9 query heads on 3 KV heads, head_dim 64) and a Llama-3-8B-like one (32 on 8, head_dim 128), with
+and without a sliding window.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces the kernels this compiles")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "backend"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from inflight.ops import triton_ops  # noqa: E402
+
+TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# Shared memory a block may use (bytes): A100 (sm_80), H100/H200 (sm_90).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+SHAPES = {  # name: (query heads, KV heads, head_dim, sliding window)
+    "smollm2": (9, 3, 64, None),
+    "llama3-8b": (32, 8, 128, None),
+    "llama3-8b+window": (32, 8, 128, 4096),
+}
+METADATA = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr", "slot_ptr")  # int64 tensors
+
+
+def signature(kernel, constants: dict, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Argument types as the JIT would see them: tensors as pointers (16-byte aligned, as torch
+    allocates them), `scale` a float, other scalars 32-bit ints."""
+    types, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            types[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            types[name] = "*i64" if name in METADATA else f"*{TRITON_TYPES[dtype]}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            types[name] = "fp32" if name == "scale" else "i32"
+    return types, attrs
+
+
+def compile_variant(kernel, constants: dict, dtype: torch.dtype, arch: int):
+    constants = dict(constants)
+    num_warps = constants.pop("num_warps", 4)
+    types, attrs = signature(kernel, constants, dtype)
+    source = ASTSource(fn=kernel, signature=types, constexprs=constants, attrs=attrs)
+    target = GPUTarget("cuda", arch, 32)
+    return triton.compile(source, target=target, options={"num_warps": num_warps})
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack and local memory per thread, from cuobjdump's resource report (stack or local
+    bytes mean ptxas ran out of registers and spilled)."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
+                                capture_output=True, text=True, check=True).stdout
+    return {key.lower(): int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", report)}
+
+
+def variants(dtypes: list[torch.dtype], block_size: int = 16):
+    """(name, kernel, constants, dtype) for every kernel variant worth compiling."""
+    for dtype in dtypes:
+        for shape, (heads, kv_heads, head_dim, window) in SHAPES.items():
+            for phase, (tokens, seqs) in {"decode": (64, 64), "prefill": (2048, 4)}.items():
+                _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
+                                                         dtype, window)
+                yield f"paged_attention {shape} {phase}", triton_ops._paged_attention_kernel, constants, dtype
+            if window is None:
+                _, constants = triton_ops.kv_write_meta(64, kv_heads, head_dim, block_size)
+                yield f"write_kv_cache {shape}", triton_ops._write_kv_cache_kernel, constants, dtype
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated")
+    parser.add_argument("--dtypes", default="float16,bfloat16,float32")
+    args = parser.parse_args()
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    failures = 0
+    print("| target | kernel | dtype | warps | registers | stack + local (bytes) | shared memory (bytes) |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for arch in map(int, args.targets.split(",")):
+        for name, kernel, constants, dtype in variants(dtypes):
+            try:
+                compiled = compile_variant(kernel, constants, dtype, arch)
+            except Exception as e:  # report every failing variant, not just the first
+                failures += 1
+                print(f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | FAILED: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''} | | | |")
+                continue
+            usage = resource_usage(compiled.asm["cubin"])
+            shared = compiled.metadata.shared
+            too_big = shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[80])
+            failures += too_big
+            print(f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | {compiled.metadata.num_warps} | "
+                  f"{usage.get('reg', '?')} | {usage.get('stack', 0) + usage.get('local', 0)} | "
+                  f"{shared}{' (over the limit)' if too_big else ''} |")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
