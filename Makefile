@@ -10,7 +10,7 @@ MINUTES ?= 10
 CONCURRENCY ?= 1,2,4,8,16,32
 REQUESTS ?= 64
 
-.PHONY: setup setup-serving serve test test-fast bench bench-kernels load soak clean
+.PHONY: setup setup-serving serve test test-fast bench bench-kernels compile-kernels load soak clean
 
 setup:
 	@bash scripts/setup.sh
@@ -32,6 +32,9 @@ bench: setup-serving
 
 bench-kernels: setup
 	$(PY) client/bench_kernels.py
+
+compile-kernels: setup
+	$(PY) scripts/compile_kernels.py
 
 load: setup-serving
 	@bash scripts/setup.sh --load

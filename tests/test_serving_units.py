@@ -58,6 +58,9 @@ def test_settings_split_and_unknown_keys():
         split_settings({"model": "m", "bogus": 1})
     with pytest.raises(ValueError, match="max_tokens_limit"):
         split_settings({"model": "m", "max_tokens_limit": 0})
+    with pytest.raises(ValueError, match="overlap_sending"):
+        split_settings({"model": "m", "overlap_sending": "yes"})
+    assert split_settings({"model": "m", "overlap_sending": False})[1].overlap_sending is False
 
 
 def collect(thread_kwargs, submit):
@@ -136,7 +139,10 @@ def test_coalesce_joins_each_requests_deltas_in_order():
     assert merged[0].finish_reason == "length" and steps[0][0].new_token_ids == [1]  # inputs untouched
 
 
-def test_a_slow_responder_gets_fewer_larger_deltas_and_loses_nothing(tiny_models):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "step-then-send"])
+def test_a_slow_responder_loses_nothing(tiny_models, overlap):
+    """Sending far slower than a step: overlapped, the responder catches up with fewer, larger deltas;
+    otherwise the engine waits for each step's sends, so every step's delta goes out on its own."""
     model = tiny_models["llama"]
     prompts = random_prompts(3, 5, 20, vocab=512, seed=4)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -144,20 +150,24 @@ def test_a_slow_responder_gets_fewer_larger_deltas_and_loses_nothing(tiny_models
     calls = []
     results, done = {}, threading.Event()
 
-    def slow_send(delta, error):  # a send far slower than a step of the tiny model
+    def slow_send(delta, error):
         calls.append(delta)
-        threading.Event().wait(0.05)
+        threading.Event().wait(0.02)
         results.setdefault(delta.request_id, []).append(delta)
         if sum(d.finished for ds in results.values() for d in ds) == len(prompts):
             done.set()
 
-    thread = EngineThread(make_engine=lambda: LLM(model, num_kv_blocks=64), on_delta=slow_send)
+    thread = EngineThread(make_engine=lambda: LLM(model, num_kv_blocks=64), on_delta=slow_send,
+                          overlap_sending=overlap)
     thread.start()
     for i, p in enumerate(prompts):
         thread.submit(str(i), p, params)
     assert done.wait(120)
     thread.stop()
-    assert len(calls) < len(prompts) * params.max_tokens
+    if overlap:
+        assert len(calls) < len(prompts) * params.max_tokens
+    else:
+        assert len(calls) == len(prompts) * params.max_tokens
     for i, out in enumerate(expected):
         deltas = results[str(i)]
         assert [t for d in deltas for t in d.new_token_ids] == out.token_ids

@@ -1,5 +1,6 @@
 """Settings of the Triton model, from model_repository/llm/1/model.json: the engine's own knobs (the
-names of `LLM(...)`) plus the serving settings: admission limits and cancellation polling."""
+names of `LLM(...)`) plus the serving settings: admission limits, cancellation polling, and whether
+responses are sent while the next step runs."""
 
 from dataclasses import dataclass, fields
 
@@ -14,14 +15,19 @@ class ServingSettings:
     default_max_tokens: int = 16  # max_tokens of a request that does not say
     # Asking Triton whether a request was cancelled is a message per request: at most this often.
     cancel_poll_interval_s: float = 0.2
+    # Send a step's responses while the next step runs (null: only off CPU; see engine_thread.py).
+    overlap_sending: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.overlap_sending is not None and not isinstance(self.overlap_sending, bool):
+            raise ValueError(f"overlap_sending must be true, false or null, got {self.overlap_sending!r}")
         interval = self.cancel_poll_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 10:
             raise ValueError(f"cancel_poll_interval_s must be a number of seconds in [0, 10], got {interval!r}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "cancel_poll_interval_s" or (value is None and f.name == "max_prompt_tokens"):
+            if f.name in ("cancel_poll_interval_s", "overlap_sending") or (
+                    value is None and f.name == "max_prompt_tokens"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")

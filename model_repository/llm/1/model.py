@@ -78,7 +78,8 @@ class TritonPythonModel:
         self.thread = EngineThread(lambda: LLM(**engine_settings), on_delta=self._respond,
                                    poll_cancelled=self._poll_cancelled,
                                    on_step=self.metrics.update,
-                                   poll_interval_s=self.limits.cancel_poll_interval_s)
+                                   poll_interval_s=self.limits.cancel_poll_interval_s,
+                                   overlap_sending=self.limits.overlap_sending)
         self.engine = self.thread.start()
 
     def execute(self, requests):
