@@ -4,8 +4,8 @@ a second thread hands each step's deltas to the caller.
 On an accelerator the responder sends a step's responses while the next step runs. On CPU the engine
 waits for them instead: there every send wakes threads of the server and of clients that take a core
 from the model's torch threads, and a parallel region stalls until its preempted thread is back.
-Measured on 2 cores, 64 streams: overlapped, 69 to 94 tok/s (75 to 99% of offline, varying from run
-to run); one step's sends, then the next step: 94 tok/s, no loss.
+Measured on 2 cores, 64 streams: overlapped, 69 to 94 tok/s, 13% below offline (medians); a step's
+sends, then the next step: 85 to 95 tok/s, as offline in the same runs.
 
 The engine is built on its stepping thread, so that every torch operation runs on that one thread:
 once two threads have both run CPU kernels, each keeps an OpenMP team, and the idle team slows the
