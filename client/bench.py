@@ -182,12 +182,12 @@ def main() -> None:
                    run_hf_continuous(args.model, work, tokens))
     # Offline and served runs alternate, so that a slow spell of a shared machine hits both alike.
     offline, served = [], []
+    if "triton" in peers:
+        from triton_bench import run_through_tritonserver
     for _ in range(args.repeats):
         if "inflight" in peers:
             offline.append(run_inflight(args.model, work, max_num_batched_tokens=args.max_num_batched_tokens))
         if "triton" in peers:
-            from triton_bench import run_through_tritonserver
-
             served.append(run_through_tritonserver(args.model, work, args.threads, args.max_num_batched_tokens))
     if offline:
         record_median(f"inflight offline (max_num_batched_tokens={args.max_num_batched_tokens})", offline)

@@ -63,12 +63,14 @@ def test_settings_split_and_unknown_keys():
     assert split_settings({"model": "m", "overlap_sending": False})[1].overlap_sending is False
 
 
-def collect(thread_kwargs, submit):
-    """Run an EngineThread; submit(thread) queues work; returns {id: (deltas, error)} once all finish."""
+def collect(thread_kwargs, submit, send_delay_s: float = 0.0):
+    """Run an EngineThread; submit(thread) queues work; returns {id: (deltas, errors)} once all finish.
+    Each delta's handling takes `send_delay_s` (a slow send)."""
     results, done = {}, threading.Event()
     expected = []
 
     def on_delta(delta, error):
+        threading.Event().wait(send_delay_s)
         results.setdefault(delta.request_id, ([], []))[0].append(delta)
         if delta.finished:
             results[delta.request_id][1].append(error)
@@ -147,29 +149,21 @@ def test_a_slow_responder_loses_nothing(tiny_models, overlap):
     prompts = random_prompts(3, 5, 20, vocab=512, seed=4)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = LLM(model, num_kv_blocks=64).generate(prompts, params)
-    calls = []
-    results, done = {}, threading.Event()
 
-    def slow_send(delta, error):
-        calls.append(delta)
-        threading.Event().wait(0.02)
-        results.setdefault(delta.request_id, []).append(delta)
-        if sum(d.finished for ds in results.values() for d in ds) == len(prompts):
-            done.set()
+    def submit(thread):
+        for i, p in enumerate(prompts):
+            thread.submit(str(i), p, params)
+        return [str(i) for i in range(len(prompts))]
 
-    thread = EngineThread(make_engine=lambda: LLM(model, num_kv_blocks=64), on_delta=slow_send,
-                          overlap_sending=overlap)
-    thread.start()
-    for i, p in enumerate(prompts):
-        thread.submit(str(i), p, params)
-    assert done.wait(120)
-    thread.stop()
+    _, results = collect(dict(make_engine=lambda: LLM(model, num_kv_blocks=64), overlap_sending=overlap),
+                         submit, send_delay_s=0.02)
+    calls = sum(len(deltas) for deltas, _ in results.values())
     if overlap:
-        assert len(calls) < len(prompts) * params.max_tokens
+        assert calls < len(prompts) * params.max_tokens
     else:
-        assert len(calls) == len(prompts) * params.max_tokens
+        assert calls == len(prompts) * params.max_tokens
     for i, out in enumerate(expected):
-        deltas = results[str(i)]
+        deltas, errors = results[str(i)]
         assert [t for d in deltas for t in d.new_token_ids] == out.token_ids
         assert "".join(d.new_text for d in deltas) == out.text
-        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True] and errors == [None]

@@ -20,6 +20,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 
+
 class LLMEngine:
     def __init__(self, model: str, **settings):
         self.config = EngineConfig(model=model, **settings)

@@ -24,13 +24,12 @@ class ServingSettings:
         interval = self.cancel_poll_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 10:
             raise ValueError(f"cancel_poll_interval_s must be a number of seconds in [0, 10], got {interval!r}")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("cancel_poll_interval_s", "overlap_sending") or (
-                    value is None and f.name == "max_prompt_tokens"):
+        for name in ("max_queued_requests", "max_tokens_limit", "max_prompt_tokens", "default_max_tokens"):
+            value = getattr(self, name)
+            if value is None and name == "max_prompt_tokens":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def split_settings(settings: dict) -> tuple[dict, ServingSettings]:

@@ -72,14 +72,14 @@ class TritonPythonModel:
         settings["model"] = os.environ.get("INFLIGHT_MODEL") or settings.get("model")
         if not os.path.isabs(settings["model"]):
             settings["model"] = os.path.join(ROOT, settings["model"])
-        engine_settings, self.limits = split_settings(settings)
+        engine_settings, self.serving = split_settings(settings)
         self.active: dict[str, ActiveRequest] = {}
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         self.thread = EngineThread(lambda: LLM(**engine_settings), on_delta=self._respond,
                                    poll_cancelled=self._poll_cancelled,
                                    on_step=self.metrics.update,
-                                   poll_interval_s=self.limits.cancel_poll_interval_s,
-                                   overlap_sending=self.limits.overlap_sending)
+                                   poll_interval_s=self.serving.cancel_poll_interval_s,
+                                   overlap_sending=self.serving.overlap_sending)
         self.engine = self.thread.start()
 
     def execute(self, requests):
@@ -99,16 +99,16 @@ class TritonPythonModel:
     def _admit(self, request, sender) -> None:
         inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
         parameters = json.loads(request.parameters() or "{}")
-        parsed = parse_request(inputs, defaults={"max_tokens": self.limits.default_max_tokens},
+        parsed = parse_request(inputs, defaults={"max_tokens": self.serving.default_max_tokens},
                                parameters=parameters)
-        if parsed.params.max_tokens > self.limits.max_tokens_limit:
+        if parsed.params.max_tokens > self.serving.max_tokens_limit:
             raise ValueError(f"max_tokens ({parsed.params.max_tokens}) exceeds this server's limit "
-                             f"of {self.limits.max_tokens_limit}")
-        if self.engine.stats()["num_waiting"] >= self.limits.max_queued_requests:
-            raise AdmissionRefused(f"the server is at its limit of {self.limits.max_queued_requests} "
+                             f"of {self.serving.max_tokens_limit}")
+        if self.engine.stats()["num_waiting"] >= self.serving.max_queued_requests:
+            raise AdmissionRefused(f"the server is at its limit of {self.serving.max_queued_requests} "
                                    "queued requests; retry later")
         token_ids = self.engine.encode(parsed.prompt)
-        cap = self.limits.max_prompt_tokens
+        cap = self.serving.max_prompt_tokens
         if cap is not None and len(token_ids) > cap:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
         request_id = uuid.uuid4().hex
