@@ -29,7 +29,9 @@ def free_ports(n: int) -> list[int]:
 
 
 class TritonServer:
-    def __init__(self, **settings):
+    def __init__(self, env: dict | None = None, **settings):
+        """`settings` override the shipped model.json; `env` adds environment variables."""
+        self.extra_env = dict(env or {})
         base = json.loads((ROOT / "model_repository" / "llm" / "1" / "model.json").read_text())
         base.update(settings)
         self._dir = tempfile.TemporaryDirectory(prefix="inflight-server-")
@@ -51,6 +53,7 @@ class TritonServer:
     def start(self, timeout: float = 180.0) -> "TritonServer":
         command, env = server_command(ROOT / "model_repository", self.http_port, self.grpc_port, self.metrics_port)
         env["INFLIGHT_MODEL_JSON"] = str(self.settings_path)
+        env.update(self.extra_env)
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
@@ -67,6 +70,13 @@ class TritonServer:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"tritonserver was not ready in {timeout} s:\n{self.log()[-4000:]}")
+
+    def model_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/models/llm/ready", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -35,7 +35,10 @@ def server_command(model_repository: Path, http_port: int, grpc_port: int, metri
             "--http-address", address, "--http-port", str(http_port),
             "--grpc-address", address, "--grpc-port", str(grpc_port),
             "--metrics-address", address, "--metrics-port", str(metrics_port),
-            "--allow-gpu-metrics", "false", "--log-verbose", str(log_verbose)]
+            "--allow-gpu-metrics", "false", "--log-verbose", str(log_verbose),
+            # Explicit model control, so that a model whose engine stopped can unload itself and
+            # report not-ready; every model of the repository is still loaded at start.
+            "--model-control-mode", "explicit", "--load-model", "*"]
     if binary == str(bundled):
         args += ["--backend-directory", str(TOOLS / "backends")]
         libs = str(TOOLS / "pytriton" / "nvidia_pytriton.libs")

@@ -6,6 +6,7 @@ import os
 import random
 import sys
 import threading
+import time
 from pathlib import Path
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before triton is imported.
@@ -95,24 +96,38 @@ class HFReference:
 
 @contextlib.contextmanager
 def concurrently(calls, timeout: float):
-    """Run each call on a thread of its own while the body runs; wait for all of them at the end."""
-    threads = [threading.Thread(target=call) for call in calls]
+    """Run each call on a thread of its own while the body runs; wait for all of them at the end, and
+    re-raise the first exception a call raised (or fail if one is still running after `timeout`)."""
+    errors = []
+
+    def guarded(call):
+        try:
+            call()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(call,)) for call in calls]
     for t in threads:
         t.start()
     yield
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(timeout=timeout)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    stuck = sum(t.is_alive() for t in threads)
+    assert not stuck, f"{stuck} of {len(threads)} calls still running after {timeout} s"
 
 
-def serve(**settings):
-    """Body of a module-scoped fixture: a real tritonserver with these engine settings, which must
-    still be alive when the module's tests are done."""
+def serve(env: dict | None = None, **settings):
+    """Body of a module-scoped fixture: a real tritonserver with these engine settings (and extra
+    environment variables), which must still be alive when the module's tests are done."""
     sys.path.insert(0, str(ROOT / "client"))
     from server_process import TritonServer
 
-    with TritonServer(**settings) as server:
+    with TritonServer(env=env, **settings) as server:
         yield server
-        assert server.alive(), "the server died during the tests"
+        assert server.alive(), f"the server died during the tests:\n{server.log()[-3000:]}"
 
 
 @pytest.fixture(scope="session")

@@ -90,8 +90,8 @@ def test_reference_matches_dense_attention():
         v = value_cache.view(-1, 2, 64)[slots].transpose(0, 1).repeat_interleave(2, 0)
         q = query[cu[i]:cu[i + 1]].transpose(0, 1)
         scores = (q @ k.transpose(1, 2)) * 0.125
-        q_pos = torch.arange(context, context + q_len)[:, None]
-        scores.masked_fill_(torch.arange(context + q_len)[None, :] > q_pos, float("-inf"))
+        q_pos = torch.arange(context, context + q_len, device=query.device)[:, None]
+        scores.masked_fill_(torch.arange(context + q_len, device=query.device)[None, :] > q_pos, float("-inf"))
         expected = (scores.softmax(-1) @ v).transpose(0, 1)
         torch.testing.assert_close(got[cu[i]:cu[i + 1]], expected, atol=1e-5, rtol=1e-5)
 
@@ -138,7 +138,8 @@ def test_engine_greedy_with_triton_kernels(tiny_models, hf_reference, monkeypatc
 
     monkeypatch.setenv("INFLIGHT_ATTENTION", "triton")
     model = tiny_models["qwen2"]
-    llm = LLM(model, num_kv_blocks=64, max_num_batched_tokens=48, max_num_seqs=8, enable_prefix_caching=False)
+    llm = LLM(model, num_kv_blocks=64, max_num_batched_tokens=48, max_num_seqs=8, enable_prefix_caching=False,
+              device=DEVICE, dtype="float32")  # compiled on a GPU, interpreted on CPU
     assert llm.runner.attention_impl == "triton"
     prompts = random_prompts(5, 1, 70, vocab=512, seed=11)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -156,3 +157,13 @@ def test_kernels_compile_for_gpus():
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
     assert len(rows) == 2 * 3 * 8 and not any("FAILED" in row for row in rows)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_the_matmul_path_under_test(dtype):
+    """Under the interpreter (CPU) every matmul runs in float32; compiled on a GPU, 16-bit inputs take
+    the 16-bit tl.dot path. So the GPU run of this file is what checks that path: it must take it."""
+    from inflight.ops.triton_ops import attention_meta
+
+    _, constants = attention_meta(8, 2, 4, 2, 64, 16, dtype)
+    assert constants["DOT_FP32"] is (dtype == torch.float32 or DEVICE == "cpu")

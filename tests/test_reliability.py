@@ -127,8 +127,10 @@ GRPC_CASES = {
                                "max_tokens"),
     "conflicting min_tokens and min_length": (lambda: make_inputs("hi", min_tokens=2, min_length=3), "min_length"),
     "min_tokens above max_tokens": (lambda: make_inputs("hi", max_tokens=3, min_tokens=9), "min_tokens"),
-    "stream flag as string": (lambda: make_inputs("hi", exclude_input_in_output=np.array([b"yes"], np.object_)),
-                              "exclude_input_in_output"),
+    "stream flag as string": (lambda: [tensor("text_input", text(b"hi")),
+                                       tensor("stream", np.array([b"yes"], np.object_))], "stream"),
+    "exclude_input_in_output as string": (
+        lambda: make_inputs("hi", exclude_input_in_output=np.array([b"yes"], np.object_)), "exclude_input_in_output"),
 }
 
 HTTP_CASES = {
@@ -174,7 +176,6 @@ def test_bad_input_matrix(server, reference):
             if error is None or words.lower() not in error.lower():
                 failures.append(f"HTTP {name}: {error}")
     assert not failures, "\n".join(failures)
-    assert len(GRPC_CASES) + len(HTTP_CASES) >= 25
     assert [good_results[i].text for i in range(len(good_prompts))] == expected
     assert all(good_results[i].error is None for i in range(len(good_prompts)))
     assert server.alive()
@@ -218,7 +219,9 @@ def test_cache_exhaustion_preempts_and_completes_everything(server, reference):
         pass
     assert all(results[i].error is None for i in range(len(prompts)))
     assert [results[i].text for i in range(len(prompts))] == expected
-    assert server.metrics()["inflight_num_preemptions_total"] > before
+    preemptions = server.metrics()["inflight_num_preemptions_total"] - before
+    print(f"\ncache exhaustion: {preemptions:.0f} preemptions for 24 requests")
+    assert 0 < preemptions <= 24  # the admission watermark keeps re-admitted sequences from thrashing
     assert_all_blocks_free(server)
 
 
@@ -268,5 +271,6 @@ def test_soak_one_minute(server):
     print(f"soak: {result.requests} requests in {result.seconds:.0f} s, stub RSS growth {result.rss_growth_mib:.1f} MiB")
     assert result.failed_runs == 0, result.failures[0]
     assert result.requests >= 160
-    assert result.rss_growth_mib < 200, f"resident memory grew by {result.rss_growth_mib:.0f} MiB"
+    # Measured: +0.1 to +0.3 MiB over such runs; a leak of 26 KiB per request (640 of them) fails it.
+    assert result.rss_growth_mib < 16, f"resident memory grew by {result.rss_growth_mib:.1f} MiB"
     assert_all_blocks_free(server)

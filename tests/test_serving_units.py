@@ -28,9 +28,11 @@ def test_parse_tensorrtllm_style():
     parsed = parse_request({"text_input": text("hi"), "max_tokens": np.array([7], np.int32),
                             "min_length": np.array([3], np.int32), "end_id": np.array([2], np.int32),
                             "stop_words": np.array([b"END", b""], dtype=np.object_),
-                            "bad_words": np.array([b"darn"], dtype=np.object_)})
+                            "bad_words": np.array([b"darn"], dtype=np.object_),
+                            "random_seed": np.array([42], np.uint64)})
     p = parsed.params
     assert (p.max_tokens, p.min_tokens, p.stop_token_ids, p.stop, p.bad_words) == (7, 3, [2], ["END"], ["darn"])
+    assert p.seed == 42
 
 
 @pytest.mark.parametrize("inputs, words", [
@@ -43,6 +45,28 @@ def test_parse_tensorrtllm_style():
 def test_parse_errors_name_the_problem(inputs, words):
     with pytest.raises(ValueError, match=words):
         parse_request(inputs)
+
+
+def test_input_sizes_are_limited_by_the_settings():
+    settings = split_settings({"model": "m", "max_input_bytes": 100, "max_words": 3, "max_word_chars": 5,
+                               "max_tokens_limit": 50})[1]
+    words = lambda *ws: np.array([w.encode() for w in ws], dtype=np.object_)  # noqa: E731
+    cases = [
+        ({"text_input": text("x" * 101)}, "max_input_bytes"),
+        ({"text_input": text("hi"), "bad_words": words("a" * 6)}, "max_word_chars"),
+        ({"text_input": text("hi"), "stop_words": words("a", "b", "c", "d")}, "max_words"),
+        ({"text_input": text("hi"), "sampling_parameters": text('{"bad_words": ["a", "b", "c", "d"]}')}, "max_words"),
+        ({"text_input": text("hi"), "sampling_parameters": text('{"stop": ["abcdef"]}')}, "max_word_chars"),
+        ({"text_input": text("hi"), "max_tokens": np.array([51], np.int32)}, "limit of 50"),
+    ]
+    for inputs, words_in_error in cases:
+        with pytest.raises(ValueError, match=words_in_error):
+            parse_request(inputs, settings=settings)
+    at_limits = parse_request({"text_input": text("x" * 100), "bad_words": words("abcde", "b", "c"),
+                               "max_tokens": np.array([50], np.int32)}, settings=settings)
+    assert at_limits.params.bad_words == ["abcde", "b", "c"] and at_limits.params.max_tokens == 50
+    with pytest.raises(ValueError, match="max_words must be at most 64"):
+        split_settings({"model": "m", "max_words": 65})
 
 
 def test_unknown_parameters_are_refused_but_triton_ones_pass():
@@ -69,11 +93,11 @@ def collect(thread_kwargs, submit, send_delay_s: float = 0.0):
     results, done = {}, threading.Event()
     expected = []
 
-    def on_delta(delta, error):
+    def on_delta(delta):
         threading.Event().wait(send_delay_s)
         results.setdefault(delta.request_id, ([], []))[0].append(delta)
         if delta.finished:
-            results[delta.request_id][1].append(error)
+            results[delta.request_id][1].append(delta.error)
             if all(r in results and results[r][0][-1].finished for r in expected):
                 done.set()
 
@@ -91,6 +115,13 @@ def test_engine_thread_serves_and_cancels(tiny_models):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in LLM(model, num_kv_blocks=64).generate(prompts, params)]
     cancel = {"long"}
+    engines = []
+
+    def poll():
+        # Cancel "long" once it is running (the early-abort test covers an abort that comes first).
+        if cancel and "long" in engines[0].unfinished_request_ids() and engines[0].stats()["num_running"]:
+            return [cancel.pop()]
+        return []
 
     def submit(thread):
         for i, p in enumerate(prompts):
@@ -98,12 +129,29 @@ def test_engine_thread_serves_and_cancels(tiny_models):
         thread.submit("long", prompts[0], SamplingParams(max_tokens=500, ignore_eos=True))
         return [*map(str, range(len(prompts))), "long"]
 
-    engine, results = collect(dict(make_engine=lambda: LLM(model, num_kv_blocks=64),
-                                   poll_cancelled=lambda: [cancel.pop()] if cancel else []), submit)
+    def make_engine():
+        engines.append(LLM(model, num_kv_blocks=64))
+        return engines[0]
+
+    engine, results = collect(dict(make_engine=make_engine, poll_cancelled=poll), submit)
     for i in range(len(prompts)):
         deltas, errors = results[str(i)]
         assert [t for d in deltas for t in d.new_token_ids] == expected[i] and errors == [None]
-    assert results["long"][0][-1].finish_reason == "abort"
+    long_deltas = results["long"][0]
+    assert long_deltas[-1].finish_reason == "abort" and long_deltas[-1].num_output_tokens < 500
+    assert engine.stats()["requests_aborted_total"] == 1
+    engine.block_manager.check_all_free()
+
+
+def test_an_abort_that_overtakes_its_request_is_kept(tiny_models):
+    """A client that cancels at once: the abort reaches the engine (and is drained) first."""
+    engine = LLM(tiny_models["llama"], num_kv_blocks=64)
+    engine.abort("early")
+    assert engine.step() == []  # drained: the id is unknown yet
+    engine.add_request("early", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+    deltas = engine.step()
+    assert [(d.request_id, d.finish_reason, d.num_output_tokens) for d in deltas] == [("early", "abort", 0)]
+    assert not engine.has_unfinished() and engine.stats()["requests_aborted_total"] == 1
     engine.block_manager.check_all_free()
 
 
@@ -123,7 +171,7 @@ def test_engine_failure_ends_requests_with_an_error_and_keeps_serving(tiny_model
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     _, results = collect(dict(make_engine=lambda: engine),
                          lambda t: [t.submit("a", [5, 6, 7], params), "a"][1:])
-    assert "simulated device error" in results["a"][1][0]
+    assert "simulated device error" in results["a"][1][0] and results["a"][0][-1].finish_reason == "error"
     engine.block_manager.check_all_free()
     _, again = collect(dict(make_engine=lambda: engine), lambda t: [t.submit("b", [5, 6, 7], params), "b"][1:])
     assert again["b"][1] == [None] and len([x for d in again["b"][0] for x in d.new_token_ids]) == 5

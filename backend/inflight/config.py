@@ -19,6 +19,9 @@ class EngineConfig:
     device: str = "cpu"
     trust_remote_code: bool = False
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+    # A step that raises fails its own requests and the engine goes on; this many failed steps in a
+    # row (a sticky device error, say) and the engine stops: every request ends with an error.
+    max_consecutive_failed_steps: int = 3
 
     # Share of free memory given to the KV pool when neither a block count nor bytes are set.
     # A GPU holds little else; on a CPU host the rest of the machine needs its memory.
@@ -43,8 +46,12 @@ class EngineConfig:
         positive("max_num_batched_tokens")
         positive("max_model_len", allow_none=True)
         positive("num_threads", allow_none=True)
-        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
-            raise ValueError("set num_kv_blocks or kv_cache_memory, not both")
+        positive("max_consecutive_failed_steps")
+        pool_sizes = [name for name in ("num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction")
+                      if getattr(self, name) is not None]
+        if len(pool_sizes) > 1:
+            raise ValueError(f"set one of num_kv_blocks, kv_cache_memory and kv_cache_memory_fraction, "
+                             f"not {' and '.join(pool_sizes)}")
         frac = self.kv_cache_memory_fraction
         if frac is not None and not 0.0 < frac <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {frac!r}")

@@ -2,9 +2,18 @@
 
 `add_request` and `abort` may be called from any thread while another thread runs `step()`: they
 only validate and post to an inbox, which `step()` drains under a lock before scheduling.
+
+Every request admitted gets exactly one final delta, whatever fails. A step that raises ends the
+requests of its batch with finish_reason "error" (every request, when the failure left the engine's
+own state in doubt), frees their blocks, and the engine serves on. After
+`max_consecutive_failed_steps` failed steps in a row the engine is dead: every request ends with an
+error and `add_request` raises EngineDeadError.
 """
 
+import logging
+import queue
 import threading
+import time
 from collections import deque
 
 import torch
@@ -17,15 +26,34 @@ from .model_runner import ModelRunner
 from .outputs import RequestDelta
 from .sampler import sample
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+# An abort may overtake its request (a client that cancels at once): it waits this long for it.
+EARLY_ABORT_MEMORY_S = 60.0
+# Tokenizers for encoding requests: as many encodes can run at once (the Triton model runs at most
+# two: a long prompt on a thread of its own, short ones on the execute thread).
+ENCODERS = 2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed persistently and takes no more requests."""
 
 
 class LLMEngine:
     def __init__(self, model: str, **settings):
         self.config = EngineConfig(model=model, **settings)
-        self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=self.config.trust_remote_code)
-        self._tokenizer_lock = threading.Lock()
+        # The engine decodes its outputs with a tokenizer of its own; requests are encoded on the callers'
+        # threads with others (a HF fast tokenizer must not be used by two threads at once), so a huge
+        # prompt holds up neither the streams' text nor the encoding of a short prompt beside it.
+        load = lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=self.config.trust_remote_code)  # noqa: E731
+        self.tokenizer = load()
+        self._decode_lock = threading.Lock()
+        self._encoders: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(ENCODERS):
+            self._encoders.put(load())
         self.runner = ModelRunner(self.config)
         self.eos_token_ids = self._eos_token_ids(model)
         capacity = self.runner.num_blocks * self.config.block_size
@@ -43,9 +71,16 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._inbox: deque[Sequence] = deque()
         self._abort_inbox: deque[str] = deque()
+        self._early_aborts: dict[str, float] = {}  # aborted ids not seen yet -> when the abort came
         self._requests: dict[str, Sequence] = {}  # every unfinished request, by id
-        self.num_prompt_tokens = 0  # counters since start
+        self.dead_reason: str | None = None  # set once the engine has stopped for good
+        self._consecutive_failures = 0
+        self.num_steps = 0  # counters since start
+        self.num_failed_steps = 0
+        self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.num_aborted = 0
+        self.num_failed_requests = 0
 
     def _eos_token_ids(self, model: str) -> list[int]:
         ids: set[int] = set()
@@ -60,15 +95,22 @@ class LLMEngine:
         return sorted(ids)
 
     # -- requests --------------------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
-        with self._tokenizer_lock:
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # The batch call runs in the tokenizers library with the interpreter lock released, so the
+        # engine's thread keeps stepping while a long prompt is encoded.
+        encoder = self._encoders.get()
+        try:
+            return encoder([text], add_special_tokens=add_special_tokens)["input_ids"][0]
+        finally:
+            self._encoders.put(encoder)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Validate and queue a request. Raises ValueError naming the problem; nothing is queued then."""
+        """Validate and queue a request. Raises ValueError naming the problem (EngineDeadError once the
+        engine has stopped); nothing is queued then."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
+        self._check_alive()
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -91,28 +133,33 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                               self._tokenizer_lock),
+                                               self._decode_lock),
             generator=generator,
             bad_words_ids=bad_words_ids,
         )
         with self._lock:
+            self._check_alive()
             if request_id in self._requests or any(s.request_id == request_id for s in self._inbox):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox.append(seq)
 
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine has stopped and takes no requests: {self.dead_reason}")
+
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as it would be tokenized alone and after a space."""
         variants = set()
-        with self._tokenizer_lock:
-            for word in words:
-                for text in (word, " " + word.lstrip()):
-                    ids = self.tokenizer.encode(text, add_special_tokens=False)
-                    if ids:
-                        variants.add(tuple(ids))
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.encode(text, add_special_tokens=False)
+                if ids:
+                    variants.add(tuple(ids))
         return [list(v) for v in sorted(variants)]
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request; its final delta (finish_reason "abort") comes from the next step()."""
+        """Cancel a request; its final delta (finish_reason "abort") comes from the next step(). An
+        abort that arrives before its request is kept for EARLY_ABORT_MEMORY_S."""
         with self._lock:
             self._abort_inbox.append(request_id)
 
@@ -126,62 +173,149 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Schedule, run one forward pass, sample, and return what each touched request gained."""
-        deltas = self._drain_inbox()
-        batch = self.scheduler.schedule()
+        """Schedule, run one forward pass, sample, and return what each touched request gained.
+        Never raises for a failure of the step itself: see the module's docstring."""
+        deltas: list[RequestDelta] = []
+        batch = None
+        try:
+            self._drain_inbox(deltas)
+            if self.dead_reason is None:
+                batch = self.scheduler.schedule()
+                self._run(batch, deltas)
+        except Exception as e:
+            logger.exception("engine step failed")
+            self._fail_step(e, batch, deltas)
+        else:
+            self._consecutive_failures = 0
+        return deltas
+
+    def _run(self, batch: ScheduledBatch, deltas: list[RequestDelta]) -> None:
         if not batch.seqs:
-            return deltas
+            return
+        self.num_steps += 1
         # Sequences whose last scheduled token is their last known token sample a next token.
         rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
-        logits = self.runner.execute(batch, rows)
+        logits = self._forward(batch, rows)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
         sampling = [batch.seqs[i] for i in rows]
         if not sampling:
-            return deltas
-        for seq, token in zip(sampling, sample(logits, sampling, self.eos_token_ids)):
+            return
+        for seq, token in zip(sampling, self._sample(logits, sampling)):
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
             self._check_finished(seq, token)
             deltas.append(self._delta(seq))
-        return deltas
 
-    def _drain_inbox(self) -> list[RequestDelta]:
-        deltas = []
+    # The three stages of a step that run outside the engine's bookkeeping (faults.py wraps them).
+    def _forward(self, batch: ScheduledBatch, rows: list[int]) -> torch.Tensor:
+        return self.runner.execute(batch, rows)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return sample(logits, seqs, self.eos_token_ids)
+
+    def _detokenize(self, seq: Sequence, token_ids: list[int]) -> str:
+        return seq.detokenizer.add_tokens(token_ids)
+
+    def _drain_inbox(self, deltas: list[RequestDelta]) -> None:
         with self._lock:
-            while self._inbox:
-                seq = self._inbox.popleft()
-                self._requests[seq.request_id] = seq
+            arrived, self._inbox = list(self._inbox), deque()
+            aborts, self._abort_inbox = list(self._abort_inbox), deque()
+        now = time.monotonic()
+        for seq in arrived:
+            self._requests[seq.request_id] = seq
+            self.num_prompt_tokens += seq.num_prompt_tokens
+            if self.dead_reason is not None:
+                deltas.append(self._fail(seq, self.dead_reason))
+            elif self._early_aborts.pop(seq.request_id, None) is not None:
+                deltas.append(self._abort(seq))
+            else:
                 self.scheduler.add(seq)
-                self.num_prompt_tokens += seq.num_prompt_tokens
-            while self._abort_inbox:
-                seq = self._requests.get(self._abort_inbox.popleft())
-                if seq is not None and not seq.is_finished:
-                    self.scheduler.finish(seq, "abort")
-                    deltas.append(self._delta(seq))
+        for request_id in aborts:
+            seq = self._requests.get(request_id)
+            if seq is None:
+                self._early_aborts[request_id] = now
+            elif not seq.is_finished:
+                deltas.append(self._abort(seq))
+        for request_id, when in list(self._early_aborts.items()):
+            if now - when > EARLY_ABORT_MEMORY_S:
+                del self._early_aborts[request_id]
+
+    def _abort(self, seq: Sequence) -> RequestDelta:
+        self.scheduler.finish(seq, "abort")
+        self.num_aborted += 1
+        return self._delta(seq)
+
+    # -- failures ----------------------------------------------------------------------------------
+    def _fail_step(self, error: Exception, batch: ScheduledBatch | None, deltas: list[RequestDelta]) -> None:
+        """End what a failed step touched. The deltas already built stay: a request that finished
+        earlier in the step keeps its normal end."""
+        self.num_failed_steps += 1
+        self._consecutive_failures += 1
+        message = f"the engine failed: {type(error).__name__}: {error}"
+        if self._consecutive_failures >= self.config.max_consecutive_failed_steps:
+            self._die(f"{self._consecutive_failures} steps failed in a row; the last: {message}")
+        if batch is None or self.dead_reason is not None:
+            victims = list(self._requests.values())  # failed outside the batch: nothing is known good
+        else:
+            victims = batch.seqs
+        for seq in victims:
+            if not seq.is_finished:
+                deltas.append(self._fail(seq, self.dead_reason or message))
+
+    def _fail(self, seq: Sequence, message: str) -> RequestDelta:
+        try:
+            if seq.status is SequenceStatus.FINISHED:
+                seq.finish_reason = "error"
+            else:
+                self.scheduler.finish(seq, "error")
+        except Exception:  # the block pool itself is broken: nothing can be trusted any more
+            logger.exception("could not free the blocks of %s", seq.request_id)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            self._die(f"the KV block pool is inconsistent after: {message}")
+        self.num_failed_requests += 1
+        delta = self._delta(seq)
+        delta.error = message
+        return delta
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            if self.dead_reason is None:
+                self.dead_reason = reason
+                logger.error("the engine has stopped: %s", reason)
+
+    def shut_down(self, reason: str) -> list[RequestDelta]:
+        """Stop for good (from outside, e.g. when the thread that steps the engine failed): every
+        request ends with an error; later add_request calls raise EngineDeadError."""
+        self._die(reason)
+        deltas: list[RequestDelta] = []
+        self._drain_inbox(deltas)
+        for seq in list(self._requests.values()):
+            deltas.append(self._fail(seq, self.dead_reason))
         return deltas
 
+    # -- stop conditions and deltas -----------------------------------------------------------------
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
         text_before = len(seq.output_text)
-        seq.output_text += seq.detokenizer.add_tokens([token])
+        seq.output_text += self._detokenize(seq, [token])
         num_out = len(seq.output_token_ids)
         reason = None
-        if num_out >= p.min_tokens:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                reason = "stop"
-            elif p.stop:
-                cut = find_stop_string(seq.output_text, p.stop, text_before)
-                if cut != -1:
-                    seq.output_text = seq.output_text[:cut]  # the stop string and all after it go
-                    self.scheduler.finish(seq, "stop")
-                    return
-        if reason is None and (num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        if num_out >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos)
+                                        or token in p.stop_token_ids):
+            reason = "stop"
+        elif num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            seq.output_text += seq.detokenizer.flush()
+            seq.output_text += seq.detokenizer.flush()  # text held back for an incomplete character
+        if p.stop and num_out >= p.min_tokens:
+            cut = find_stop_string(seq.output_text, p.stop, text_before)
+            if cut != -1:
+                seq.output_text = seq.output_text[:cut]  # the stop string and all after it go
+                reason = "stop"
+        if reason is not None:
             self.scheduler.finish(seq, reason)
 
     def _delta(self, seq: Sequence) -> RequestDelta:
@@ -218,4 +352,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
+            "requests_aborted_total": self.num_aborted,
+            "requests_failed_total": self.num_failed_requests,
+            "failed_steps_total": self.num_failed_steps,
         }

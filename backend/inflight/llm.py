@@ -34,6 +34,7 @@ class LLM(LLMEngine):
         token_ids: dict[str, list[int]] = {i: [] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
         reasons: dict[str, str] = {}
+        errors: dict[str, str] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(reasons) < len(ids):
             for delta in self.step():
@@ -41,8 +42,10 @@ class LLM(LLMEngine):
                 texts[delta.request_id].append(delta.new_text)
                 if delta.finished:
                     reasons[delta.request_id] = delta.finish_reason
+                    if delta.error is not None:
+                        errors[delta.request_id] = delta.error
                     bar.update(1)
         bar.close()
         prompt_ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
-        return [RequestOutput(i, prompt_ids[k], token_ids[i], "".join(texts[i]), reasons[i])
+        return [RequestOutput(i, prompt_ids[k], token_ids[i], "".join(texts[i]), reasons[i], errors.get(i))
                 for k, i in enumerate(ids)]

@@ -11,9 +11,10 @@ class RequestDelta:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None  # why the engine ended the request, when finish_reason is "error"
 
     def followed_by(self, later: "RequestDelta") -> "RequestDelta":
         """This delta and a later one of the same request, as one."""
@@ -38,3 +39,4 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    error: str | None = None  # why the engine ended the request, when finish_reason is "error"

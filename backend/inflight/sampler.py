@@ -62,8 +62,9 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if bool((top_p < 1.0).any()):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already hold top_p of the mass.
-        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
+        # Drop a token when the tokens ranked above it already hold top_p of the mass. Rows without
+        # top-p drop nothing: their cumulative sums can round past 1.0 in the tail.
+        drop = ((torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p) & (top_p < 1.0)
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
     min_p = torch.tensor([s.params.min_p for s in seqs], device=device)[:, None]

@@ -23,6 +23,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never generated (TensorRT-LLM's bad_words)
     skip_special_tokens: bool = True
 
+    # The engine's ceilings for words (each stop string and bad word is searched or tokenized per
+    # request); a server may set lower limits (serving/settings.py).
     MAX_STOP_STRINGS = 64
     MAX_STOP_LENGTH = 256
 
@@ -66,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"bad_words has {len(self.bad_words)} entries; at most {self.MAX_STOP_STRINGS} are allowed")
         if any(not isinstance(w, str) or not w for w in self.bad_words):
             raise ValueError("bad_words must hold non-empty strings")
+        if any(len(w) > self.MAX_STOP_LENGTH for w in self.bad_words):
+            raise ValueError(f"bad_words must be at most {self.MAX_STOP_LENGTH} characters long")
         if len(self.stop_token_ids) > self.MAX_STOP_STRINGS:
             raise ValueError(f"stop_token_ids has more than {self.MAX_STOP_STRINGS} entries")
         for t in self.stop_token_ids:

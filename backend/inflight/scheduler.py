@@ -4,6 +4,7 @@ Every step: each running sequence that is decoding gets one token, then sequence
 (running ones first, then waiting ones, first come first served) get chunks of their prompts until the
 token budget is spent. When the pool cannot give a decoding sequence its next block, the newest running
 sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed.
+New sequences are admitted only while blocks stay free for the running ones' growth.
 """
 
 from collections import deque
@@ -67,14 +68,20 @@ class Scheduler:
                 if self._make_room(batch, seq, 1):
                     budget -= self._schedule_chunk(batch, seq, budget)
 
-        # 3. Admit waiting sequences while there is budget, room and memory.
+        # 3. Admit waiting sequences while there is budget, room and memory: memory beyond a reserve
+        #    of one block for each running sequence that will need one (a watermark), so that a newly
+        #    admitted (or re-admitted) sequence is not preempted again by the next step's growth.
+        reserve = self._reserved_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self.block_manager.match_prefix(seq)
-            n = self._schedule_chunk(batch, seq, budget)
+            wanted = min(seq.num_uncomputed_tokens, budget)
+            short = self.block_manager.blocks_needed(seq, wanted) + reserve > self.block_manager.num_free_blocks
+            n = 0 if short and self.running else self._schedule_chunk(batch, seq, budget)
             if n == 0:
                 self.block_manager.free(seq)  # give back the prefix blocks taken for nothing
                 break
+            reserve += 1
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -82,6 +89,16 @@ class Scheduler:
             self.prefix_hit_tokens += hit
             budget -= n
         return batch
+
+    def _reserved_blocks(self) -> int:
+        """Running sequences whose next tokens will not fit in the blocks they hold."""
+        bs = self.block_manager.block_size
+        reserve = 0
+        for seq in self.running:
+            room = len(seq.block_table) * bs - seq.num_tokens
+            if room < min(bs, seq.params.max_tokens - len(seq.output_token_ids)):
+                reserve += 1
+        return reserve
 
     def _make_room(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the newest unscheduled sequences until `seq` can get blocks for `num_tokens` more
@@ -112,7 +129,7 @@ class Scheduler:
         """Take `seq` out of the queues for good and return its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # not queued if never added
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -10,6 +10,10 @@ sends, then the next step: 85 to 95 tok/s, as offline in the same runs.
 The engine is built on its stepping thread, so that every torch operation runs on that one thread:
 once two threads have both run CPU kernels, each keeps an OpenMP team, and the idle team slows the
 busy one (small matmuls about 1.5x slower, measured here).
+
+A failed step is the engine's own business (it ends the requests it must, with an error delta). When
+the engine stops for good, or the stepping loop itself breaks, `on_dead(reason)` runs on the responder
+thread after every delta before it has been handed on, so the caller can end whatever is left.
 """
 
 import logging
@@ -26,16 +30,18 @@ logger = logging.getLogger(__name__)
 
 class EngineThread:
     def __init__(self, make_engine: Callable[[], LLMEngine],
-                 on_delta: Callable[[RequestDelta, str | None], None],
+                 on_delta: Callable[[RequestDelta], None],
                  poll_cancelled: Callable[[], list[str]] = lambda: [],
                  on_step: Callable[[dict], None] = lambda stats: None,
+                 on_dead: Callable[[str], None] = lambda reason: None,
                  poll_interval_s: float = 0.0, overlap_sending: bool | None = None):
-        """on_delta(delta, error) runs on the responder thread for every delta; `error` is set when the
-        request was ended by a failure of the engine rather than by its own course. poll_cancelled()
-        runs on the responder thread and names requests to abort. on_step(engine.stats()) runs after every
-        step and when idle. Polling can cost a message to the server per request, so it runs at most
-        every `poll_interval_s`. `overlap_sending`: send a step's responses while the next step runs;
-        None: only when the engine is not on CPU."""
+        """on_delta(delta) runs on the responder thread for every delta (`delta.error` says why the
+        engine ended a request that failed). poll_cancelled() runs on the responder thread and names
+        requests to abort. on_step(engine.stats()) runs after every step and when idle. on_dead(reason)
+        runs once, on the responder thread, when the engine has stopped for good. Polling can cost a
+        message to the server per request, so it runs at most every `poll_interval_s`.
+        `overlap_sending`: send a step's responses while the next step runs; None: only when the engine
+        is not on CPU."""
         self._make_engine = make_engine
         self.engine: LLMEngine | None = None
         self._ready = threading.Event()
@@ -46,10 +52,11 @@ class EngineThread:
         self._overlap_sending = overlap_sending
         self._last_poll = 0.0
         self._on_step = on_step
+        self._on_dead = on_dead
         self._wake = threading.Condition()
         self._stopping = False
-        self._failed: dict[str, str] = {}  # request id -> why the engine dropped it
-        self._outbox: queue.Queue[list[RequestDelta] | None] = queue.Queue()
+        # A step's deltas; a str: the engine died for that reason; None: stop.
+        self._outbox: queue.Queue[list[RequestDelta] | str | None] = queue.Queue()
         self._stepper = threading.Thread(target=self._step_loop, name="inflight-engine", daemon=True)
         self._responder = threading.Thread(target=self._respond_loop, name="inflight-responder", daemon=True)
 
@@ -100,31 +107,35 @@ class EngineThread:
                 if self._stopping:
                     return
             try:
-                deltas = self.engine.step()
-            except Exception as e:  # a bug or an out-of-memory: fail what is in flight, keep serving
-                logger.exception("engine step failed")
-                deltas = self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
-            if deltas:
-                self._outbox.put(deltas)
-                if not self._overlap_sending:
-                    self._outbox.join()  # until the responder has handed every delta on
+                self._put(self.engine.step())  # a failed step ends its own requests with error deltas
+            except BaseException as e:  # the loop itself is broken: end everything, stop stepping
+                logger.exception("the engine loop failed")
+                self._end_dead_engine(f"the engine loop failed: {type(e).__name__}: {e}")
+                return
+            if self.engine.dead_reason is not None:
+                self._end_dead_engine(self.engine.dead_reason)
+                return
             self._report_step()
+
+    def _end_dead_engine(self, reason: str) -> None:
+        try:
+            self._put(self.engine.shut_down(reason))  # also requests that slipped in as it died
+        except BaseException:
+            logger.exception("could not end the requests of the stopped engine")
+        self._report_step()
+        self._outbox.put(self.engine.dead_reason or reason)
+
+    def _put(self, deltas: list[RequestDelta]) -> None:
+        if deltas:
+            self._outbox.put(deltas)
+            if not self._overlap_sending:
+                self._outbox.join()  # until the responder has handed every delta on
 
     def _report_step(self) -> None:
         try:
             self._on_step(self.engine.stats())
         except Exception:  # metrics must never stop the engine
             logger.exception("on_step failed")
-
-    def _fail_all(self, reason: str) -> list[RequestDelta]:
-        for request_id in self.engine.unfinished_request_ids():
-            self._failed[request_id] = reason
-            self.engine.abort(request_id)
-        try:
-            return self.engine.step()  # only the aborts: nothing is scheduled any more
-        except Exception:
-            logger.exception("engine could not recover")
-            return []
 
     def _respond_loop(self) -> None:
         # Polling for cancellations runs here, on the thread that sends responses: a request is never
@@ -138,12 +149,16 @@ class EngineThread:
             stopping = None in steps
             # When sending falls behind the engine (fast steps, many requests), the steps waiting here
             # go out as one response per request: fewer messages, and every client catches up at once.
-            for delta in coalesce([deltas for deltas in steps if deltas is not None]):
-                error = self._failed.pop(delta.request_id, None) if delta.finished else None
+            for delta in coalesce([deltas for deltas in steps if isinstance(deltas, list)]):
                 try:
-                    self._on_delta(delta, error)
+                    self._on_delta(delta)
                 except Exception:
                     logger.exception("sending the response of %s failed", delta.request_id)
+            for reason in (item for item in steps if isinstance(item, str)):
+                try:
+                    self._on_dead(reason)
+                except Exception:
+                    logger.exception("on_dead failed")
             if not stopping and time.monotonic() - self._last_poll >= self._poll_interval_s:
                 self._last_poll = time.monotonic()
                 self._poll()

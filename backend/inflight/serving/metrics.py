@@ -16,6 +16,9 @@ COUNTERS = {
     "prefix_cache_queried_tokens": ("inflight_prefix_cache_queried_tokens_total",
                                     "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hit_tokens": ("inflight_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache"),
+    "requests_aborted_total": ("inflight_requests_aborted_total", "Requests cancelled by their clients"),
+    "requests_failed_total": ("inflight_requests_failed_total", "Requests ended by a failure of the engine"),
+    "failed_steps_total": ("inflight_failed_steps_total", "Engine steps that raised"),
 }
 
 

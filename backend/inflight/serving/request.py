@@ -3,7 +3,8 @@
 The input names are a superset of NVIDIA's vllm_backend (`text_input`, `stream`,
 `exclude_input_in_output`, `sampling_parameters` as JSON) and of the TensorRT-LLM backend (`max_tokens`,
 `min_length`, `end_id`, `stop_words`, ...), so genai-perf, perf_analyzer and existing clients work
-unchanged. Every problem raises a ValueError that names the input.
+unchanged. Every problem raises a ValueError that names the input. Sizes are checked against the
+server's limits (ServingSettings) before anything is tokenized.
 """
 
 import json
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from .settings import ServingSettings
 
 # Tensor inputs that carry a sampling parameter: input name -> SamplingParams field.
 SCALAR_PARAMS = {
@@ -26,13 +28,13 @@ SCALAR_PARAMS = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "seed": "seed",
+    "random_seed": "seed",  # TensorRT-LLM's name
     "ignore_eos": "ignore_eos",
 }
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
          "return_num_output_tokens")
 KNOWN_INPUTS = {"text_input", "sampling_parameters", "end_id", "stop_words", "bad_words",
                 *SCALAR_PARAMS, *FLAGS}
-MAX_TEXT_BYTES = 1 << 20
 
 
 @dataclass
@@ -57,29 +59,45 @@ def _scalar(name: str, array: np.ndarray):
     return value
 
 
-def _text(name: str, value) -> str:
+def _text(name: str, value, max_bytes: int) -> str:
     if isinstance(value, str):
-        return value
+        value = value.encode("utf-8")
     if not isinstance(value, (bytes, bytearray)):
         raise ValueError(f"input '{name}' must be BYTES (a UTF-8 string), got {type(value).__name__}")
-    if len(value) > MAX_TEXT_BYTES:
-        raise ValueError(f"input '{name}' is {len(value)} bytes long; at most {MAX_TEXT_BYTES} are accepted")
+    if len(value) > max_bytes:
+        raise ValueError(f"input '{name}' is {len(value)} bytes long; this server accepts at most {max_bytes} "
+                         "(max_input_bytes)")
     try:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"input '{name}' is not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
-def _word_list(name: str, array: np.ndarray) -> list[str]:
-    words = [_text(name, v) for v in array.reshape(-1)]
+def _word_list(name: str, array: np.ndarray, settings: ServingSettings) -> list[str]:
+    if array.size > settings.max_words:
+        raise ValueError(f"input '{name}' holds {array.size} words; this server accepts at most "
+                         f"{settings.max_words} (max_words)")
+    words = [_text(name, v, settings.max_input_bytes) for v in array.reshape(-1)]
     return [w for w in words if w]
 
 
-def parse_request(inputs: dict[str, np.ndarray], defaults: dict | None = None,
-                  parameters: dict | None = None) -> ParsedRequest:
+def _check_words(field: str, words: list, settings: ServingSettings) -> None:
+    if len(words) > settings.max_words:
+        raise ValueError(f"{field} holds {len(words)} words; this server accepts at most {settings.max_words} "
+                         "(max_words)")
+    for word in words:
+        if isinstance(word, str) and len(word) > settings.max_word_chars:
+            raise ValueError(f"{field} holds a word of {len(word)} characters; this server accepts at most "
+                             f"{settings.max_word_chars} (max_word_chars)")
+
+
+def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
+                  settings: ServingSettings | None = None) -> ParsedRequest:
     """`inputs` maps each input name the request carried to its numpy array; `parameters` are the
     request's parameters (HTTP generate turns unknown JSON keys into parameters, so a misspelt input
-    arrives there and must not pass silently)."""
+    arrives there and must not pass silently); `settings` give the defaults and limits."""
+    settings = settings or ServingSettings()
+    max_bytes = settings.max_input_bytes
     unknown = sorted(set(inputs) - KNOWN_INPUTS)
     if unknown:
         raise ValueError(f"unknown input(s): {', '.join(unknown)}")
@@ -88,13 +106,13 @@ def parse_request(inputs: dict[str, np.ndarray], defaults: dict | None = None,
         raise ValueError(f"unknown parameter(s): {', '.join(unknown)}; inputs are: {', '.join(sorted(KNOWN_INPUTS))}")
     if "text_input" not in inputs:
         raise ValueError("input 'text_input' is required")
-    prompt = _text("text_input", _scalar("text_input", inputs["text_input"]))
+    prompt = _text("text_input", _scalar("text_input", inputs["text_input"]), max_bytes)
     if not prompt:
         raise ValueError("input 'text_input' must not be empty")
 
-    values = dict(defaults or {})
+    values = {"max_tokens": settings.default_max_tokens}
     if "sampling_parameters" in inputs:
-        raw = _text("sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"]))
+        raw = _text("sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"]), max_bytes)
         try:
             from_json = json.loads(raw) if raw.strip() else {}
         except json.JSONDecodeError as e:
@@ -118,9 +136,13 @@ def parse_request(inputs: dict[str, np.ndarray], defaults: dict | None = None,
     if "end_id" in inputs:
         values["stop_token_ids"] = list(values.get("stop_token_ids", [])) + [_scalar("end_id", inputs["end_id"])]
     if "stop_words" in inputs:
-        values["stop"] = list(values.get("stop", [])) + _word_list("stop_words", inputs["stop_words"])
+        values["stop"] = list(values.get("stop", [])) + _word_list("stop_words", inputs["stop_words"], settings)
     if "bad_words" in inputs:
-        values["bad_words"] = list(values.get("bad_words", [])) + _word_list("bad_words", inputs["bad_words"])
+        values["bad_words"] = list(values.get("bad_words", [])) + _word_list("bad_words", inputs["bad_words"],
+                                                                             settings)
+    for field in ("stop", "bad_words"):
+        if isinstance(values.get(field), (list, tuple)):
+            _check_words(field, values[field], settings)
 
     flags = {}
     for name in FLAGS:
@@ -129,4 +151,8 @@ def parse_request(inputs: dict[str, np.ndarray], defaults: dict | None = None,
             if not isinstance(value, bool):
                 raise ValueError(f"input '{name}' must be BOOL, got {value!r}")
             flags[name] = value
-    return ParsedRequest(prompt=prompt, params=SamplingParams(**values), **flags)
+    params = SamplingParams(**values)
+    if params.max_tokens > settings.max_tokens_limit:
+        raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this server's limit of "
+                         f"{settings.max_tokens_limit}")
+    return ParsedRequest(prompt=prompt, params=params, **flags)

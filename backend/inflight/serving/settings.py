@@ -1,10 +1,11 @@
 """Settings of the Triton model, from model_repository/llm/1/model.json: the engine's own knobs (the
-names of `LLM(...)`) plus the serving settings: admission limits, cancellation polling, and whether
-responses are sent while the next step runs."""
+names of `LLM(...)`) plus the serving settings: admission and input-size limits, cancellation polling,
+and whether responses are sent while the next step runs."""
 
 from dataclasses import dataclass, fields
 
 from ..config import EngineConfig
+from ..sampling_params import SamplingParams
 
 
 @dataclass
@@ -13,6 +14,10 @@ class ServingSettings:
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # the longest prompt accepted (max_model_len applies anyway)
     default_max_tokens: int = 16  # max_tokens of a request that does not say
+    # Input sizes, checked before any tokenization (the engine's own ceilings: SamplingParams).
+    max_input_bytes: int = 1 << 20  # each text input (the prompt, sampling_parameters, each word)
+    max_words: int = SamplingParams.MAX_STOP_STRINGS  # stop words, and bad words, per request
+    max_word_chars: int = SamplingParams.MAX_STOP_LENGTH  # characters in one stop or bad word
     # Asking Triton whether a request was cancelled is a message per request: at most this often.
     cancel_poll_interval_s: float = 0.2
     # Send a step's responses while the next step runs (null: only off CPU; see engine_thread.py).
@@ -24,12 +29,17 @@ class ServingSettings:
         interval = self.cancel_poll_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 10:
             raise ValueError(f"cancel_poll_interval_s must be a number of seconds in [0, 10], got {interval!r}")
-        for name in ("max_queued_requests", "max_tokens_limit", "max_prompt_tokens", "default_max_tokens"):
+        for name in ("max_queued_requests", "max_tokens_limit", "max_prompt_tokens", "default_max_tokens",
+                     "max_input_bytes", "max_words", "max_word_chars"):
             value = getattr(self, name)
             if value is None and name == "max_prompt_tokens":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, ceiling in (("max_words", SamplingParams.MAX_STOP_STRINGS),
+                              ("max_word_chars", SamplingParams.MAX_STOP_LENGTH)):
+            if getattr(self, name) > ceiling:
+                raise ValueError(f"{name} must be at most {ceiling} (the engine's limit), got {getattr(self, name)}")
 
 
 def split_settings(settings: dict) -> tuple[dict, ServingSettings]:

@@ -2,7 +2,9 @@
 
 execute() only parses, validates and queues; it never waits for the model. The engine runs on its
 own thread; a responder thread sends each request's new text as it comes, the last response of a
-request carrying the FINAL flag, and aborts requests whose clients cancelled.
+request carrying the FINAL flag, and aborts requests whose clients cancelled. Every admitted request
+gets exactly one FINAL response: its end, its error, or (should the engine stop for good) an
+UNAVAILABLE error, after which the model unloads itself so that it reports not-ready.
 """
 
 import json
@@ -10,6 +12,7 @@ import os
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +32,8 @@ ROOT = _project_root()
 import triton_python_backend_utils as pb_utils  # noqa: E402
 import numpy as np  # noqa: E402
 
-from inflight import LLM  # noqa: E402
+from inflight import LLM, faults  # noqa: E402
+from inflight.engine import EngineDeadError  # noqa: E402
 from inflight.serving.engine_thread import EngineThread  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
 from inflight.serving.request import ParsedRequest, parse_request  # noqa: E402
@@ -43,6 +47,15 @@ def _error(message: str, code_name: str = "INVALID_ARG"):
 
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Prompts longer than this are tokenized on a thread of their own, not on Triton's execute thread.
+INLINE_TOKENIZE_CHARS = 1 << 16
+
+
+def _send_final_error(sender, message: str, code_name: str) -> None:
+    try:
+        sender.send(_error(message, code_name), flags=FINAL)
+    except Exception as e:  # the client is gone, or the stream was closed already
+        pb_utils.Logger.log_warn(f"inflight: could not send an error response: {e}")
 
 
 class AdmissionRefused(Exception):
@@ -58,6 +71,10 @@ class ActiveRequest:
     last_token_time: float | None = None
     text: list[str] = field(default_factory=list)  # non-streaming requests collect their text here
     cancelled: bool = False
+    # Set once the engine took the request. Until then it is never polled: a refusal's FINAL may be
+    # sent from another thread, and asking Triton about a request while its FINAL goes out crashes
+    # tritonserver (a segfault in TRITONBACKEND_ResponseFactoryIsCancelled, seen here).
+    admitted: bool = False
 
 
 class TritonPythonModel:
@@ -73,66 +90,91 @@ class TritonPythonModel:
         if not os.path.isabs(settings["model"]):
             settings["model"] = os.path.join(ROOT, settings["model"])
         engine_settings, self.serving = split_settings(settings)
+        self.model_name = args["model_name"]
         self.active: dict[str, ActiveRequest] = {}
+        self.dead_reason: str | None = None
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
-        self.thread = EngineThread(lambda: LLM(**engine_settings), on_delta=self._respond,
+        # INFLIGHT_FAULTS makes engine stages raise at chosen steps: a test-only hook (inflight/faults.py).
+        make_engine = lambda: faults.inject(LLM(**engine_settings), os.environ.get("INFLIGHT_FAULTS"))  # noqa: E731
+        self.thread = EngineThread(make_engine, on_delta=self._respond,
                                    poll_cancelled=self._poll_cancelled,
-                                   on_step=self.metrics.update,
+                                   on_step=self.metrics.update, on_dead=self._engine_died,
                                    poll_interval_s=self.serving.cancel_poll_interval_s,
                                    overlap_sending=self.serving.overlap_sending)
         self.engine = self.thread.start()
+        self.long_prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-tokenize")
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            try:
-                self._admit(request, sender)
-            except ValueError as e:
-                sender.send(_error(str(e)), flags=FINAL)
-            except AdmissionRefused as e:
-                sender.send(_error(str(e), "UNAVAILABLE"), flags=FINAL)
-            except Exception as e:  # never leave a client waiting for a FINAL that will not come
-                pb_utils.Logger.log_error(f"inflight: request failed: {type(e).__name__}: {e}")
-                sender.send(_error(f"internal error: {type(e).__name__}: {e}", "INTERNAL"), flags=FINAL)
+            self._refusing_on_error(sender, self._admit, request, sender)
         return None
 
+    @staticmethod
+    def _refusing_on_error(sender, admit, *args) -> None:
+        """Run an admission step; any error becomes the request's one FINAL response."""
+        try:
+            admit(*args)
+        except ValueError as e:
+            sender.send(_error(str(e)), flags=FINAL)
+        except (AdmissionRefused, EngineDeadError) as e:
+            sender.send(_error(str(e), "UNAVAILABLE"), flags=FINAL)
+        except Exception as e:  # never leave a client waiting for a FINAL that will not come
+            pb_utils.Logger.log_error(f"inflight: request failed: {type(e).__name__}: {e}")
+            sender.send(_error(f"internal error: {type(e).__name__}: {e}", "INTERNAL"), flags=FINAL)
+
     def _admit(self, request, sender) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the model is unavailable: {self.dead_reason}")
         inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
         parameters = json.loads(request.parameters() or "{}")
-        parsed = parse_request(inputs, defaults={"max_tokens": self.serving.default_max_tokens},
-                               parameters=parameters)
-        if parsed.params.max_tokens > self.serving.max_tokens_limit:
-            raise ValueError(f"max_tokens ({parsed.params.max_tokens}) exceeds this server's limit "
-                             f"of {self.serving.max_tokens_limit}")
+        parsed = parse_request(inputs, parameters=parameters, settings=self.serving)
         if self.engine.stats()["num_waiting"] >= self.serving.max_queued_requests:
             raise AdmissionRefused(f"the server is at its limit of {self.serving.max_queued_requests} "
                                    "queued requests; retry later")
+        if len(parsed.prompt) <= INLINE_TOKENIZE_CHARS:
+            self._enqueue(request, sender, parsed)
+        else:  # a long prompt (up to a second to tokenize) must not hold up the requests behind it
+            self.long_prompts.submit(self._refusing_on_error, sender, self._enqueue, request, sender, parsed)
+
+    def _enqueue(self, request, sender, parsed: ParsedRequest) -> None:
         token_ids = self.engine.encode(parsed.prompt)
         cap = self.serving.max_prompt_tokens
         if cap is not None and len(token_ids) > cap:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
         request_id = uuid.uuid4().hex
-        self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic())
+        active = self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic())
         try:
             self.thread.submit(request_id, token_ids, parsed.params)
         except Exception:
             del self.active[request_id]
             raise
+        active.admitted = True
 
     def _poll_cancelled(self) -> list[str]:
         cancelled = []
         for request_id, active in list(self.active.items()):
-            if not active.cancelled and active.request.is_cancelled():
+            if active.admitted and not active.cancelled and active.request.is_cancelled():
                 active.cancelled = True
                 cancelled.append(request_id)
         return cancelled
 
-    def _respond(self, delta, error: str | None) -> None:
+    def _respond(self, delta) -> None:
         active = self.active.pop(delta.request_id, None) if delta.finished else self.active.get(delta.request_id)
         if active is None:
             return
-        if error is not None:
-            active.sender.send(_error(error, "INTERNAL"), flags=FINAL)
+        try:
+            self._send(active, delta)
+        except Exception as e:  # a response that cannot be built must still end its request
+            pb_utils.Logger.log_error(f"inflight: responding failed: {type(e).__name__}: {e}")
+            if not delta.finished:
+                self.active.pop(delta.request_id, None)
+                self.engine.abort(delta.request_id)
+            _send_final_error(active.sender, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
+
+    def _send(self, active: ActiveRequest, delta) -> None:
+        if delta.error is not None:
+            active.sender.send(_error(delta.error, "INTERNAL"), flags=FINAL)
             return
         if delta.finish_reason == "abort":
             active.sender.send(flags=FINAL)  # the client cancelled: close the stream, nothing to say
@@ -172,7 +214,23 @@ class TritonPythonModel:
             outputs.append(pb_utils.Tensor("num_output_tokens", np.array([delta.num_output_tokens], dtype=np.uint32)))
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
+    def _engine_died(self, reason: str) -> None:
+        """The engine stopped for good: end what is left, then unload, so that the model reports
+        not-ready (possible when tritonserver runs with --model-control-mode=explicit, as serve.py does)."""
+        self.dead_reason = reason
+        pb_utils.Logger.log_error(f"inflight: the engine stopped: {reason}")
+        for request_id in list(self.active):
+            active = self.active.pop(request_id, None)
+            if active is not None:
+                _send_final_error(active.sender, f"the model is unavailable: {reason}", "UNAVAILABLE")
+        try:
+            pb_utils.unload_model(self.model_name)  # returns at once; finalize() runs later
+        except Exception as e:
+            pb_utils.Logger.log_error(f"inflight: could not unload the model to report not-ready ({e}); "
+                                      "every request is refused instead")
+
     def finalize(self):
+        self.long_prompts.shutdown(wait=True)  # what it admits is ended below like every other request
         self.thread.stop()
         for active in self.active.values():
             active.sender.send(_error("the model is being unloaded; the request was not finished", "UNAVAILABLE"),
