@@ -10,7 +10,7 @@
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 RUN python3 -m pip install --no-cache-dir \
-        torch==2.13.0 transformers==5.18.0 safetensors accelerate psutil tqdm \
+        torch==2.13.0 transformers==5.18.0 xgrammar==0.2.9 safetensors accelerate psutil tqdm \
     && python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 WORKDIR /opt/inflight
@@ -24,4 +24,6 @@ ENV INFLIGHT_ROOT=/opt/inflight \
     INFLIGHT_MODEL=/models/llm \
     INFLIGHT_MODEL_JSON=/opt/inflight/docker/model.json
 EXPOSE 8000 8001 8002
-CMD ["tritonserver", "--model-repository=/opt/inflight/model_repository", "--allow-gpu-metrics=true"]
+# Explicit model control: a model whose engine stopped unloads itself and reports not-ready.
+CMD ["tritonserver", "--model-repository=/opt/inflight/model_repository", "--allow-gpu-metrics=true", \
+     "--model-control-mode=explicit", "--load-model=*"]

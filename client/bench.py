@@ -1,6 +1,7 @@
 """Throughput benchmark: the same fixed-seed workload through HF static batching, HF continuous
 batching and inflight (offline, and through tritonserver when asked), in one process on one model and
-dtype, and the prefix-caching workload. Prints markdown tables for the README.
+dtype, the prefix-caching workload and the cost of structured outputs. Prints markdown tables for the
+README.
 
     make bench                        # everything, 64 requests
     .venv/bin/python client/bench.py --num-requests 24 --peers inflight,hf-cb --repeats 1
@@ -144,14 +145,60 @@ def bench_prefix_caching(model_dir: str, n: int, seed: int) -> list[tuple]:
     return rows
 
 
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+                   "role": {"enum": ["engineer", "teacher", "doctor", "artist"]},
+                   "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3}},
+    "required": ["name", "age", "role", "skills"], "additionalProperties": False,
+}
+
+
+def bench_structured_outputs(model_dir: str, n: int, repeats: int) -> dict:
+    """n chat requests for a person record, all under one JSON schema, against the same requests
+    unconstrained and cut to the same lengths (so both runs make the same tokens in the same batches),
+    alternating, medians of `repeats`; and the time to build the tokenizer info and to compile the
+    schema, cold and cached."""
+    from inflight import SamplingParams
+
+    llm = make_llm(model_dir)
+    start = time.perf_counter()
+    grammars = llm.grammars()
+    info_s = time.perf_counter() - start
+    timings = {}
+    for label in ("cold", "cached"):
+        start = time.perf_counter()
+        grammars.matcher({"json": PERSON_SCHEMA})
+        timings[label] = time.perf_counter() - start
+    names = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Fatima", "Goran", "Hana"]
+    prompts = [llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"A JSON record for {names[i % 8]} number {i}: name, age, role, skills."}],
+        tokenize=False, add_generation_prompt=True) for i in range(n)]
+    constrained = SamplingParams(max_tokens=160, temperature=0.0, structured_outputs={"json": PERSON_SCHEMA})
+    lengths = [len(o.token_ids) for o in llm.generate(prompts, constrained)]  # also the warm-up
+    plain = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in lengths]
+    seconds = {"unconstrained": [], "constrained": []}
+    for _ in range(repeats):
+        for label, params in (("unconstrained", plain), ("constrained", constrained)):
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            seconds[label].append(time.perf_counter() - start)
+    runs = {label: statistics.median(times) for label, times in seconds.items()}
+    tokens = sum(lengths)
+    result = {"requests": n, "tokens": tokens, "info_s": info_s, **{f"compile_{k}_s": v for k, v in timings.items()},
+              **{f"{k}_tok_s": tokens / v for k, v in runs.items()}}
+    print(f"  structured outputs: {result}", file=sys.stderr)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix",
-                        help="comma-separated: hf-static, hf-cb, inflight, triton, prefix")
+    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured",
+                        help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -216,6 +263,16 @@ def main() -> None:
         print("|---|---|---:|---:|---:|")
         for name, caching, ttft, tps, hit in rows:
             print(f"| {name} | {caching} | {ttft:.2f} | {tps:.1f} | {hit} |")
+    if "structured" in peers:
+        r = bench_structured_outputs(args.model, args.num_requests, args.repeats)
+        cost = 1 - r["constrained_tok_s"] / r["unconstrained_tok_s"]
+        print(f"\n| {r['requests']} requests, {r['tokens']} output tokens | output tok/s |\n|---|---:|")
+        print(f"| unconstrained (cut to the constrained lengths), median of {args.repeats} | "
+              f"{r['unconstrained_tok_s']:.1f} |")
+        print(f"| all under one JSON schema, median of {args.repeats} | {r['constrained_tok_s']:.1f} "
+              f"({cost:+.1%} cost) |")
+        print(f"\ntokenizer info built in {r['info_s'] * 1000:.0f} ms; schema compiled cold in "
+              f"{r['compile_cold_s'] * 1000:.1f} ms, cached in {r['compile_cached_s'] * 1000:.2f} ms")
 
 
 if __name__ == "__main__":

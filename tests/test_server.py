@@ -160,3 +160,38 @@ def test_bad_input_gets_an_error_naming_it(server, case):
         assert result.error is not None and expected in result.error, result.error
     assert server.alive()
     assert generate(server.grpc_url, PROMPTS[0], max_tokens=2).error is None
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "country": {"type": "string", "maxLength": 20}},
+        "required": ["city", "country"], "additionalProperties": False}
+
+
+def test_structured_outputs_in_both_conventions(server):
+    """vllm_backend's `structured_outputs` in sampling_parameters (schema as an object or as JSON text)
+    and TensorRT-LLM's guided decoding inputs, streamed: the same valid JSON."""
+    import jsonschema
+
+    prompt = "The capital of France, as JSON:"
+    texts = []
+    for inputs in (
+        dict(sampling_parameters={"structured_outputs": {"json": CITY}, "max_tokens": 64, "temperature": 0}),
+        dict(sampling_parameters={"structured_outputs": json.dumps({"json": json.dumps(CITY)}),
+                                  "max_tokens": "64", "temperature": "0"}),
+        dict(guided_decoding_guide_type="json_schema", guided_decoding_guide=json.dumps(CITY), max_tokens=64,
+             temperature=0.0),
+    ):
+        result = generate(server.grpc_url, prompt, return_finish_reason=True, **inputs)
+        assert result.error is None and result.finish_reason == "stop" and len(result.chunks) > 1, result
+        jsonschema.validate(json.loads(result.text), CITY)
+        texts.append(result.text)
+    assert texts[0] == texts[1] == texts[2]
+    choice = generate(server.grpc_url, prompt, max_tokens=8, guided_decoding_guide_type="regex",
+                      guided_decoding_guide="(Paris|Lyon)")
+    assert choice.text in ("Paris", "Lyon")
+    for inputs, words in ((dict(guided_decoding_guide_type="yaml", guided_decoding_guide="x"), "yaml"),
+                          (dict(sampling_parameters={"structured_outputs": {"regex": "a("}}), "regex"),
+                          (dict(guided_decoding_guide_type="json_schema"), "guided_decoding_guide")):
+        error = generate(server.grpc_url, prompt, max_tokens=4, **inputs).error
+        assert error and words in error, error
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0)

@@ -28,6 +28,7 @@ from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
+from .structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class LLMEngine:
             self.max_model_len = self.config.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
+        self._grammars: StructuredOutputs | None = None  # built with the first constrained request
+        self._grammars_lock = threading.Lock()
         self.scheduler = Scheduler(self.config, self.block_manager)
         self._lock = threading.Lock()
         self._inbox: deque[Sequence] = deque()
@@ -125,6 +128,7 @@ class LLMEngine:
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})")
         bad_words_ids = self._bad_words_ids(params.bad_words)
+        matcher = self.grammars().matcher(params.structured_outputs) if params.structured_outputs else None
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -136,12 +140,25 @@ class LLMEngine:
                                                self._decode_lock),
             generator=generator,
             bad_words_ids=bad_words_ids,
+            matcher=matcher,
         )
         with self._lock:
             self._check_alive()
             if request_id in self._requests or any(s.request_id == request_id for s in self._inbox):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox.append(seq)
+
+    def grammars(self) -> StructuredOutputs:
+        """The structured-output compiler (its tokenizer info is built once, on first use)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                tokenizer = self._encoders.get()  # read by one thread at a time, like every tokenizer here
+                try:
+                    self._grammars = StructuredOutputs(tokenizer, self.runner.hf_config.vocab_size,
+                                                       self.eos_token_ids)
+                finally:
+                    self._encoders.put(tokenizer)
+            return self._grammars
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -214,7 +231,8 @@ class LLMEngine:
         return self.runner.execute(batch, rows)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return sample(logits, seqs, self.eos_token_ids)
+        constrained = self._grammars if any(s.matcher is not None for s in seqs) else None
+        return sample(logits, seqs, self.eos_token_ids, constrained)
 
     def _detokenize(self, seq: Sequence, token_ids: list[int]) -> str:
         return seq.detokenizer.add_tokens(token_ids)
@@ -303,8 +321,12 @@ class LLMEngine:
         seq.output_text += self._detokenize(seq, [token])
         num_out = len(seq.output_token_ids)
         reason = None
-        if num_out >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos)
-                                        or token in p.stop_token_ids):
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            raise RuntimeError(f"token {token} broke the grammar of request {seq.request_id!r}")
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            reason = "stop"  # the grammar ended (with EOS, which it allows only where it can end)
+        elif num_out >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos)
+                                          or token in p.stop_token_ids):
             reason = "stop"
         elif num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"

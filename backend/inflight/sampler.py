@@ -28,10 +28,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
-    """Before min_tokens are out, EOS and the request's stop tokens cannot be drawn."""
+    """Before min_tokens are out, EOS and the request's stop tokens cannot be drawn (under structured
+    outputs the grammar says where the output ends)."""
     vocab = logits.shape[-1]
     for row, seq in enumerate(seqs):
-        if len(seq.output_token_ids) < seq.params.min_tokens:
+        if len(seq.output_token_ids) < seq.params.min_tokens and seq.matcher is None:
             ids = [t for t in (*eos_token_ids, *seq.params.stop_token_ids) if t < vocab]
             logits[row, ids] = float("-inf")
 
@@ -74,8 +75,9 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> list[int]:
-    """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place)."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], grammars=None) -> list[int]:
+    """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place). `grammars`
+    (a StructuredOutputs) masks the rows of sequences that have a grammar matcher."""
     if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
            for s in seqs):
         apply_penalties(logits, seqs)
@@ -83,6 +85,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int])
         suppress_stops(logits, seqs, eos_token_ids)
     if any(s.bad_words_ids for s in seqs):
         ban_bad_words(logits, seqs)
+    if grammars is not None:
+        grammars.apply(logits, [s.matcher for s in seqs])
     tokens = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if rows:

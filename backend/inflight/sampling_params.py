@@ -1,5 +1,6 @@
 """SamplingParams: the per-request knobs (vLLM's names), validated with errors that name the field."""
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -22,6 +23,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     bad_words: list[str] = field(default_factory=list)  # never generated (TensorRT-LLM's bad_words)
     skip_special_tokens: bool = True
+    # One of {"json": schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}
+    # (structured_output.py); checked and compiled when the request is added.
+    structured_outputs: dict | None = None
 
     # The engine's ceilings for words (each stop string and bad word is searched or tokenized per
     # request); a server may set lower limits (serving/settings.py).
@@ -75,6 +79,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
+            raise ValueError(f"structured_outputs must be an object, got {self.structured_outputs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +129,11 @@ def _parse_string(name: str, text: str, annotation: Any) -> Any:
     kind = str(annotation)
     if "list" in kind:
         return [text]  # a single stop string or bad word
+    if "dict" in kind:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e.msg} at position {e.pos}") from None
     try:
         if "bool" in kind:
             lowered = text.strip().lower()

@@ -23,6 +23,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never to complete
+    matcher: object | None = None  # xgrammar's GrammarMatcher under structured outputs
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from ..structured_output import TENSORRT_LLM_GUIDE_TYPES
 from .settings import ServingSettings
 
 # Tensor inputs that carry a sampling parameter: input name -> SamplingParams field.
@@ -33,8 +34,9 @@ SCALAR_PARAMS = {
 }
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
          "return_num_output_tokens")
+GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
 KNOWN_INPUTS = {"text_input", "sampling_parameters", "end_id", "stop_words", "bad_words",
-                *SCALAR_PARAMS, *FLAGS}
+                *SCALAR_PARAMS, *FLAGS, *GUIDE_INPUTS}
 
 
 @dataclass
@@ -91,6 +93,24 @@ def _check_words(field: str, words: list, settings: ServingSettings) -> None:
                              f"{settings.max_word_chars} (max_word_chars)")
 
 
+def _guide(inputs: dict[str, np.ndarray], max_bytes: int) -> dict:
+    """TensorRT-LLM's guided decoding inputs as a structured_outputs value."""
+    if "guided_decoding_guide_type" not in inputs:
+        raise ValueError("input 'guided_decoding_guide' needs 'guided_decoding_guide_type'")
+    kind = _text("guided_decoding_guide_type", _scalar("guided_decoding_guide_type",
+                                                       inputs["guided_decoding_guide_type"]), max_bytes)
+    if kind not in TENSORRT_LLM_GUIDE_TYPES:
+        raise ValueError(f"input 'guided_decoding_guide_type' must be one of "
+                         f"{', '.join(TENSORRT_LLM_GUIDE_TYPES)}, got {kind!r}")
+    key = TENSORRT_LLM_GUIDE_TYPES[kind]
+    if key == "json_object":
+        return {key: True}
+    if "guided_decoding_guide" not in inputs:
+        raise ValueError(f"input 'guided_decoding_guide' is required for guide type {kind!r}")
+    return {key: _text("guided_decoding_guide", _scalar("guided_decoding_guide", inputs["guided_decoding_guide"]),
+                       max_bytes)}
+
+
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
                   settings: ServingSettings | None = None) -> ParsedRequest:
     """`inputs` maps each input name the request carried to its numpy array; `parameters` are the
@@ -143,6 +163,11 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     for field in ("stop", "bad_words"):
         if isinstance(values.get(field), (list, tuple)):
             _check_words(field, values[field], settings)
+    if any(name in inputs for name in GUIDE_INPUTS):
+        if "structured_outputs" in from_json:
+            raise ValueError("give structured outputs either in 'sampling_parameters' or as "
+                             "'guided_decoding_guide_type' / 'guided_decoding_guide', not both")
+        values["structured_outputs"] = _guide(inputs, max_bytes)
 
     flags = {}
     for name in FLAGS:

@@ -1,0 +1,112 @@
+"""Structured outputs: JSON schema, any JSON object, regex, choice and EBNF grammars, on xgrammar.
+
+A request's `structured_outputs` names one constraint (vLLM's keys): {"json": schema} (a dict or its
+JSON text), {"json_object": true}, {"regex": "..."}, {"choice": ["yes", "no"]} or {"grammar": "<EBNF>"}.
+It is compiled when the request is added (a bad one raises ValueError there, naming the problem);
+compiled grammars are kept by their text, so a thousand requests with one schema compile it once.
+Each step, the constrained rows of the sampling batch get their allowed-token bitmask applied to the
+logits in one call; unconstrained rows are not touched. EOS is allowed only where the grammar can end.
+"""
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# TensorRT-LLM's guided_decoding_guide_type -> our key (its "json" is any JSON object).
+TENSORRT_LLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
+                            "ebnf_grammar": "grammar"}
+CACHED_GRAMMARS = 256
+
+
+def canonical_spec(spec) -> tuple[str, str]:
+    """(kind, text) for a `structured_outputs` value; raises ValueError naming what is wrong."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}, got "
+                         f"{type(spec).__name__}")
+    given = [k for k in spec if spec[k] is not None and spec[k] is not False]
+    unknown = sorted(set(spec) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown structured_outputs key(s): {', '.join(unknown)}; use one of {', '.join(KINDS)}")
+    if len(given) != 1:
+        raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}, got {given or 'none'}")
+    kind, value = given[0], spec[given[0]]
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e.msg} at position {e.pos}") from None
+        if not isinstance(value, (dict, bool)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        return kind, json.dumps(value)  # property order is generation order: kept
+    if kind == "json_object":
+        if value is not True:
+            raise ValueError("structured_outputs.json_object must be true")
+        return kind, ""
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        # An EBNF alternation of string literals (JSON's escapes are EBNF's).
+        return kind, "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+    return kind, value
+
+
+class StructuredOutputs:
+    """The engine's grammar compiler: tokenizer info built once, compiled grammars cached by text."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=2, cache_enabled=False)
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()  # requests are added from several threads
+        self.num_compiled = 0  # grammars compiled (not found in the cache)
+
+    def matcher(self, spec):
+        """A fresh matcher for one sequence under `spec` (a structured_outputs value)."""
+        key = canonical_spec(spec)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = self._compile(*key)
+                self._compiled[key] = compiled
+                self.num_compiled += 1
+                if len(self._compiled) > CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        return self._xgr.GrammarMatcher(compiled)
+
+    def _compile(self, kind: str, text: str):
+        try:
+            if kind == "json":
+                return self._compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "json_object":
+                return self._compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return self._compiler.compile_regex(text)
+            return self._compiler.compile_grammar(text)  # grammar, or choice as a grammar
+        except Exception as e:  # xgrammar raises RuntimeError with the position of the problem
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            message = re.sub(r"^\[[^]]*\] (\S+:\d+: )?", "", message)  # "[time] file.cc:line: "
+            raise ValueError(f"structured_outputs.{kind} could not be compiled: {message}") from None
+
+    def apply(self, logits: torch.Tensor, matchers: list) -> None:
+        """Mask, in place, the rows of `logits` whose matcher is not None to the tokens their grammar
+        allows next."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self._info.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)

@@ -1,0 +1,125 @@
+"""Structured outputs on the default model: JSON schema, JSON object, regex, choice and grammar."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from inflight import LLM, SamplingParams
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["engineer", "teacher", "doctor", "artist"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "skills"],
+    "additionalProperties": False,
+}
+NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Fatima", "Goran", "Hana", "Ivan", "Julia",
+         "Kofi", "Lena", "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tomoko"]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    engine = LLM(default_model, num_kv_blocks=512, max_num_seqs=32, max_num_batched_tokens=512)
+    yield engine
+    engine.block_manager.check_all_free()
+
+
+@pytest.fixture(scope="module")
+def person_prompts(llm):
+    return [llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Write a JSON record for a person named {name} with the fields name, "
+                                     "age, role (engineer, teacher, doctor or artist) and skills (a list)."}],
+        tokenize=False, add_generation_prompt=True) for name in NAMES]
+
+
+def valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), PERSON)
+        return True
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95)],
+                         ids=["greedy", "sampled"])
+def test_json_schema_outputs_validate(llm, person_prompts, sampling):
+    params = [SamplingParams(max_tokens=120, seed=i, structured_outputs={"json": PERSON}, **sampling)
+              for i in range(len(person_prompts))]
+    outs = llm.generate(person_prompts, params)
+    assert all(o.finish_reason == "stop" for o in outs), [o.text for o in outs if o.finish_reason != "stop"]
+    assert all(valid(o.text) for o in outs), [o.text for o in outs if not valid(o.text)]
+    assert {json.loads(o.text)["name"] for o in outs} & set(NAMES)  # the prompts still steer the content
+
+
+def test_without_the_constraint_the_same_prompts_mostly_fail(llm, person_prompts):
+    outs = llm.generate(person_prompts, SamplingParams(max_tokens=120, temperature=0.0))
+    assert sum(valid(o.text) for o in outs) <= 5
+
+
+def test_regex_choice_grammar_and_json_object(llm, person_prompts):
+    prompt = person_prompts[0]
+    cases = [
+        ({"regex": r"\+1-\d{3}-\d{3}-\d{4}"}, lambda t: re.fullmatch(r"\+1-\d{3}-\d{3}-\d{4}", t)),
+        ({"choice": ["yes", "no", "maybe \"so\""]}, lambda t: t in ("yes", "no", 'maybe "so"')),
+        ({"grammar": 'root ::= "(" num ("+" num){1,3} ")"\nnum ::= [1-9] [0-9]?'},
+         lambda t: re.fullmatch(r"\((?:[1-9][0-9]?)(?:\+[1-9][0-9]?){1,3}\)", t)),
+        ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+    ]
+    for spec, check in cases:
+        for temperature in (0.0, 0.7):
+            out = llm.generate([prompt], SamplingParams(max_tokens=200, temperature=temperature, seed=3,
+                                                        structured_outputs=spec))[0]
+            assert out.finish_reason == "stop" and check(out.text), (spec, out.text)
+
+
+def test_unconstrained_requests_beside_constrained_ones_are_unchanged(llm, person_prompts):
+    plain = SamplingParams(max_tokens=40, temperature=0.0)
+    alone = llm.generate(person_prompts[:4], plain)
+    mixed = llm.generate(person_prompts[:8], [plain] * 4 + [SamplingParams(
+        max_tokens=40, temperature=0.0, structured_outputs={"json": PERSON})] * 4)
+    assert [o.token_ids for o in mixed[:4]] == [o.token_ids for o in alone]
+
+
+def test_chunked_prefill_and_preemption_keep_the_constraint(default_model, llm, person_prompts):
+    params = SamplingParams(max_tokens=120, temperature=0.0, structured_outputs={"json": PERSON})
+    roomy = llm.generate(person_prompts[:8], params)
+    tight = LLM(default_model, num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=40)
+    outs = tight.generate(person_prompts[:8], params)
+    assert tight.stats()["num_preemptions"] > 0
+    assert [o.text for o in outs] == [o.text for o in roomy] and all(valid(o.text) for o in outs)
+    tight.block_manager.check_all_free()
+
+
+def test_a_schema_is_compiled_once(llm, person_prompts):
+    schema = dict(PERSON, title="compiled once")
+    before = llm.grammars().num_compiled
+    llm.generate(person_prompts[:2] * 10, SamplingParams(max_tokens=2, structured_outputs={"json": schema}))
+    llm.generate(person_prompts[:2], SamplingParams(max_tokens=2, structured_outputs={"json": json.dumps(schema)}))
+    assert llm.grammars().num_compiled == before + 1
+
+
+def test_max_tokens_cuts_a_constrained_output_as_length(llm, person_prompts):
+    out = llm.generate(person_prompts[:1], SamplingParams(max_tokens=5, temperature=0.0,
+                                                          structured_outputs={"json": PERSON}))[0]
+    assert out.finish_reason == "length" and not valid(out.text)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"json": {"type": "bogus"}}, "bogus"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"regex": "a(b"}, "parenthesis"),
+    ({"grammar": "root ::= "}, "EBNF"),
+    ({"choice": []}, "choice"),
+    ({"jsonschema": {}}, "jsonschema"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one"),
+])
+def test_a_bad_constraint_is_refused_when_added(llm, spec, words):
+    with pytest.raises(ValueError, match=words):
+        llm.add_request("bad", "Hello", SamplingParams(structured_outputs=spec))
+    assert not llm.has_unfinished()
