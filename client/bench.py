@@ -95,11 +95,12 @@ def make_llm(model_dir: str, **settings):
     return LLM(model_dir, dtype="float32", **settings)
 
 
-def run_inflight(model_dir: str, work: Workload, **settings) -> float:
+def run_inflight(model_dir: str, work: Workload, logprobs: int | None = None, **settings) -> float:
     from inflight import SamplingParams
 
     llm = make_llm(model_dir, **settings)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+              for n in work.output_lens]
     start = time.perf_counter()
     outs = llm.generate(work.prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
@@ -197,8 +198,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured",
-                        help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured")
+    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs",
+                        help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -263,6 +264,16 @@ def main() -> None:
         print("|---|---|---:|---:|---:|")
         for name, caching, ttft, tps, hit in rows:
             print(f"| {name} | {caching} | {ttft:.2f} | {tps:.1f} | {hit} |")
+    if "logprobs" in peers:
+        runs = {None: [], 5: []}
+        for _ in range(args.repeats):  # alternating, as above
+            for k in runs:
+                runs[k].append(run_inflight(args.model, work, logprobs=k,
+                                            max_num_batched_tokens=args.max_num_batched_tokens))
+        plain, with_logprobs = (work.output_tokens / statistics.median(runs[k]) for k in runs)
+        print(f"\n| inflight offline, median of {args.repeats} | output tok/s |\n|---|---:|\n"
+              f"| without logprobs | {plain:.1f} |\n"
+              f"| logprobs=5 on every request | {with_logprobs:.1f} ({1 - with_logprobs / plain:+.1%} cost) |")
     if "structured" in peers:
         r = bench_structured_outputs(args.model, args.num_requests, args.repeats)
         cost = 1 - r["constrained_tok_s"] / r["unconstrained_tok_s"]

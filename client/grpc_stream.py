@@ -22,18 +22,19 @@ ROOT = Path(__file__).resolve().parents[1]
 _TYPES = {bool: ("BOOL", np.bool_), int: ("INT32", np.int32), float: ("FP32", np.float32)}
 
 
-def make_inputs(prompt: str, stream: bool = True, sampling_parameters: dict | str | None = None, **tensors):
-    """Triton inputs for one request: `text_input`, `stream`, optional JSON `sampling_parameters` and
-    any other input as a keyword (its type inferred: bool -> BOOL, int -> INT32, float -> FP32,
-    str/bytes -> BYTES, list of str -> BYTES [n]; a numpy array is sent as it is)."""
+def make_inputs(prompt: str | None, stream: bool = True, sampling_parameters: dict | str | None = None, **tensors):
+    """Triton inputs for one request: `text_input` (unless `prompt` is None), `stream`, optional JSON
+    `sampling_parameters` and any other input as a keyword (its type inferred: bool -> BOOL, int ->
+    INT32, float -> FP32, str/bytes -> BYTES, list of str -> BYTES [n]; a numpy array is sent as it is)."""
     def tensor(name, array, datatype):
         t = grpcclient.InferInput(name, list(array.shape), datatype)
         t.set_data_from_numpy(array)
         return t
 
-    inputs = [tensor("text_input", np.array([prompt.encode() if isinstance(prompt, str) else prompt],
-                                            dtype=np.object_), "BYTES"),
-              tensor("stream", np.array([stream]), "BOOL")]
+    inputs = [tensor("stream", np.array([stream]), "BOOL")]
+    if prompt is not None:  # None: the prompt comes as input_ids
+        inputs.insert(0, tensor("text_input", np.array([prompt.encode() if isinstance(prompt, str) else prompt],
+                                                       dtype=np.object_), "BYTES"))
     if sampling_parameters is not None:  # a dict is sent as JSON, a string as it is
         raw = sampling_parameters if isinstance(sampling_parameters, str) else json.dumps(sampling_parameters)
         inputs.append(tensor("sampling_parameters", np.array([raw.encode()], dtype=np.object_), "BYTES"))
@@ -60,6 +61,7 @@ class StreamResult:
     first_token_s: float | None = None
     total_s: float = 0.0
     outputs: dict = field(default_factory=dict)  # the last response's other outputs
+    responses: list[dict] = field(default_factory=list)  # every response's outputs, as numpy arrays
 
     @property
     def text(self) -> str:
@@ -84,6 +86,9 @@ def generate(url: str, prompt: str, timeout: float = 300.0, on_text=None, model:
                 result.error = str(error)
                 break
             final = response.get_response().parameters["triton_final_response"].bool_param
+            names = [output.name for output in response.get_response().outputs]
+            if names:
+                result.responses.append({name: response.as_numpy(name) for name in names})
             text = response.as_numpy("text_output")
             if text is not None and text.size:
                 chunk = text.reshape(-1)[0].decode("utf-8")

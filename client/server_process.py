@@ -106,17 +106,27 @@ class TritonServer:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, 15)
+        if self.process is not None:
+            # The whole process group, also when tritonserver itself is gone: a crashed server leaves
+            # its Python backend stubs running otherwise.
+            self._signal_group(15)
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, 9)
+                self._signal_group(9)
                 self.process.wait()
+            time.sleep(0.5)
+            self._signal_group(9)  # stragglers of the group
         if self.process is not None:
             self._log.close()
             self.final_log = self.log()  # kept for post-mortems after the folder is gone
         self._dir.cleanup()
+
+    def _signal_group(self, signal: int) -> None:
+        try:
+            os.killpg(self.process.pid, signal)
+        except ProcessLookupError:
+            pass  # nothing left in the group
 
     def __enter__(self):
         return self.start()

@@ -34,12 +34,19 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def offline_texts(default_model):
-    """The offline engine's greedy text for each prompt, under the same settings."""
-    from inflight import LLM, SamplingParams
+def offline(default_model):
+    """The offline engine, under the same settings."""
+    from inflight import LLM
 
-    llm = LLM(default_model, **SETTINGS)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return LLM(default_model, **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def offline_texts(offline):
+    """The offline engine's greedy text for each prompt."""
+    from inflight import SamplingParams
+
+    outs = offline.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     return {p: o.text for p, o in zip(PROMPTS, outs)}
 
 
@@ -195,3 +202,43 @@ def test_structured_outputs_in_both_conventions(server):
         error = generate(server.grpc_url, prompt, max_tokens=4, **inputs).error
         assert error and words in error, error
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0)
+
+
+def test_token_ids_in_and_out_with_tensorrt_llm_logprobs(server, offline):
+    """input_ids instead of text_input; output_ids and output_log_probs / cum_log_probs back, streamed."""
+    from inflight import SamplingParams
+
+    prompt_ids = offline.encode(PROMPTS[5])
+    expected = offline.generate([prompt_ids], SamplingParams(max_tokens=12, temperature=0.0, logprobs=0,
+                                                             ignore_eos=True))[0]
+    result = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), max_tokens=12,
+                      temperature=0.0, ignore_eos=True, return_log_probs=True, beam_width=1)
+    assert result.error is None and len(result.responses) > 1
+    ids = [int(t) for r in result.responses for t in r["output_ids"]]
+    logprobs = [float(v) for r in result.responses for v in r["output_log_probs"]]
+    assert ids == expected.token_ids and result.text == expected.text
+    reference = [e[t].logprob for t, e in zip(expected.token_ids, expected.outputs[0].logprobs)]
+    assert np.allclose(logprobs, reference, atol=1e-4)
+    assert abs(float(result.responses[-1]["cum_log_probs"][0]) - sum(reference)) < 1e-3
+    error = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), beam_width=4).error
+    assert error and "beam_width" in error
+
+
+def test_vllm_style_logprobs_priority_and_parameters_as_sampling_parameters(server, offline_texts):
+    prompt = PROMPTS[0]
+    result = generate(server.grpc_url, prompt, return_logprobs=True, return_cumulative_logprob=True, priority=-2,
+                      sampling_parameters={"max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2})
+    assert result.error is None and result.text == offline_texts[prompt]
+    entries = [e for r in result.responses for e in json.loads(r["logprobs"][0].decode())]
+    assert len(entries) == MAX_TOKENS and all(2 <= len(e) <= 3 for e in entries)
+    assert all({"logprob", "rank", "decoded_token"} <= set(v) for e in entries for v in e.values())
+    # Greedy: each sampled token ranks first, and the cumulative logprob is the sum of theirs.
+    firsts = [[v["logprob"] for v in e.values() if v["rank"] == 1] for e in entries]
+    assert all(len(f) == 1 for f in firsts)
+    assert abs(float(result.responses[-1]["cumulative_logprob"][0]) - sum(f[0] for f in firsts)) < 1e-3
+    # Over HTTP, keys that are not inputs arrive as parameters and are read as sampling parameters.
+    stop = offline_texts[prompt].split()[2]
+    events = http_generate_stream(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                           "stream": True, "stop": stop, "priority": 3})
+    text = "".join(e["text_output"] for e in events)
+    assert "error" not in events[-1] and text == offline_texts[prompt].split(stop)[0]

@@ -10,6 +10,7 @@ own state in doubt), frees their blocks, and the engine serves on. After
 error and `add_request` raises EngineDeadError.
 """
 
+import itertools
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop_string
+from .logprobs import token_logprobs
 from .model_runner import ModelRunner
 from .outputs import RequestDelta
 from .sampler import sample
@@ -76,6 +78,7 @@ class LLMEngine:
         self._abort_inbox: deque[str] = deque()
         self._early_aborts: dict[str, float] = {}  # aborted ids not seen yet -> when the abort came
         self._requests: dict[str, Sequence] = {}  # every unfinished request, by id
+        self._arrivals = itertools.count()
         self.dead_reason: str | None = None  # set once the engine has stopped for good
         self._consecutive_failures = 0
         self.num_steps = 0  # counters since start
@@ -107,12 +110,15 @@ class LLMEngine:
         finally:
             self._encoders.put(encoder)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Validate and queue a request. Raises ValueError naming the problem (EngineDeadError once the
-        engine has stopped); nothing is queued then."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        """Validate and queue a request. A lower `priority` is served earlier. Raises ValueError naming
+        the problem (EngineDeadError once the engine has stopped); nothing is queued then."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2**31:
+            raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
         self._check_alive()
         if isinstance(prompt, str):
             if not prompt:
@@ -141,9 +147,11 @@ class LLMEngine:
             generator=generator,
             bad_words_ids=bad_words_ids,
             matcher=matcher,
+            priority=priority,
         )
         with self._lock:
             self._check_alive()
+            seq.arrival = next(self._arrivals)
             if request_id in self._requests or any(s.request_id == request_id for s in self._inbox):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox.append(seq)
@@ -210,29 +218,69 @@ class LLMEngine:
         if not batch.seqs:
             return
         self.num_steps += 1
-        # Sequences whose last scheduled token is their last known token sample a next token.
-        rows = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                if seq.num_computed_tokens + n == seq.num_tokens]
-        logits = self._forward(batch, rows)
+        # Sequences whose last scheduled token is their last known token sample a next token; those
+        # that asked for prompt logprobs also need logits at their prompt positions.
+        sampling, logits_at, prompt_positions = [], [], []
+        start = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sampling.append(seq)
+                logits_at.append(start + n - 1)
+            if seq.params.prompt_logprobs is not None:
+                prompt_positions += self._prompt_logprob_positions(seq, n, start)
+            start += n
+        logits = self._forward(batch, logits_at + [flat for _, flat, _ in prompt_positions])
+        if prompt_positions:
+            self._record_prompt_logprobs(logits[len(sampling):], prompt_positions)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-        sampling = [batch.seqs[i] for i in rows]
         if not sampling:
             return
-        for seq, token in zip(sampling, self._sample(logits, sampling)):
+        for seq, token in zip(sampling, self._sample(logits[:len(sampling)], sampling)):
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
             self._check_finished(seq, token)
             deltas.append(self._delta(seq))
 
     # The three stages of a step that run outside the engine's bookkeeping (faults.py wraps them).
-    def _forward(self, batch: ScheduledBatch, rows: list[int]) -> torch.Tensor:
-        return self.runner.execute(batch, rows)
+    def _forward(self, batch: ScheduledBatch, logits_at: list[int]) -> torch.Tensor:
+        return self.runner.execute(batch, logits_at)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        wanting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = logits[wanting] if wanting else None  # a copy: sampling changes `logits` in place
         constrained = self._grammars if any(s.matcher is not None for s in seqs) else None
-        return sample(logits, seqs, self.eos_token_ids, constrained)
+        tokens = sample(logits, seqs, self.eos_token_ids, constrained)
+        if wanting:
+            entries = token_logprobs(raw, [tokens[i] for i in wanting],
+                                     [seqs[i].params.logprobs for i in wanting], self._decode_one)
+            for i, entry in zip(wanting, entries):
+                seqs[i].output_logprobs.append(entry)
+                seqs[i].cumulative_logprob += entry[tokens[i]].logprob
+        return tokens
+
+    def _decode_one(self, token_id: int) -> str:
+        with self._decode_lock:
+            return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def _prompt_logprob_positions(seq: Sequence, n: int, start: int) -> list[tuple[Sequence, int, int]]:
+        """(seq, flat position in the batch, prompt token it predicts) for the prompt tokens this chunk
+        predicts that have no logprobs yet (a recomputed chunk is not counted twice)."""
+        first = seq.num_computed_tokens
+        targets = range(max(first + 1, len(seq.prompt_logprobs), 1), min(first + n, seq.num_prompt_tokens - 1) + 1)
+        return [(seq, start + target - 1 - first, target) for target in targets]
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, positions: list[tuple[Sequence, int, int]]) -> None:
+        tokens = [seq.prompt_token_ids[target] for seq, _, target in positions]
+        entries = token_logprobs(logits, tokens, [seq.params.prompt_logprobs for seq, _, _ in positions],
+                                 self._decode_one)
+        for (seq, _, target), entry in zip(positions, entries):
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)  # the first prompt token has nothing before it
+            assert len(seq.prompt_logprobs) == target
+            seq.prompt_logprobs.append(entry)
 
     def _detokenize(self, seq: Sequence, token_ids: list[int]) -> str:
         return seq.detokenizer.add_tokens(token_ids)
@@ -348,6 +396,7 @@ class LLMEngine:
             self._requests.pop(seq.request_id, None)
         else:
             text_end = max(seq.num_text_sent, len(seq.output_text) - max(0, seq.params.max_stop_length - 1))
+        p = seq.params
         delta = RequestDelta(
             request_id=seq.request_id,
             new_token_ids=seq.output_token_ids[seq.num_tokens_sent:],
@@ -356,7 +405,11 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
+            new_logprobs=None if p.logprobs is None else seq.output_logprobs[seq.num_tokens_sent:],
+            cumulative_logprob=None if p.logprobs is None else seq.cumulative_logprob,
         )
+        if p.prompt_logprobs is not None and not seq.prompt_logprobs_sent and seq.output_token_ids:
+            delta.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs or [None], True
         seq.num_tokens_sent = len(seq.output_token_ids)
         seq.num_text_sent = text_end
         return delta

@@ -69,12 +69,13 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
-        """Run the scheduled tokens; return logits [len(sample_rows), vocab] for the sequences at
-        `sample_rows` (those whose last scheduled token is their last known token)."""
+    def execute(self, batch: ScheduledBatch, logits_at: list[int]) -> torch.Tensor:
+        """Run the scheduled tokens; return logits [len(logits_at), vocab] at those positions of the
+        ragged batch (a sequence's last scheduled token where it samples; prompt positions where
+        prompt logprobs are asked for)."""
         bs = self.block_size
         input_ids, positions, slot_mapping = [], [], []
-        cu_seqlens, seq_lens, logits_at = [0], [], []
+        cu_seqlens, seq_lens = [0], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             tokens = seq.token_ids
@@ -84,8 +85,6 @@ class ModelRunner:
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             cu_seqlens.append(cu_seqlens[-1] + n)
             seq_lens.append(start + n)
-        for row in sample_rows:
-            logits_at.append(cu_seqlens[row + 1] - 1)
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
 

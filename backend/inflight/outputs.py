@@ -1,6 +1,17 @@
 """What the engine hands out: per-step deltas for streaming, and whole results for generate()."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+
+@dataclass
+class Logprob:
+    logprob: float  # log probability under the model's distribution (before temperature, penalties, filters)
+    rank: int  # 1 for the most likely token
+    decoded_token: str
+
+
+# One entry per token: the sampled (or prompt) token and the k most likely, by token id.
+TokenLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -15,11 +26,16 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # why the engine ended the request, when finish_reason is "error"
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when logprobs were asked for
+    cumulative_logprob: float | None = None  # over every token so far, when logprobs were asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first delta, when asked for
 
     def followed_by(self, later: "RequestDelta") -> "RequestDelta":
         """This delta and a later one of the same request, as one."""
+        logprobs = None if self.new_logprobs is None else self.new_logprobs + (later.new_logprobs or [])
         return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
-                       new_text=self.new_text + later.new_text)
+                       new_text=self.new_text + later.new_text, new_logprobs=logprobs,
+                       prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
 
 
 def coalesce(steps: list[list[RequestDelta]]) -> list[RequestDelta]:
@@ -33,10 +49,34 @@ def coalesce(steps: list[list[RequestDelta]]) -> list[RequestDelta]:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None  # why the engine ended the request, when finish_reason is "error"
+
+    # The first completion's, for the common case of one.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason

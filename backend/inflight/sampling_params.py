@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .logprobs import MAX_LOGPROBS
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +28,9 @@ class SamplingParams:
     # One of {"json": schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}
     # (structured_output.py); checked and compiled when the request is added.
     structured_outputs: dict | None = None
+    logprobs: int | None = None  # the sampled token's logprob plus this many most likely tokens' (0: only it)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    n: int = 1  # completions per prompt (only 1 so far)
 
     # The engine's ceilings for words (each stop string and bad word is searched or tokenized per
     # request); a server may set lower limits (serving/settings.py).
@@ -79,6 +84,14 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                self._check_int(name, minimum=0)
+                if getattr(self, name) > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
+        self._check_int("n", minimum=1)
+        if self.n != 1:
+            raise ValueError(f"n > 1 (several completions per prompt) is not supported yet, got n={self.n}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
             raise ValueError(f"structured_outputs must be an object, got {self.structured_outputs!r}")
 

@@ -1,13 +1,14 @@
 """The step policy: which sequences run this step and how many tokens each.
 
 Every step: each running sequence that is decoding gets one token, then sequences still prefilling
-(running ones first, then waiting ones, first come first served) get chunks of their prompts until the
-token budget is spent. When the pool cannot give a decoding sequence its next block, the newest running
-sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed.
-New sequences are admitted only while blocks stay free for the running ones' growth.
+(running ones first, then waiting ones by priority, then arrival) get chunks of their prompts until the
+token budget is spent. When the pool cannot give a decoding sequence its next block, the running
+sequence of lowest priority (the newest among equals) is preempted: its blocks are freed and it goes back
+to the queue in its place, to be recomputed. New sequences are admitted only while blocks stay free for
+the running ones' growth. A lower priority value is served earlier (vLLM's convention).
 """
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -38,14 +39,14 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.waiting: list[Sequence] = []  # ordered by (priority, arrival)
+        self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0  # of those, found there
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_queue_order)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -82,7 +83,7 @@ class Scheduler:
                 self.block_manager.free(seq)  # give back the prefix blocks taken for nothing
                 break
             reserve += 1
-            self.waiting.popleft()
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.prefix_queried_tokens += seq.num_tokens
@@ -101,13 +102,16 @@ class Scheduler:
         return reserve
 
     def _make_room(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt the newest unscheduled sequences until `seq` can get blocks for `num_tokens` more
-        tokens; if none is left to preempt, preempt `seq` itself and return False."""
+        """Preempt unscheduled sequences, lowest priority and newest first, until `seq` can get blocks
+        for `num_tokens` more tokens; when `seq` itself comes last in that order (or none is left to
+        preempt), preempt `seq` and return False."""
         while self.block_manager.blocks_needed(seq, num_tokens) > self.block_manager.num_free_blocks:
-            victim = next((s for s in reversed(self.running) if s is not seq and s not in batch), None)
-            self.preempt(victim or seq)
-            if victim is None:
+            candidates = [s for s in self.running if s is not seq and s not in batch]
+            victim = max(candidates, key=_queue_order, default=None)
+            if victim is None or _queue_order(victim) < _queue_order(seq):
+                self.preempt(seq)
                 return False
+            self.preempt(victim)
         return True
 
     def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
@@ -122,7 +126,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=_queue_order)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -134,3 +138,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _queue_order(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival

@@ -24,6 +24,8 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never to complete
     matcher: object | None = None  # xgrammar's GrammarMatcher under structured outputs
+    priority: int = 0  # lower is served earlier
+    arrival: int = 0  # order of arrival, among equal priorities
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -32,6 +34,11 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks cached so far
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+
+    output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, when asked for
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list = field(default_factory=list)  # None, then TokenLogprobs per prompt token
+    prompt_logprobs_sent: bool = False
 
     output_text: str = ""  # text decoded so far, stop strings cut
     num_text_sent: int = 0  # characters of output_text already handed out as deltas

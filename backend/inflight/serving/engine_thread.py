@@ -69,9 +69,9 @@ class EngineThread:
         self._responder.start()
         return self.engine
 
-    def submit(self, request_id: str, prompt, params) -> None:
+    def submit(self, request_id: str, prompt, params, priority: int = 0) -> None:
         """Queue a request; raises ValueError (from the engine's validation) without queueing it."""
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, priority)
         with self._wake:
             self._wake.notify()
 

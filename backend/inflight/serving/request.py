@@ -1,15 +1,15 @@
 """Turn the inputs of one Triton request into a prompt and SamplingParams.
 
-The input names are a superset of NVIDIA's vllm_backend (`text_input`, `stream`,
-`exclude_input_in_output`, `sampling_parameters` as JSON) and of the TensorRT-LLM backend (`max_tokens`,
-`min_length`, `end_id`, `stop_words`, ...), so genai-perf, perf_analyzer and existing clients work
-unchanged. Every problem raises a ValueError that names the input. Sizes are checked against the
+The input names follow NVIDIA's vllm_backend (`text_input`, `stream`, `exclude_input_in_output`,
+`sampling_parameters` as JSON, `return_logprobs`, ...) and the TensorRT-LLM backend (`input_ids`,
+`max_tokens`, `min_length`, `end_id`, `stop_words`, `return_log_probs`, guided decoding, ...), so
+genai-perf, perf_analyzer and existing clients work unchanged (the README lists what is not supported). Every problem raises a ValueError that names the input. Sizes are checked against the
 server's limits (ServingSettings) before anything is tokenized.
 """
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -33,21 +33,28 @@ SCALAR_PARAMS = {
     "ignore_eos": "ignore_eos",
 }
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-         "return_num_output_tokens")
+         "return_num_output_tokens",
+         "return_logprobs", "return_cumulative_logprob",  # vllm_backend's
+         "return_log_probs")  # TensorRT-LLM's: outputs output_log_probs and cum_log_probs
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
-KNOWN_INPUTS = {"text_input", "sampling_parameters", "end_id", "stop_words", "bad_words",
-                *SCALAR_PARAMS, *FLAGS, *GUIDE_INPUTS}
+KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
+                "priority", "beam_width", *SCALAR_PARAMS, *FLAGS, *GUIDE_INPUTS}
 
 
 @dataclass
 class ParsedRequest:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (input_ids)
     params: SamplingParams
+    priority: int = 0
     stream: bool = False
     exclude_input_in_output: bool = False
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+    return_log_probs: bool = False
 
 
 def _scalar(name: str, array: np.ndarray):
@@ -111,6 +118,41 @@ def _guide(inputs: dict[str, np.ndarray], max_bytes: int) -> dict:
                        max_bytes)}
 
 
+def _prompt(inputs: dict[str, np.ndarray], max_bytes: int) -> str | list[int]:
+    """The prompt: text_input, or input_ids (token ids, for clients that tokenize themselves)."""
+    if ("text_input" in inputs) == ("input_ids" in inputs):
+        raise ValueError("exactly one of the inputs 'text_input' and 'input_ids' is required")
+    if "input_ids" in inputs:
+        ids = inputs["input_ids"]
+        if ids.dtype.kind not in "iu" or ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
+            raise ValueError(f"input 'input_ids' must be INT32 token ids of shape [n] or [1, n], got "
+                             f"{ids.dtype} {list(ids.shape)}")
+        if ids.size == 0:
+            raise ValueError("input 'input_ids' must not be empty")
+        return [int(t) for t in ids.reshape(-1)]
+    prompt = _text("text_input", _scalar("text_input", inputs["text_input"]), max_bytes)
+    if not prompt:
+        raise ValueError("input 'text_input' must not be empty")
+    return prompt
+
+
+def _priority(from_json, inputs: dict[str, np.ndarray]) -> int:
+    values = [("sampling_parameters", from_json)] if from_json is not None else []
+    if "priority" in inputs:
+        values.append(("priority", _scalar("priority", inputs["priority"])))
+    for name, value in values:
+        if isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(f"priority could not be read from the string {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**31:
+            raise ValueError(f"priority (in {name}) must be a 32-bit integer, got {value!r}")
+    if len(values) == 2 and int(values[0][1]) != int(values[1][1]):
+        raise ValueError(f"inputs 'sampling_parameters' and 'priority' disagree ({values[0][1]} vs {values[1][1]})")
+    return int(values[-1][1]) if values else 0
+
+
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
                   settings: ServingSettings | None = None) -> ParsedRequest:
     """`inputs` maps each input name the request carried to its numpy array; `parameters` are the
@@ -121,14 +163,15 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     unknown = sorted(set(inputs) - KNOWN_INPUTS)
     if unknown:
         raise ValueError(f"unknown input(s): {', '.join(unknown)}")
-    unknown = sorted(k for k in (parameters or {}) if not k.startswith("triton_"))
+    # Without sampling_parameters, the request's own parameters are read as sampling parameters, as
+    # vllm_backend does; anything else among them is an error (HTTP generate turns misspelt inputs
+    # into parameters, which must not pass silently).
+    parameters = {k: v for k, v in (parameters or {}).items() if not k.startswith("triton_")}
+    allowed = set() if "sampling_parameters" in inputs else SAMPLING_FIELDS | {"priority"}
+    unknown = sorted(set(parameters) - allowed)
     if unknown:
         raise ValueError(f"unknown parameter(s): {', '.join(unknown)}; inputs are: {', '.join(sorted(KNOWN_INPUTS))}")
-    if "text_input" not in inputs:
-        raise ValueError("input 'text_input' is required")
-    prompt = _text("text_input", _scalar("text_input", inputs["text_input"]), max_bytes)
-    if not prompt:
-        raise ValueError("input 'text_input' must not be empty")
+    prompt = _prompt(inputs, max_bytes)
 
     values = {"max_tokens": settings.default_max_tokens}
     if "sampling_parameters" in inputs:
@@ -139,10 +182,11 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
             raise ValueError(f"input 'sampling_parameters' is not valid JSON: {e.msg} at position {e.pos}") from None
         if not isinstance(from_json, dict):
             raise ValueError(f"input 'sampling_parameters' must be a JSON object, got {type(from_json).__name__}")
-        from_json = SamplingParams.parse_fields(from_json, strings_allowed=True)
-        values.update(from_json)
     else:
-        from_json = {}
+        from_json = dict(parameters)
+    priority = _priority(from_json.pop("priority", None), inputs)
+    from_json = SamplingParams.parse_fields(from_json, strings_allowed=True)
+    values.update(from_json)
 
     given = {field: ("sampling_parameters", value) for field, value in from_json.items()}
     for name, field in SCALAR_PARAMS.items():
@@ -176,8 +220,13 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
             if not isinstance(value, bool):
                 raise ValueError(f"input '{name}' must be BOOL, got {value!r}")
             flags[name] = value
+    if "beam_width" in inputs and _scalar("beam_width", inputs["beam_width"]) != 1:
+        raise ValueError(f"input 'beam_width' must be 1 (beam search is not supported), got "
+                         f"{_scalar('beam_width', inputs['beam_width'])}")
+    if any(flags.get(name) for name in ("return_logprobs", "return_cumulative_logprob", "return_log_probs")):
+        values.setdefault("logprobs", 0)  # the sampled tokens' logprobs at least
     params = SamplingParams(**values)
     if params.max_tokens > settings.max_tokens_limit:
         raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this server's limit of "
                          f"{settings.max_tokens_limit}")
-    return ParsedRequest(prompt=prompt, params=params, **flags)
+    return ParsedRequest(prompt=prompt, params=params, priority=priority, **flags)

@@ -13,7 +13,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -30,13 +30,13 @@ def _project_root() -> str:
 ROOT = _project_root()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
-import numpy as np  # noqa: E402
 
 from inflight import LLM, faults  # noqa: E402
 from inflight.engine import EngineDeadError  # noqa: E402
 from inflight.serving.engine_thread import EngineThread  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
 from inflight.serving.request import ParsedRequest, parse_request  # noqa: E402
+from inflight.serving.response import RequestResponses  # noqa: E402
 from inflight.serving.settings import split_settings  # noqa: E402
 
 
@@ -69,7 +69,7 @@ class ActiveRequest:
     parsed: ParsedRequest
     arrival: float
     last_token_time: float | None = None
-    text: list[str] = field(default_factory=list)  # non-streaming requests collect their text here
+    responses: RequestResponses | None = None  # turns each delta into what is sent
     cancelled: bool = False
     # Set once the engine took the request. Until then it is never polled: a refusal's FINAL may be
     # sent from another thread, and asking Triton about a request while its FINAL goes out crashes
@@ -132,20 +132,21 @@ class TritonPythonModel:
         if self.engine.stats()["num_waiting"] >= self.serving.max_queued_requests:
             raise AdmissionRefused(f"the server is at its limit of {self.serving.max_queued_requests} "
                                    "queued requests; retry later")
-        if len(parsed.prompt) <= INLINE_TOKENIZE_CHARS:
+        if isinstance(parsed.prompt, list) or len(parsed.prompt) <= INLINE_TOKENIZE_CHARS:
             self._enqueue(request, sender, parsed)
         else:  # a long prompt (up to a second to tokenize) must not hold up the requests behind it
             self.long_prompts.submit(self._refusing_on_error, sender, self._enqueue, request, sender, parsed)
 
     def _enqueue(self, request, sender, parsed: ParsedRequest) -> None:
-        token_ids = self.engine.encode(parsed.prompt)
+        token_ids = parsed.prompt if isinstance(parsed.prompt, list) else self.engine.encode(parsed.prompt)
         cap = self.serving.max_prompt_tokens
         if cap is not None and len(token_ids) > cap:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
         request_id = uuid.uuid4().hex
-        active = self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic())
+        active = self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(),
+                                                         responses=RequestResponses(parsed))
         try:
-            self.thread.submit(request_id, token_ids, parsed.params)
+            self.thread.submit(request_id, token_ids, parsed.params, parsed.priority)
         except Exception:
             del self.active[request_id]
             raise
@@ -180,17 +181,10 @@ class TritonPythonModel:
             active.sender.send(flags=FINAL)  # the client cancelled: close the stream, nothing to say
             return
         self._observe_latency(active, len(delta.new_token_ids))
-        parsed = active.parsed
-        if parsed.stream:
-            if delta.new_text or delta.finished:
-                active.sender.send(self._response(parsed, delta, delta.new_text), flags=FINAL if delta.finished else 0)
-            return
-        active.text.append(delta.new_text)
-        if delta.finished:
-            text = "".join(active.text)
-            if not parsed.exclude_input_in_output:
-                text = parsed.prompt + text
-            active.sender.send(self._response(parsed, delta, text), flags=FINAL)
+        outputs = active.responses.add(delta)
+        if outputs is not None:
+            tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
+            active.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if delta.finished else 0)
 
     def _observe_latency(self, active: ActiveRequest, num_new_tokens: int) -> None:
         if not num_new_tokens:
@@ -201,18 +195,6 @@ class TritonPythonModel:
         else:
             self.metrics.observe_inter_token_latency((now - active.last_token_time) / num_new_tokens)
         active.last_token_time = now
-
-    @staticmethod
-    def _response(parsed: ParsedRequest, delta, text: str):
-        outputs = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
-        if parsed.return_finish_reason:
-            reason = (delta.finish_reason or "") if delta.finished else ""
-            outputs.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
-        if parsed.return_num_input_tokens:
-            outputs.append(pb_utils.Tensor("num_input_tokens", np.array([delta.num_prompt_tokens], dtype=np.uint32)))
-        if parsed.return_num_output_tokens:
-            outputs.append(pb_utils.Tensor("num_output_tokens", np.array([delta.num_output_tokens], dtype=np.uint32)))
-        return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def _engine_died(self, reason: str) -> None:
         """The engine stopped for good: end what is left, then unload, so that the model reports

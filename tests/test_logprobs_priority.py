@@ -1,0 +1,119 @@
+"""Log probabilities (generated and prompt tokens) against HF transformers' own logits, and priorities."""
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(model):
+    """log_softmax of HF's logits at every position of a token sequence (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+    def compute(tokens: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+    return compute
+
+
+def check_entry(entry: dict, reference: torch.Tensor, token: int, k: int) -> None:
+    """One position's logprobs: the token's own value and rank, and the k most likely, within 1e-4."""
+    assert token in entry
+    assert abs(entry[token].logprob - reference[token].item()) < 1e-4
+    assert entry[token].rank == int((reference > reference[token]).sum()) + 1
+    top = reference.topk(k)
+    for rank, (value, token_id) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+        assert token_id in entry and abs(entry[token_id].logprob - value) < 1e-4
+        if token_id != token:
+            assert entry[token_id].rank == rank
+    assert len(entry) in (k, k + 1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_logprobs_equal_hf_log_softmax(model, hf_logprobs, temperature):
+    """From the model's own distribution: temperature, penalties and filters do not change them."""
+    llm = LLM(model, num_kv_blocks=64)
+    prompts = random_prompts(4, 3, 30, vocab=512, seed=21)
+    params = SamplingParams(max_tokens=8, temperature=temperature, top_k=20, repetition_penalty=1.3, seed=5,
+                            logprobs=3, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        reference = hf_logprobs(prompt + out.token_ids)
+        completion = out.outputs[0]
+        assert len(completion.logprobs) == len(out.token_ids)
+        for i, (token, entry) in enumerate(zip(out.token_ids, completion.logprobs)):
+            check_entry(entry, reference[len(prompt) + i - 1], token, 3)
+        assert abs(completion.cumulative_logprob - sum(e[t].logprob for t, e in zip(out.token_ids,
+                                                                                     completion.logprobs))) < 1e-4
+        assert all(isinstance(lp.decoded_token, str) for e in completion.logprobs for lp in e.values())
+
+
+def test_prompt_logprobs_across_chunks_preemption_and_the_prefix_cache(model, hf_logprobs):
+    """Every prompt token after the first, also when the prompt is prefilled in chunks, recomputed
+    after a preemption, or already in the prefix cache (which a request for them bypasses)."""
+    prompts = random_prompts(6, 20, 90, vocab=512, seed=22)
+    params = SamplingParams(max_tokens=30, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+    roomy = LLM(model, num_kv_blocks=256)
+    tight = LLM(model, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=6)
+    for llm in (roomy, tight):
+        first = llm.generate(prompts, params)
+        again = llm.generate(prompts[:2], params)  # the same prompts: their blocks are cached by now
+        for prompt, out in [*zip(prompts, first), *zip(prompts[:2], again)]:
+            reference = hf_logprobs(prompt)
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+            for j in range(1, len(prompt)):
+                check_entry(out.prompt_logprobs[j], reference[j - 1], prompt[j], 2)
+        llm.block_manager.check_all_free()
+    assert tight.stats()["num_preemptions"] > 0
+
+
+def test_without_logprobs_nothing_is_computed(model):
+    out = LLM(model, num_kv_blocks=64).generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]
+    assert out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
+    assert out.prompt_logprobs is None
+
+
+def test_a_later_request_of_higher_priority_is_served_first(model):
+    llm = LLM(model, num_kv_blocks=64, max_num_seqs=1)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    order = []
+    for request_id, priority in (("low-1", 5), ("low-2", 5)):
+        llm.add_request(request_id, [5, 6, 7], params, priority=priority)
+    llm.step()  # low-1 is running
+    llm.add_request("urgent", [8, 9], params, priority=0)
+    while llm.has_unfinished():
+        order += [d.request_id for d in llm.step() if d.finished]
+    assert order == ["low-1", "urgent", "low-2"]
+
+
+def test_memory_pressure_preempts_the_lowest_priority_first(model):
+    llm = LLM(model, num_kv_blocks=4, max_num_seqs=4, max_num_batched_tokens=64)  # 64 tokens for 2 x 43
+    preempted = []
+    real = llm.scheduler.preempt
+    llm.scheduler.preempt = lambda seq: (preempted.append(seq.request_id), real(seq))[1]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm.add_request("background", [5, 6, 7], params, priority=9)  # first come, and still preempted first
+    llm.add_request("important", [8, 9, 10], params, priority=-1)
+    while llm.has_unfinished():
+        llm.step()
+    assert preempted and preempted[0] == "background" and "important" not in preempted
+    llm.block_manager.check_all_free()
+
+
+def test_bad_priority_and_n_are_refused(model):
+    llm = LLM(model, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="priority"):
+        llm.add_request("x", [5], SamplingParams(), priority="high")
+    with pytest.raises(ValueError, match="n > 1"):
+        SamplingParams(n=4)
+    with pytest.raises(ValueError, match="logprobs must be at most 20"):
+        SamplingParams(logprobs=21)
