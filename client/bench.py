@@ -155,6 +155,33 @@ PERSON_SCHEMA = {
 }
 
 
+def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[str, float]:
+    """A quarter of the workload's prompts with n=4 completions each, against the same prompts sent as
+    four separate requests each (sampled, seeded, EOS ignored: the same tokens to make); output tok/s,
+    medians of alternating runs."""
+    from inflight import SamplingParams
+
+    k = max(1, len(work.prompts) // 4)
+    prompts, lengths = work.prompts[:k], work.output_lens[:k]
+    forked = [SamplingParams(n=4, max_tokens=m, temperature=1.0, seed=i, ignore_eos=True) for i, m in enumerate(lengths)]
+    separate = [SamplingParams(max_tokens=m, temperature=1.0, seed=i + j, ignore_eos=True)
+                for i, m in enumerate(lengths) for j in range(4)]
+    tokens = 4 * sum(lengths)
+    seconds = {"n=4": [], "4 separate requests": []}
+    for _ in range(repeats):
+        for label in seconds:
+            llm = make_llm(model_dir)
+            start = time.perf_counter()
+            if label == "n=4":
+                llm.generate(prompts, forked)
+            else:
+                llm.generate([p for p in prompts for _ in range(4)], separate)
+            seconds[label].append(time.perf_counter() - start)
+    result = {label: tokens / statistics.median(times) for label, times in seconds.items()}
+    print(f"  n completions ({k} prompts x 4, {tokens} tokens): {result}", file=sys.stderr)
+    return result
+
+
 def bench_structured_outputs(model_dir: str, n: int, repeats: int) -> dict:
     """n chat requests for a person record, all under one JSON schema, against the same requests
     unconstrained and cut to the same lengths (so both runs make the same tokens in the same batches),
@@ -198,8 +225,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs",
-                        help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs")
+    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n",
+                        help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -274,6 +301,12 @@ def main() -> None:
         print(f"\n| inflight offline, median of {args.repeats} | output tok/s |\n|---|---:|\n"
               f"| without logprobs | {plain:.1f} |\n"
               f"| logprobs=5 on every request | {with_logprobs:.1f} ({1 - with_logprobs / plain:+.1%} cost) |")
+    if "n" in peers:
+        r = bench_n_completions(args.model, work, args.repeats)
+        print(f"\n| {len(work.prompts) // 4} prompts x 4 completions, median of {args.repeats} | output tok/s |\n"
+              f"|---|---:|\n| 4 separate requests per prompt | {r['4 separate requests']:.1f} |\n"
+              f"| one request with n=4 (the prompt computed once) | {r['n=4']:.1f} "
+              f"({r['n=4'] / r['4 separate requests']:.2f}x) |")
     if "structured" in peers:
         r = bench_structured_outputs(args.model, args.num_requests, args.repeats)
         cost = 1 - r["constrained_tok_s"] / r["unconstrained_tok_s"]

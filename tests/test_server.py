@@ -242,3 +242,29 @@ def test_vllm_style_logprobs_priority_and_parameters_as_sampling_parameters(serv
                                            "stream": True, "stop": stop, "priority": 3})
     text = "".join(e["text_output"] for e in events)
     assert "error" not in events[-1] and text == offline_texts[prompt].split(stop)[0]
+
+
+def test_n_completions_in_both_conventions(server, offline):
+    """vllm_backend's n: every response holds one entry per completion. TensorRT-LLM's
+    num_return_sequences: each completion in responses of its own, marked by sequence_index."""
+    from inflight import SamplingParams
+
+    params = dict(max_tokens=10, temperature=0.9, seed=11, ignore_eos=True)
+    expected = offline.generate([PROMPTS[1]], SamplingParams(n=3, **params))[0].outputs
+    result = generate(server.grpc_url, PROMPTS[1], sampling_parameters=dict(n=3, **params))
+    assert result.error is None and all(len(r["text_output"]) == 3 for r in result.responses)
+    texts = ["".join(r["text_output"][i].decode() for r in result.responses) for i in range(3)]
+    assert texts == [c.text for c in expected]
+
+    prompt_ids = offline.encode(PROMPTS[1])
+    result = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), num_return_sequences=3,
+                      max_tokens=10, temperature=0.9, seed=np.array([11], np.uint64), ignore_eos=True)
+    assert result.error is None
+    ids = {i: [] for i in range(3)}
+    for r in result.responses:
+        ids[int(r["sequence_index"][0])] += [int(t) for t in r["output_ids"]]
+    assert [ids[i] for i in range(3)] == [c.token_ids for c in expected]
+    cancelled = generate(server.grpc_url, PROMPTS[2], sampling_parameters={"n": 4, "max_tokens": 2000,
+                                                                           "ignore_eos": True}, cancel_after=2)
+    assert cancelled.error == "cancelled"
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)

@@ -177,16 +177,20 @@ def test_engine_failure_ends_requests_with_an_error_and_keeps_serving(tiny_model
     assert again["b"][1] == [None] and len([x for d in again["b"][0] for x in d.new_token_ids]) == 5
 
 
-def test_coalesce_joins_each_requests_deltas_in_order():
-    def delta(rid, ids, text, finished=False):
-        return RequestDelta(rid, ids, text, finished, "length" if finished else None, 3, 0)
+def test_coalesce_joins_each_completions_deltas_in_order():
+    def delta(rid, ids, text, finished=False, index=0, reason=None):
+        return RequestDelta(rid, ids, text, finished, reason or ("length" if finished else None), 3, 0,
+                            index=index)
 
-    steps = [[delta("a", [1], "x"), delta("b", [7], "p")], [delta("b", [8], "q")],
-             [delta("a", [2, 3], "yz", finished=True), delta("c", [9], "r")]]
+    steps = [[delta("a", [1], "x"), delta("b", [7], "p")], [delta("b", [8], "q"), delta("d", [4], "m", index=1)],
+             [delta("a", [2, 3], "yz", finished=True), delta("c", [9], "r"),
+              delta("d", [5], "n", index=0, reason="stop"), delta("d", [6], "o", index=1, finished=True)]]
     merged = coalesce(steps)
-    assert [(d.request_id, d.new_token_ids, d.new_text, d.finished) for d in merged] == [
-        ("a", [1, 2, 3], "xyz", True), ("b", [7, 8], "pq", False), ("c", [9], "r", False)]
-    assert merged[0].finish_reason == "length" and steps[0][0].new_token_ids == [1]  # inputs untouched
+    # Each completion's deltas joined, in the order of their last delta: a request's final one comes last.
+    assert [(d.request_id, d.index, d.new_token_ids, d.new_text, d.finished) for d in merged] == [
+        ("b", 0, [7, 8], "pq", False), ("a", 0, [1, 2, 3], "xyz", True), ("c", 0, [9], "r", False),
+        ("d", 0, [5], "n", False), ("d", 1, [4, 6], "mo", True)]
+    assert merged[1].finish_reason == "length" and steps[0][0].new_token_ids == [1]  # inputs untouched
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "step-then-send"])

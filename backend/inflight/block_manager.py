@@ -30,6 +30,9 @@ class BlockManager:
         self._free_empty: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._cached: dict[int, int] = {}  # hash -> block id
+        # (source, destination) block pairs to copy before the next forward: a shared block about to
+        # be written is copied first (copy-on-write), as the completions of one prompt diverge.
+        self.pending_copies: list[tuple[int, int]] = []
 
     # -- pool state --------------------------------------------------------------------------
     @property
@@ -42,7 +45,12 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        return max(0, -(-total // self.block_size) - len(seq.block_table)) + self._must_copy(seq)
+
+    def _must_copy(self, seq: Sequence) -> bool:
+        """Whether the block the next token of `seq` is written to is shared with another sequence."""
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1
 
     def max_new_tokens(self, seq: Sequence) -> int:
         """How many more tokens of `seq` fit in its blocks plus the whole free pool."""
@@ -55,9 +63,24 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             return False
+        if self._must_copy(seq):
+            i = seq.num_computed_tokens // self.block_size
+            shared = self.blocks[seq.block_table[i]]
+            shared.ref_count -= 1
+            seq.block_table[i] = self._take_free_block()
+            self.pending_copies.append((shared.block_id, seq.block_table[i]))
+            needed -= 1
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (a shared block is copied when first written)."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
 
     def _take_free_block(self) -> int:
         if self._free_empty:

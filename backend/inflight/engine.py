@@ -77,7 +77,7 @@ class LLMEngine:
         self._inbox: deque[Sequence] = deque()
         self._abort_inbox: deque[str] = deque()
         self._early_aborts: dict[str, float] = {}  # aborted ids not seen yet -> when the abort came
-        self._requests: dict[str, Sequence] = {}  # every unfinished request, by id
+        self._requests: dict[str, list[Sequence]] = {}  # every unfinished request's sequences (n of them)
         self._arrivals = itertools.count()
         self.dead_reason: str | None = None  # set once the engine has stopped for good
         self._consecutive_failures = 0
@@ -85,6 +85,7 @@ class LLMEngine:
         self.num_failed_steps = 0
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        self.num_computed_tokens = 0  # tokens run through the model (prompts, recomputes, decodes)
         self.num_aborted = 0
         self.num_failed_requests = 0
 
@@ -133,6 +134,9 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): its completions "
+                             "run at once")
         bad_words_ids = self._bad_words_ids(params.bad_words)
         matcher = self.grammars().matcher(params.structured_outputs) if params.structured_outputs else None
         generator = None
@@ -148,6 +152,7 @@ class LLMEngine:
             bad_words_ids=bad_words_ids,
             matcher=matcher,
             priority=priority,
+            forks_left=params.n - 1,
         )
         with self._lock:
             self._check_alive()
@@ -218,6 +223,10 @@ class LLMEngine:
         if not batch.seqs:
             return
         self.num_steps += 1
+        self.num_computed_tokens += sum(batch.num_tokens)
+        if self.block_manager.pending_copies:  # copy-on-write of blocks shared by a prompt's completions
+            self.runner.copy_blocks(self.block_manager.pending_copies)
+            self.block_manager.pending_copies.clear()
         # Sequences whose last scheduled token is their last known token sample a next token; those
         # that asked for prompt logprobs also need logits at their prompt positions.
         sampling, logits_at, prompt_positions = [], [], []
@@ -226,7 +235,7 @@ class LLMEngine:
             if seq.num_computed_tokens + n == seq.num_tokens:
                 sampling.append(seq)
                 logits_at.append(start + n - 1)
-            if seq.params.prompt_logprobs is not None:
+            if seq.params.prompt_logprobs is not None and seq.index == 0:
                 prompt_positions += self._prompt_logprob_positions(seq, n, start)
             start += n
         logits = self._forward(batch, logits_at + [flat for _, flat, _ in prompt_positions])
@@ -237,11 +246,42 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
         if not sampling:
             return
-        for seq, token in zip(sampling, self._sample(logits[:len(sampling)], sampling)):
+        # A prompt with n completions is computed once: its other completions fork from it here and
+        # draw their first tokens from the same logits.
+        rows = list(range(len(sampling)))
+        for row, seq in enumerate(list(sampling)):
+            for child in self._fork(seq):
+                sampling.append(child)
+                rows.append(row)
+        sample_logits = logits[rows] if len(rows) > len(logits_at) else logits[:len(rows)]
+        for seq, token in zip(sampling, self._sample(sample_logits, sampling)):
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
             self._check_finished(seq, token)
             deltas.append(self._delta(seq))
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        children = []
+        while parent.forks_left:
+            index = parent.params.n - parent.forks_left
+            parent.forks_left -= 1
+            p = parent.params
+            generator = None
+            if p.seed is not None:
+                generator = torch.Generator(device=self.runner.device).manual_seed((p.seed + index) % 2**64)
+            child = Sequence(
+                request_id=parent.request_id, prompt_token_ids=parent.prompt_token_ids, params=p,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, p.skip_special_tokens,
+                                                   self._decode_lock),
+                generator=generator, bad_words_ids=parent.bad_words_ids,
+                matcher=self.grammars().matcher(p.structured_outputs) if p.structured_outputs else None,
+                priority=parent.priority, arrival=parent.arrival, index=index,
+            )
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+            self._requests[parent.request_id].append(child)
+            children.append(child)
+        return children
 
     # The three stages of a step that run outside the engine's bookkeeping (faults.py wraps them).
     def _forward(self, batch: ScheduledBatch, logits_at: list[int]) -> torch.Tensor:
@@ -291,7 +331,7 @@ class LLMEngine:
             aborts, self._abort_inbox = list(self._abort_inbox), deque()
         now = time.monotonic()
         for seq in arrived:
-            self._requests[seq.request_id] = seq
+            self._requests[seq.request_id] = [seq]
             self.num_prompt_tokens += seq.num_prompt_tokens
             if self.dead_reason is not None:
                 deltas.append(self._fail(seq, self.dead_reason))
@@ -300,16 +340,18 @@ class LLMEngine:
             else:
                 self.scheduler.add(seq)
         for request_id in aborts:
-            seq = self._requests.get(request_id)
-            if seq is None:
+            seqs = self._requests.get(request_id)
+            if seqs is None:
                 self._early_aborts[request_id] = now
-            elif not seq.is_finished:
-                deltas.append(self._abort(seq))
+            for seq in seqs or []:
+                if not seq.is_finished:
+                    deltas.append(self._abort(seq))
         for request_id, when in list(self._early_aborts.items()):
             if now - when > EARLY_ABORT_MEMORY_S:
                 del self._early_aborts[request_id]
 
     def _abort(self, seq: Sequence) -> RequestDelta:
+        seq.forks_left = 0
         self.scheduler.finish(seq, "abort")
         self.num_aborted += 1
         return self._delta(seq)
@@ -324,14 +366,16 @@ class LLMEngine:
         if self._consecutive_failures >= self.config.max_consecutive_failed_steps:
             self._die(f"{self._consecutive_failures} steps failed in a row; the last: {message}")
         if batch is None or self.dead_reason is not None:
-            victims = list(self._requests.values())  # failed outside the batch: nothing is known good
+            failed = list(self._requests)  # failed outside the batch: nothing is known good
         else:
-            victims = batch.seqs
-        for seq in victims:
-            if not seq.is_finished:
-                deltas.append(self._fail(seq, self.dead_reason or message))
+            failed = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
+        for request_id in failed:  # every completion of a failed request
+            for seq in list(self._requests.get(request_id, [])):
+                if not seq.is_finished:
+                    deltas.append(self._fail(seq, self.dead_reason or message))
 
     def _fail(self, seq: Sequence, message: str) -> RequestDelta:
+        seq.forks_left = 0
         try:
             if seq.status is SequenceStatus.FINISHED:
                 seq.finish_reason = "error"
@@ -358,8 +402,10 @@ class LLMEngine:
         self._die(reason)
         deltas: list[RequestDelta] = []
         self._drain_inbox(deltas)
-        for seq in list(self._requests.values()):
-            deltas.append(self._fail(seq, self.dead_reason))
+        for seqs in list(self._requests.values()):
+            for seq in list(seqs):
+                if not seq.is_finished:
+                    deltas.append(self._fail(seq, self.dead_reason))
         return deltas
 
     # -- stop conditions and deltas -----------------------------------------------------------------
@@ -391,9 +437,13 @@ class LLMEngine:
     def _delta(self, seq: Sequence) -> RequestDelta:
         """What `seq` gained since its last delta. While it runs, text that could be the start of a
         stop string is held back."""
+        request_finished = False
         if seq.is_finished:
             text_end = len(seq.output_text)
-            self._requests.pop(seq.request_id, None)
+            seqs = self._requests.get(seq.request_id, [seq])
+            request_finished = all(s.is_finished and not s.forks_left for s in seqs)
+            if request_finished:
+                self._requests.pop(seq.request_id, None)
         else:
             text_end = max(seq.num_text_sent, len(seq.output_text) - max(0, seq.params.max_stop_length - 1))
         p = seq.params
@@ -401,14 +451,15 @@ class LLMEngine:
             request_id=seq.request_id,
             new_token_ids=seq.output_token_ids[seq.num_tokens_sent:],
             new_text=seq.output_text[seq.num_text_sent:text_end],
-            finished=seq.is_finished,
+            finished=request_finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             new_logprobs=None if p.logprobs is None else seq.output_logprobs[seq.num_tokens_sent:],
             cumulative_logprob=None if p.logprobs is None else seq.cumulative_logprob,
+            index=seq.index,
         )
-        if p.prompt_logprobs is not None and not seq.prompt_logprobs_sent and seq.output_token_ids:
+        if p.prompt_logprobs is not None and seq.index == 0 and not seq.prompt_logprobs_sent and seq.output_token_ids:
             delta.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs or [None], True
         seq.num_tokens_sent = len(seq.output_token_ids)
         seq.num_text_sent = text_end
@@ -427,6 +478,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": sched.prefix_hit_tokens,
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
+            "computed_tokens_total": self.num_computed_tokens,
             "requests_aborted_total": self.num_aborted,
             "requests_failed_total": self.num_failed_requests,
             "failed_steps_total": self.num_failed_steps,

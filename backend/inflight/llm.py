@@ -35,13 +35,13 @@ class LLM(LLMEngine):
                 while self.has_unfinished():
                     self.step()
                 raise ValueError(f"prompt {k}: {e}") from None
-        merged: dict[str, RequestDelta] = {}  # each request's deltas so far, as one
+        merged: dict[tuple[str, int], RequestDelta] = {}  # each completion's deltas so far, as one
         finished: set[str] = set()
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(finished) < len(ids):
             for delta in self.step():
-                earlier = merged.get(delta.request_id)
-                merged[delta.request_id] = delta if earlier is None else earlier.followed_by(delta)
+                key = (delta.request_id, delta.index)
+                merged[key] = delta if key not in merged else merged[key].followed_by(delta)
                 if delta.finished:
                     finished.add(delta.request_id)
                     bar.update(1)
@@ -49,8 +49,9 @@ class LLM(LLMEngine):
         prompt_ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
         outputs = []
         for k, request_id in enumerate(ids):
-            d = merged[request_id]
-            completion = CompletionOutput(0, d.new_text, d.new_token_ids, d.finish_reason, d.new_logprobs,
-                                          d.cumulative_logprob)
-            outputs.append(RequestOutput(request_id, prompt_ids[k], [completion], d.prompt_logprobs, d.error))
+            parts = sorted((d for (rid, _), d in merged.items() if rid == request_id), key=lambda d: d.index)
+            completions = [CompletionOutput(d.index, d.new_text, d.new_token_ids, d.finish_reason, d.new_logprobs,
+                                            d.cumulative_logprob) for d in parts]
+            error = next((d.error for d in parts if d.error), None)
+            outputs.append(RequestOutput(request_id, prompt_ids[k], completions, parts[0].prompt_logprobs, error))
         return outputs

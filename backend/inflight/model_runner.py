@@ -69,6 +69,13 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of each (source, destination) block pair, in every layer."""
+        if pairs:
+            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*pairs))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, logits_at: list[int]) -> torch.Tensor:
         """Run the scheduled tokens; return logits [len(logits_at), vocab] at those positions of the
         ragged batch (a sequence's last scheduled token where it samples; prompt positions where

@@ -16,19 +16,21 @@ TokenLogprobs = dict[int, Logprob]
 
 @dataclass
 class RequestDelta:
-    """What one step added to one request. The concatenation of a request's deltas is its output."""
+    """What one step added to one completion of a request. The concatenation of a completion's deltas
+    is its output."""
 
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    finished: bool  # the request is finished: every one of its completions
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once this completion is finished
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # why the engine ended the request, when finish_reason is "error"
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when logprobs were asked for
     cumulative_logprob: float | None = None  # over every token so far, when logprobs were asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first delta, when asked for
+    index: int = 0  # which completion (of n)
 
     def followed_by(self, later: "RequestDelta") -> "RequestDelta":
         """This delta and a later one of the same request, as one."""
@@ -39,12 +41,14 @@ class RequestDelta:
 
 
 def coalesce(steps: list[list[RequestDelta]]) -> list[RequestDelta]:
-    """Several steps' deltas as one delta per request, in the order requests first appear."""
-    merged: dict[str, RequestDelta] = {}
+    """Several steps' deltas as one delta per completion, in the order of each one's last delta (so a
+    request's final delta stays after its other completions')."""
+    merged: dict[tuple[str, int], RequestDelta] = {}
     for deltas in steps:
         for delta in deltas:
-            earlier = merged.get(delta.request_id)
-            merged[delta.request_id] = delta if earlier is None else earlier.followed_by(delta)
+            key = (delta.request_id, delta.index)
+            earlier = merged.pop(key, None)
+            merged[key] = delta if earlier is None else earlier.followed_by(delta)
     return list(merged.values())
 
 

@@ -30,12 +30,13 @@ class SamplingParams:
     structured_outputs: dict | None = None
     logprobs: int | None = None  # the sampled token's logprob plus this many most likely tokens' (0: only it)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
-    n: int = 1  # completions per prompt (only 1 so far)
+    n: int = 1  # completions of the prompt, which is computed once
 
     # The engine's ceilings for words (each stop string and bad word is searched or tokenized per
     # request); a server may set lower limits (serving/settings.py).
     MAX_STOP_STRINGS = 64
     MAX_STOP_LENGTH = 256
+    MAX_N = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,8 +91,8 @@ class SamplingParams:
                 if getattr(self, name) > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
         self._check_int("n", minimum=1)
-        if self.n != 1:
-            raise ValueError(f"n > 1 (several completions per prompt) is not supported yet, got n={self.n}")
+        if self.n > self.MAX_N:
+            raise ValueError(f"n must be at most {self.MAX_N}, got {self.n}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
             raise ValueError(f"structured_outputs must be an object, got {self.structured_outputs!r}")
 

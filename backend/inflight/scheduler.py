@@ -48,6 +48,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=_queue_order)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A completion forked from a running sequence: it runs at once, on blocks it shares."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
@@ -73,8 +78,10 @@ class Scheduler:
         #    of one block for each running sequence that will need one (a watermark), so that a newly
         #    admitted (or re-admitted) sequence is not preempted again by the next step's growth.
         reserve = self._reserved_blocks()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) + 1 + seq.forks_left > self.max_num_seqs:  # room for its n completions
+                break
             hit = self.block_manager.match_prefix(seq)
             wanted = min(seq.num_uncomputed_tokens, budget)
             short = self.block_manager.blocks_needed(seq, wanted) + reserve > self.block_manager.num_free_blocks

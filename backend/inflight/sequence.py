@@ -26,6 +26,8 @@ class Sequence:
     matcher: object | None = None  # xgrammar's GrammarMatcher under structured outputs
     priority: int = 0  # lower is served earlier
     arrival: int = 0  # order of arrival, among equal priorities
+    index: int = 0  # which of the request's n completions
+    forks_left: int = 0  # completions still to fork from this one once its prompt is computed
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

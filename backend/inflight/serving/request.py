@@ -39,7 +39,7 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_nu
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
-                "priority", "beam_width", *SCALAR_PARAMS, *FLAGS, *GUIDE_INPUTS}
+                "priority", "beam_width", "num_return_sequences", *SCALAR_PARAMS, *FLAGS, *GUIDE_INPUTS}
 
 
 @dataclass
@@ -55,6 +55,7 @@ class ParsedRequest:
     return_logprobs: bool = False
     return_cumulative_logprob: bool = False
     return_log_probs: bool = False
+    per_completion_responses: bool = False  # TensorRT-LLM's num_return_sequences: a response per completion
 
 
 def _scalar(name: str, array: np.ndarray):
@@ -223,10 +224,19 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     if "beam_width" in inputs and _scalar("beam_width", inputs["beam_width"]) != 1:
         raise ValueError(f"input 'beam_width' must be 1 (beam search is not supported), got "
                          f"{_scalar('beam_width', inputs['beam_width'])}")
+    if "num_return_sequences" in inputs:
+        n = _scalar("num_return_sequences", inputs["num_return_sequences"])
+        if values.get("n", n) != n:
+            raise ValueError(f"inputs 'sampling_parameters' and 'num_return_sequences' disagree ({values['n']} vs {n})")
+        values["n"] = n
+    elif isinstance(prompt, list) and values.get("n", 1) != 1:
+        raise ValueError("with 'input_ids', several completions come from 'num_return_sequences' (a response "
+                         "per completion, each with its output_ids), not from n")
     if any(flags.get(name) for name in ("return_logprobs", "return_cumulative_logprob", "return_log_probs")):
         values.setdefault("logprobs", 0)  # the sampled tokens' logprobs at least
     params = SamplingParams(**values)
     if params.max_tokens > settings.max_tokens_limit:
         raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this server's limit of "
                          f"{settings.max_tokens_limit}")
-    return ParsedRequest(prompt=prompt, params=params, priority=priority, **flags)
+    return ParsedRequest(prompt=prompt, params=params, priority=priority,
+                         per_completion_responses="num_return_sequences" in inputs, **flags)

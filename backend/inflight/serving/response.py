@@ -1,7 +1,8 @@
 """Turn a request's deltas into the output tensors of its Triton responses (name -> numpy array), in
 the conventions of vllm_backend (`text_output`, `finish_reason`, `logprobs` as JSON,
-`cumulative_logprob`, token counts) and the TensorRT-LLM backend (`output_ids`, `output_log_probs`,
-`cum_log_probs`)."""
+`cumulative_logprob`, token counts; with `n` completions, one entry per completion in every output) and
+the TensorRT-LLM backend (`output_ids`, `output_log_probs`, `cum_log_probs`; with
+`num_return_sequences`, each completion in responses of its own, marked by `sequence_index`)."""
 
 import json
 
@@ -18,53 +19,75 @@ def logprobs_json(entries: list[TokenLogprobs]) -> str:
 
 
 class RequestResponses:
-    """One request's responses. A streamed request gets one per delta that brings text (or tokens,
-    when it asked for ids or logprobs; a delta that brings nothing to send is merged into the next);
-    a non-streamed one gets one at the end, starting with the prompt unless exclude_input_in_output."""
+    """One request's responses. Streamed, a response goes out for each delta that brings text (or
+    tokens, when the request asked for ids or logprobs); a delta with nothing to send is merged into
+    the next. Not streamed, the text (after the prompt, unless exclude_input_in_output) goes out at the
+    end. Responses carry either one completion (n = 1, or TensorRT-LLM's num_return_sequences) or all
+    n of them (vllm_backend's n: every output has one entry per completion)."""
 
     def __init__(self, parsed: ParsedRequest):
         self.parsed = parsed
-        self._pending: RequestDelta | None = None
+        self._n = parsed.params.n
+        self._all_completions = self._n > 1 and not parsed.per_completion_responses
+        self._pending: dict[int, RequestDelta] = {}  # by completion index
+        self._last: dict[int, RequestDelta] = {}  # each completion's last delta sent
         self._wants_tokens = isinstance(parsed.prompt, list) or parsed.params.logprobs is not None
 
     def add(self, delta: RequestDelta) -> dict[str, np.ndarray] | None:
         """The outputs of the response this delta completes, or None when nothing is to be sent yet."""
-        pending = delta if self._pending is None else self._pending.followed_by(delta)
+        earlier = self._pending.pop(delta.index, None)
+        pending = delta if earlier is None else earlier.followed_by(delta)
         if self.parsed.stream:
-            ready = pending.finished or pending.new_text or (self._wants_tokens and pending.new_token_ids)
+            ready = (pending.finished or pending.new_text or pending.finish_reason is not None
+                     or (self._wants_tokens and pending.new_token_ids))
         else:
-            ready = pending.finished
+            ready = pending.finished or (pending.finish_reason is not None and not self._all_completions)
+        self._pending[delta.index] = pending
         if not ready:
-            self._pending = pending
             return None
-        self._pending = None
-        return self._outputs(pending)
+        if self._all_completions:
+            parts = [self._pending.pop(i, None) or self._nothing(pending, i) for i in range(self._n)]
+        else:
+            parts = [self._pending.pop(delta.index)]
+        self._last.update((d.index, d) for d in parts)
+        return self._outputs(parts)
 
-    def _outputs(self, delta: RequestDelta) -> dict[str, np.ndarray]:
+    def _nothing(self, like: RequestDelta, index: int) -> RequestDelta:
+        """An empty delta for a completion that brought nothing since its last response."""
+        last = self._last.get(index)
+        return RequestDelta(like.request_id, [], "", like.finished, last and last.finish_reason, like.num_prompt_tokens,
+                            last.num_output_tokens if last else 0, index=index,
+                            cumulative_logprob=last and last.cumulative_logprob)
+
+    def _outputs(self, parts: list[RequestDelta]) -> dict[str, np.ndarray]:
         parsed = self.parsed
-        text, ids = delta.new_text, delta.new_token_ids
+        texts = [d.new_text for d in parts]
+        ids = parts[0].new_token_ids
         if not parsed.stream and not parsed.exclude_input_in_output:
             if isinstance(parsed.prompt, list):
                 ids = parsed.prompt + ids
             else:
-                text = parsed.prompt + text
-        outputs = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+                texts = [parsed.prompt + t for t in texts]
+        outputs = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
         if isinstance(parsed.prompt, list):
             outputs["output_ids"] = np.array(ids, dtype=np.int32)
+        if parsed.per_completion_responses:
+            outputs["sequence_index"] = np.array([parts[0].index], dtype=np.int32)
         if parsed.return_finish_reason:
-            reason = (delta.finish_reason or "") if delta.finished else ""
-            outputs["finish_reason"] = np.array([reason.encode()], dtype=np.object_)
+            outputs["finish_reason"] = np.array([(d.finish_reason or "").encode() for d in parts], dtype=np.object_)
         if parsed.return_num_input_tokens:
-            outputs["num_input_tokens"] = np.array([delta.num_prompt_tokens], dtype=np.uint32)
+            outputs["num_input_tokens"] = np.array([parts[0].num_prompt_tokens], dtype=np.uint32)
         if parsed.return_num_output_tokens:
-            outputs["num_output_tokens"] = np.array([delta.num_output_tokens], dtype=np.uint32)
-        new_logprobs = delta.new_logprobs or []
+            outputs["num_output_tokens"] = np.array([d.num_output_tokens for d in parts], dtype=np.uint32)
         if parsed.return_logprobs:
-            outputs["logprobs"] = np.array([logprobs_json(new_logprobs).encode()], dtype=np.object_)
+            outputs["logprobs"] = np.array([logprobs_json(d.new_logprobs or []).encode() for d in parts],
+                                           dtype=np.object_)
         if parsed.return_cumulative_logprob:
-            outputs["cumulative_logprob"] = np.array([delta.cumulative_logprob], dtype=np.float32)
+            outputs["cumulative_logprob"] = np.array([d.cumulative_logprob for d in parts], dtype=np.float32)
         if parsed.return_log_probs:
-            sampled = [entry[token].logprob for entry, token in zip(new_logprobs, delta.new_token_ids)]
+            delta = parts[0]
+            sampled = [entry[token].logprob for entry, token in zip(delta.new_logprobs or [], delta.new_token_ids)]
             outputs["output_log_probs"] = np.array(sampled, dtype=np.float32)
             outputs["cum_log_probs"] = np.array([delta.cumulative_logprob], dtype=np.float32)
         return outputs
+

@@ -174,11 +174,13 @@ class TritonPythonModel:
             _send_final_error(active.sender, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
 
     def _send(self, active: ActiveRequest, delta) -> None:
-        if delta.error is not None:
+        if delta.error is not None:  # the engine ends every completion of the request: one error is enough
+            self.active.pop(delta.request_id, None)
             active.sender.send(_error(delta.error, "INTERNAL"), flags=FINAL)
             return
         if delta.finish_reason == "abort":
-            active.sender.send(flags=FINAL)  # the client cancelled: close the stream, nothing to say
+            if delta.finished:  # the client cancelled: close the stream (once all completions ended)
+                active.sender.send(flags=FINAL)
             return
         self._observe_latency(active, len(delta.new_token_ids))
         outputs = active.responses.add(delta)

@@ -1,4 +1,5 @@
-"""Log probabilities (generated and prompt tokens) against HF transformers' own logits, and priorities."""
+"""Log probabilities (generated and prompt tokens) against HF transformers' own logits, several
+completions per prompt, and priorities."""
 
 import pytest
 import torch
@@ -109,11 +110,58 @@ def test_memory_pressure_preempts_the_lowest_priority_first(model):
     llm.block_manager.check_all_free()
 
 
-def test_bad_priority_and_n_are_refused(model):
+def test_bad_priority_n_and_logprobs_are_refused(model):
     llm = LLM(model, num_kv_blocks=16)
     with pytest.raises(ValueError, match="priority"):
         llm.add_request("x", [5], SamplingParams(), priority="high")
-    with pytest.raises(ValueError, match="n > 1"):
-        SamplingParams(n=4)
-    with pytest.raises(ValueError, match="logprobs must be at most 20"):
-        SamplingParams(logprobs=21)
+    for bad, words in ((dict(n=0), "n must be at least 1"), (dict(n=65), "n must be at most 64"),
+                       (dict(logprobs=21), "logprobs must be at most 20")):
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(**bad)
+
+
+PROMPT = list(range(5, 24))  # 19 tokens: the last prompt block is shared half-full, then copied on write
+
+
+def test_n_greedy_completions_are_identical_and_the_prompt_is_computed_once(model):
+    llm = LLM(model, num_kv_blocks=64, enable_prefix_caching=False)  # count every prompt token computed
+    single = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    before = llm.stats()["computed_tokens_total"]
+    out = llm.generate([PROMPT], SamplingParams(n=4, max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(c.token_ids == single.token_ids and c.text == single.text for c in out.outputs)
+    # The prompt once, then each completion's tokens after its first (drawn from the prompt's logits).
+    assert llm.stats()["computed_tokens_total"] - before == len(PROMPT) + 4 * 9
+    llm.block_manager.check_all_free()
+
+
+def test_n_seeded_completions_reproduce_and_equal_separate_requests(model):
+    """Completion i draws with seed + i: it equals a separate request with that seed, which holds only
+    if the shared and copied-on-write KV blocks are right."""
+    llm = LLM(model, num_kv_blocks=64)
+    params = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
+    out = llm.generate([PROMPT], SamplingParams(n=3, seed=7, **params))[0]
+    again = llm.generate([PROMPT], SamplingParams(n=3, seed=7, **params))[0]
+    separate = llm.generate([PROMPT] * 3, [SamplingParams(seed=7 + i, **params) for i in range(3)])
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in again.outputs] == [
+        o.token_ids for o in separate]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    llm.block_manager.check_all_free()
+
+
+def test_n_completions_under_preemption_and_abort(model):
+    params = SamplingParams(n=3, max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    roomy = LLM(model, num_kv_blocks=128).generate([PROMPT, PROMPT[:9]], params)
+    tight = LLM(model, num_kv_blocks=10, max_num_seqs=6, max_num_batched_tokens=64)
+    outs = tight.generate([PROMPT, PROMPT[:9]], params)
+    assert tight.stats()["num_preemptions"] > 0
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in roomy]
+    tight.block_manager.check_all_free()
+    tight.add_request("cancelled", PROMPT, SamplingParams(n=4, max_tokens=400, ignore_eos=True))
+    for _ in range(3):
+        tight.step()
+    tight.abort("cancelled")
+    deltas = tight.step()
+    assert sorted(d.index for d in deltas) == [0, 1, 2, 3] and all(d.finish_reason == "abort" for d in deltas)
+    assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
+    tight.block_manager.check_all_free()
