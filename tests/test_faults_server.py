@@ -232,5 +232,5 @@ def test_hostile_sizes_are_refused_quickly_while_good_streams_flow(server, refer
     # Refused before tokenization: at once. Over-long prompts are tokenized one at a time on a thread
     # of their own (about 1 s per MiB), never on the thread that admits the other requests.
     assert all(t < 1.0 for name, t in slowest.items() if hostile[name][2] not in (None, "max_model_len"))
-    assert loaded < quiet + 0.5
+    assert loaded < quiet + 0.75  # before the fix, one 1 MiB bad word held every stream for 1.85 s
     assert_all_blocks_free(server)
