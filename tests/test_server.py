@@ -220,8 +220,9 @@ def test_token_ids_in_and_out_with_tensorrt_llm_logprobs(server, offline):
     reference = [e[t].logprob for t, e in zip(expected.token_ids, expected.outputs[0].logprobs)]
     assert np.allclose(logprobs, reference, atol=1e-4)
     assert abs(float(result.responses[-1]["cum_log_probs"][0]) - sum(reference)) < 1e-3
-    error = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), beam_width=4).error
-    assert error and "beam_width" in error
+    for bad, name in ((dict(beam_width=4), "beam_width"), (dict(num_return_sequences=0), "num_return_sequences")):
+        error = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), **bad).error
+        assert error and name in error, error
 
 
 def test_vllm_style_logprobs_priority_and_parameters_as_sampling_parameters(server, offline_texts):
@@ -255,6 +256,11 @@ def test_n_completions_in_both_conventions(server, offline):
     assert result.error is None and all(len(r["text_output"]) == 3 for r in result.responses)
     texts = ["".join(r["text_output"][i].decode() for r in result.responses) for i in range(3)]
     assert texts == [c.text for c in expected]
+    whole = generate(server.grpc_url, PROMPTS[1], stream=False, return_num_output_tokens=True,
+                     sampling_parameters=dict(n=3, **params))
+    assert len(whole.responses) == 1 and [t.decode() for t in whole.responses[0]["text_output"]] == [
+        PROMPTS[1] + c.text for c in expected]
+    assert list(whole.responses[0]["num_output_tokens"]) == [10, 10, 10]
 
     prompt_ids = offline.encode(PROMPTS[1])
     result = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), num_return_sequences=3,

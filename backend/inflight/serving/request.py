@@ -226,6 +226,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
                          f"{_scalar('beam_width', inputs['beam_width'])}")
     if "num_return_sequences" in inputs:
         n = _scalar("num_return_sequences", inputs["num_return_sequences"])
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= SamplingParams.MAX_N:
+            raise ValueError(f"input 'num_return_sequences' must be an integer in [1, {SamplingParams.MAX_N}], "
+                             f"got {n!r}")
         if values.get("n", n) != n:
             raise ValueError(f"inputs 'sampling_parameters' and 'num_return_sequences' disagree ({values['n']} vs {n})")
         values["n"] = n
