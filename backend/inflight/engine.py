@@ -137,12 +137,23 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): its completions "
                              "run at once")
-        bad_words_ids = self._bad_words_ids(params.bad_words)
-        matcher = self.grammars().matcher(params.structured_outputs) if params.structured_outputs else None
+        seq = self._new_sequence(request_id, token_ids, params, self._bad_words_ids(params.bad_words), priority)
+        seq.forks_left = params.n - 1
+        with self._lock:
+            self._check_alive()
+            seq.arrival = next(self._arrivals)
+            if request_id in self._requests or any(s.request_id == request_id for s in self._inbox):
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._inbox.append(seq)
+
+    def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      bad_words_ids: list[list[int]], priority: int, index: int = 0) -> Sequence:
+        """Completion `index` of a request: its own detokenizer, grammar matcher, and generator (seeded
+        with seed + index)."""
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        seq = Sequence(
+            generator = torch.Generator(device=self.runner.device).manual_seed((params.seed + index) % 2**64)
+        return Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
@@ -150,16 +161,10 @@ class LLMEngine:
                                                self._decode_lock),
             generator=generator,
             bad_words_ids=bad_words_ids,
-            matcher=matcher,
+            matcher=self.grammars().matcher(params.structured_outputs) if params.structured_outputs else None,
             priority=priority,
-            forks_left=params.n - 1,
+            index=index,
         )
-        with self._lock:
-            self._check_alive()
-            seq.arrival = next(self._arrivals)
-            if request_id in self._requests or any(s.request_id == request_id for s in self._inbox):
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._inbox.append(seq)
 
     def grammars(self) -> StructuredOutputs:
         """The structured-output compiler (its tokenizer info is built once, on first use)."""
@@ -265,18 +270,9 @@ class LLMEngine:
         while parent.forks_left:
             index = parent.params.n - parent.forks_left
             parent.forks_left -= 1
-            p = parent.params
-            generator = None
-            if p.seed is not None:
-                generator = torch.Generator(device=self.runner.device).manual_seed((p.seed + index) % 2**64)
-            child = Sequence(
-                request_id=parent.request_id, prompt_token_ids=parent.prompt_token_ids, params=p,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids, p.skip_special_tokens,
-                                                   self._decode_lock),
-                generator=generator, bad_words_ids=parent.bad_words_ids,
-                matcher=self.grammars().matcher(p.structured_outputs) if p.structured_outputs else None,
-                priority=parent.priority, arrival=parent.arrival, index=index,
-            )
+            child = self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params,
+                                       parent.bad_words_ids, parent.priority, index)
+            child.arrival = parent.arrival
             self.block_manager.fork(parent, child)
             self.scheduler.add_running(child)
             self._requests[parent.request_id].append(child)
@@ -377,10 +373,7 @@ class LLMEngine:
     def _fail(self, seq: Sequence, message: str) -> RequestDelta:
         seq.forks_left = 0
         try:
-            if seq.status is SequenceStatus.FINISHED:
-                seq.finish_reason = "error"
-            else:
-                self.scheduler.finish(seq, "error")
+            self.scheduler.finish(seq, "error")
         except Exception:  # the block pool itself is broken: nothing can be trusted any more
             logger.exception("could not free the blocks of %s", seq.request_id)
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
@@ -459,8 +452,8 @@ class LLMEngine:
             cumulative_logprob=None if p.logprobs is None else seq.cumulative_logprob,
             index=seq.index,
         )
-        if p.prompt_logprobs is not None and seq.index == 0 and not seq.prompt_logprobs_sent and seq.output_token_ids:
-            delta.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs or [None], True
+        if p.prompt_logprobs is not None and seq.index == 0 and seq.num_tokens_sent == 0 and seq.output_token_ids:
+            delta.prompt_logprobs = seq.prompt_logprobs or [None]  # with the first generated token
         seq.num_tokens_sent = len(seq.output_token_ids)
         seq.num_text_sent = text_end
         return delta

@@ -5,7 +5,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from .engine import LLMEngine
-from .outputs import CompletionOutput, RequestDelta, RequestOutput
+from .outputs import CompletionOutput, RequestDelta, RequestOutput, coalesce
 from .sampling_params import SamplingParams
 
 
@@ -35,21 +35,22 @@ class LLM(LLMEngine):
                 while self.has_unfinished():
                     self.step()
                 raise ValueError(f"prompt {k}: {e}") from None
-        merged: dict[tuple[str, int], RequestDelta] = {}  # each completion's deltas so far, as one
-        finished: set[str] = set()
+        steps: list[list[RequestDelta]] = []
+        finished = 0
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        while len(finished) < len(ids):
-            for delta in self.step():
-                key = (delta.request_id, delta.index)
-                merged[key] = delta if key not in merged else merged[key].followed_by(delta)
-                if delta.finished:
-                    finished.add(delta.request_id)
-                    bar.update(1)
+        while finished < len(ids):
+            steps.append(self.step())
+            done = sum(delta.finished for delta in steps[-1])
+            finished += done
+            bar.update(done)
         bar.close()
+        by_request: dict[str, list[RequestDelta]] = {request_id: [] for request_id in ids}
+        for delta in coalesce(steps):  # one delta per completion
+            by_request.get(delta.request_id, []).append(delta)
         prompt_ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
         outputs = []
         for k, request_id in enumerate(ids):
-            parts = sorted((d for (rid, _), d in merged.items() if rid == request_id), key=lambda d: d.index)
+            parts = sorted(by_request[request_id], key=lambda d: d.index)
             completions = [CompletionOutput(d.index, d.new_text, d.new_token_ids, d.finish_reason, d.new_logprobs,
                                             d.cumulative_logprob) for d in parts]
             error = next((d.error for d in parts if d.error), None)

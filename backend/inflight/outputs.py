@@ -1,6 +1,6 @@
 """What the engine hands out: per-step deltas for streaming, and whole results for generate()."""
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 
 @dataclass

@@ -40,7 +40,6 @@ class Sequence:
     output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, when asked for
     cumulative_logprob: float = 0.0
     prompt_logprobs: list = field(default_factory=list)  # None, then TokenLogprobs per prompt token
-    prompt_logprobs_sent: bool = False
 
     output_text: str = ""  # text decoded so far, stop strings cut
     num_text_sent: int = 0  # characters of output_text already handed out as deltas
