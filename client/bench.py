@@ -88,6 +88,22 @@ def run_hf_continuous(model_dir: str, work: Workload, max_batch_tokens: int) -> 
         return time.perf_counter() - start
 
 
+def alternating(runs: dict, repeats: int) -> dict[object, list[float]]:
+    """Each labelled run (a callable returning seconds) `repeats` times, in turn, so that a slow spell of
+    a shared machine hits them all alike; the seconds of each, by label."""
+    seconds = {label: [] for label in runs}
+    for _ in range(repeats):
+        for label, run in runs.items():
+            seconds[label].append(run())
+    return seconds
+
+
+def timed(call, *args) -> float:
+    start = time.perf_counter()
+    call(*args)
+    return time.perf_counter() - start
+
+
 def make_llm(model_dir: str, **settings):
     from inflight import LLM
 
@@ -167,16 +183,11 @@ def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[st
     separate = [SamplingParams(max_tokens=m, temperature=1.0, seed=i + j, ignore_eos=True)
                 for i, m in enumerate(lengths) for j in range(4)]
     tokens = 4 * sum(lengths)
-    seconds = {"n=4": [], "4 separate requests": []}
-    for _ in range(repeats):
-        for label in seconds:
-            llm = make_llm(model_dir)
-            start = time.perf_counter()
-            if label == "n=4":
-                llm.generate(prompts, forked)
-            else:
-                llm.generate([p for p in prompts for _ in range(4)], separate)
-            seconds[label].append(time.perf_counter() - start)
+    seconds = alternating({
+        "n=4": lambda: timed(make_llm(model_dir).generate, prompts, forked),
+        "4 separate requests": lambda: timed(make_llm(model_dir).generate,
+                                             [p for p in prompts for _ in range(4)], separate),
+    }, repeats)
     result = {label: tokens / statistics.median(times) for label, times in seconds.items()}
     print(f"  n completions ({k} prompts x 4, {tokens} tokens): {result}", file=sys.stderr)
     return result
@@ -205,12 +216,8 @@ def bench_structured_outputs(model_dir: str, n: int, repeats: int) -> dict:
     constrained = SamplingParams(max_tokens=160, temperature=0.0, structured_outputs={"json": PERSON_SCHEMA})
     lengths = [len(o.token_ids) for o in llm.generate(prompts, constrained)]  # also the warm-up
     plain = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in lengths]
-    seconds = {"unconstrained": [], "constrained": []}
-    for _ in range(repeats):
-        for label, params in (("unconstrained", plain), ("constrained", constrained)):
-            start = time.perf_counter()
-            llm.generate(prompts, params)
-            seconds[label].append(time.perf_counter() - start)
+    seconds = alternating({"unconstrained": lambda: timed(llm.generate, prompts, plain),
+                           "constrained": lambda: timed(llm.generate, prompts, constrained)}, repeats)
     runs = {label: statistics.median(times) for label, times in seconds.items()}
     tokens = sum(lengths)
     result = {"requests": n, "tokens": tokens, "info_s": info_s, **{f"compile_{k}_s": v for k, v in timings.items()},
@@ -256,14 +263,15 @@ def main() -> None:
             record(f"HF continuous batching (max_batch_tokens={tokens})",
                    run_hf_continuous(args.model, work, tokens))
     # Offline and served runs alternate, so that a slow spell of a shared machine hits both alike.
-    offline, served = [], []
+    runs = {}
+    if "inflight" in peers:
+        runs["offline"] = lambda: run_inflight(args.model, work, max_num_batched_tokens=args.max_num_batched_tokens)
     if "triton" in peers:
         from triton_bench import run_through_tritonserver
-    for _ in range(args.repeats):
-        if "inflight" in peers:
-            offline.append(run_inflight(args.model, work, max_num_batched_tokens=args.max_num_batched_tokens))
-        if "triton" in peers:
-            served.append(run_through_tritonserver(args.model, work, args.threads, args.max_num_batched_tokens))
+
+        runs["served"] = lambda: run_through_tritonserver(args.model, work, args.threads, args.max_num_batched_tokens)
+    seconds = alternating(runs, args.repeats)
+    offline, served = seconds.get("offline", []), seconds.get("served", [])
     if offline:
         record_median(f"inflight offline (max_num_batched_tokens={args.max_num_batched_tokens})", offline)
     if served:
@@ -292,12 +300,10 @@ def main() -> None:
         for name, caching, ttft, tps, hit in rows:
             print(f"| {name} | {caching} | {ttft:.2f} | {tps:.1f} | {hit} |")
     if "logprobs" in peers:
-        runs = {None: [], 5: []}
-        for _ in range(args.repeats):  # alternating, as above
-            for k in runs:
-                runs[k].append(run_inflight(args.model, work, logprobs=k,
-                                            max_num_batched_tokens=args.max_num_batched_tokens))
-        plain, with_logprobs = (work.output_tokens / statistics.median(runs[k]) for k in runs)
+        seconds = alternating({k: lambda k=k: run_inflight(args.model, work, logprobs=k,
+                                                           max_num_batched_tokens=args.max_num_batched_tokens)
+                               for k in (None, 5)}, args.repeats)
+        plain, with_logprobs = (work.output_tokens / statistics.median(times) for times in seconds.values())
         print(f"\n| inflight offline, median of {args.repeats} | output tok/s |\n|---|---:|\n"
               f"| without logprobs | {plain:.1f} |\n"
               f"| logprobs=5 on every request | {with_logprobs:.1f} ({1 - with_logprobs / plain:+.1%} cost) |")

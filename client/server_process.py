@@ -61,19 +61,15 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.http_url}/v2/models/llm/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
+            if self.model_ready():
+                return self
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"tritonserver was not ready in {timeout} s:\n{self.log()[-4000:]}")
 
     def model_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/models/llm/ready", timeout=5) as r:
+            with urllib.request.urlopen(f"{self.http_url}/v2/models/llm/ready", timeout=2) as r:
                 return r.status == 200
         except OSError:
             return False

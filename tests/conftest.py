@@ -133,3 +133,27 @@ def serve(env: dict | None = None, **settings):
 @pytest.fixture(scope="session")
 def hf_reference() -> HFReference:
     return HFReference()
+
+
+# Prompts and helpers of the served reliability and fault tests.
+PROMPTS = ["In 1969, the first humans landed on", "The three primary colors are", "def fibonacci(n):",
+           "Photosynthesis is the process by which", "The capital of Japan is", "Water boils at"]
+
+
+def greedy(max_tokens=16):
+    return dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def assert_all_blocks_free(server):
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0)
+    server.wait_for_metric("inflight_num_requests_running", lambda v: v == 0)
+    server.wait_for_metric("inflight_num_requests_waiting", lambda v: v == 0)
+
+
+@pytest.fixture(scope="session")
+def reference(default_model):
+    """Greedy texts from the offline engine, with a roomy pool: what every served request must get."""
+    from inflight import LLM, SamplingParams
+
+    llm = LLM(default_model, num_kv_blocks=512)
+    return lambda prompts, max_tokens: [o.text for o in llm.generate(prompts, SamplingParams(**greedy(max_tokens)))]

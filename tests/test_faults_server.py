@@ -16,31 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate, make_inputs  # noqa: E402
-from conftest import concurrently, serve  # noqa: E402
+from conftest import PROMPTS, assert_all_blocks_free, concurrently, greedy, serve  # noqa: E402
 from server_process import TritonServer  # noqa: E402
 
 pytestmark = pytest.mark.server
 
-PROMPTS = ["In 1969, the first humans landed on", "The three primary colors are", "def fibonacci(n):",
-           "Photosynthesis is the process by which", "The capital of Japan is", "Water boils at"]
 # Four sequences at a time, so that each injected fault hits one batch of four and spares the rest.
 SETTINGS = dict(num_kv_blocks=128, kv_cache_memory=None, max_num_seqs=4, max_num_batched_tokens=256,
                 max_model_len=512)
 # With 24 streams of 48 tokens in waves of four, each fault ends the wave it hits; the waves between
 # the faults run through.
 FAULTS = "forward@10,sampler@60,detokenize@110"
-
-
-def greedy(max_tokens):
-    return dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(default_model):
-    from inflight import LLM, SamplingParams
-
-    llm = LLM(default_model, num_kv_blocks=256)
-    return lambda prompts, n: [o.text for o in llm.generate(prompts, SamplingParams(**greedy(n)))]
 
 
 def stream_to_the_end(url: str, prompt: str, quiet_s: float = 1.0, **inputs) -> dict:
@@ -73,11 +59,6 @@ def stream_to_the_end(url: str, prompt: str, quiet_s: float = 1.0, **inputs) -> 
         client.stop_stream()
         client.close()
     return {"text": "".join(text), "error": error, "finals": finals, "after_final": after_final}
-
-
-def assert_all_blocks_free(server):
-    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0)
-    server.wait_for_metric("inflight_num_requests_running", lambda v: v == 0)
 
 
 @pytest.fixture(scope="module")

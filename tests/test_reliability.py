@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate, make_inputs  # noqa: E402
-from conftest import concurrently, serve  # noqa: E402
+from conftest import PROMPTS, assert_all_blocks_free, concurrently, greedy, serve  # noqa: E402
 from server_process import TritonServer  # noqa: E402
 from soak import soak  # noqa: E402
 
@@ -25,37 +25,11 @@ pytestmark = pytest.mark.server
 # A small pool (64 blocks of 16 tokens) so that bursts exhaust it.
 SETTINGS = dict(num_kv_blocks=64, kv_cache_memory=None, max_num_seqs=32, max_num_batched_tokens=256,
                 max_model_len=512, max_queued_requests=512, max_tokens_limit=1000)
-PROMPTS = ["In 1969, the first humans landed on", "The three primary colors are", "def fibonacci(n):",
-           "Photosynthesis is the process by which", "The capital of Japan is", "Water boils at"]
 
 
 @pytest.fixture(scope="module")
 def server():
     yield from serve(**SETTINGS)
-
-
-@pytest.fixture(scope="module")
-def reference(default_model):
-    """Greedy texts from the offline engine, with a roomy pool: what every served request must get."""
-    from inflight import LLM, SamplingParams
-
-    llm = LLM(default_model, num_kv_blocks=512)
-
-    def texts(prompts, max_tokens):
-        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        return [o.text for o in outs]
-
-    return texts
-
-
-def assert_all_blocks_free(server):
-    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0)
-    server.wait_for_metric("inflight_num_requests_running", lambda v: v == 0)
-    server.wait_for_metric("inflight_num_requests_waiting", lambda v: v == 0)
-
-
-def greedy(max_tokens=16):
-    return dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def raw_grpc(server, inputs):

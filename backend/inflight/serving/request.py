@@ -3,7 +3,8 @@
 The input names follow NVIDIA's vllm_backend (`text_input`, `stream`, `exclude_input_in_output`,
 `sampling_parameters` as JSON, `return_logprobs`, ...) and the TensorRT-LLM backend (`input_ids`,
 `max_tokens`, `min_length`, `end_id`, `stop_words`, `return_log_probs`, guided decoding, ...), so
-genai-perf, perf_analyzer and existing clients work unchanged (the README lists what is not supported). Every problem raises a ValueError that names the input. Sizes are checked against the
+genai-perf, perf_analyzer and existing clients work unchanged (the README lists what is not
+supported). Every problem raises a ValueError that names the input. Sizes are checked against the
 server's limits (ServingSettings) before anything is tokenized.
 """
 
@@ -138,10 +139,12 @@ def _prompt(inputs: dict[str, np.ndarray], max_bytes: int) -> str | list[int]:
 
 
 def _priority(from_json, inputs: dict[str, np.ndarray]) -> int:
-    values = [("sampling_parameters", from_json)] if from_json is not None else []
+    """The priority from sampling_parameters (possibly a string) and/or the `priority` input."""
+    given = [("sampling_parameters", from_json)] if from_json is not None else []
     if "priority" in inputs:
-        values.append(("priority", _scalar("priority", inputs["priority"])))
-    for name, value in values:
+        given.append(("priority", _scalar("priority", inputs["priority"])))
+    values = []
+    for name, value in given:
         if isinstance(value, str):
             try:
                 value = int(value)
@@ -149,9 +152,10 @@ def _priority(from_json, inputs: dict[str, np.ndarray]) -> int:
                 raise ValueError(f"priority could not be read from the string {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 2**31:
             raise ValueError(f"priority (in {name}) must be a 32-bit integer, got {value!r}")
-    if len(values) == 2 and int(values[0][1]) != int(values[1][1]):
-        raise ValueError(f"inputs 'sampling_parameters' and 'priority' disagree ({values[0][1]} vs {values[1][1]})")
-    return int(values[-1][1]) if values else 0
+        values.append(value)
+    if len(set(values)) > 1:
+        raise ValueError(f"inputs 'sampling_parameters' and 'priority' disagree ({values[0]} vs {values[1]})")
+    return values[0] if values else 0
 
 
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,

@@ -13,7 +13,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -69,12 +69,15 @@ class ActiveRequest:
     parsed: ParsedRequest
     arrival: float
     last_token_time: float | None = None
-    responses: RequestResponses | None = None  # turns each delta into what is sent
+    responses: RequestResponses = field(init=False)  # turns each delta into what is sent
     cancelled: bool = False
     # Set once the engine took the request. Until then it is never polled: a refusal's FINAL may be
     # sent from another thread, and asking Triton about a request while its FINAL goes out crashes
     # tritonserver (a segfault in TRITONBACKEND_ResponseFactoryIsCancelled, seen here).
     admitted: bool = False
+
+    def __post_init__(self) -> None:
+        self.responses = RequestResponses(self.parsed)
 
 
 class TritonPythonModel:
@@ -143,8 +146,7 @@ class TritonPythonModel:
         if cap is not None and len(token_ids) > cap:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
         request_id = uuid.uuid4().hex
-        active = self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(),
-                                                         responses=RequestResponses(parsed))
+        active = self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic())
         try:
             self.thread.submit(request_id, token_ids, parsed.params, parsed.priority)
         except Exception:
