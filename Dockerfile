@@ -22,7 +22,8 @@ RUN python3 -m pip install --no-cache-dir --no-deps .
 
 ENV INFLIGHT_ROOT=/opt/inflight \
     INFLIGHT_MODEL=/models/llm \
-    INFLIGHT_MODEL_JSON=/opt/inflight/docker/model.json
+    INFLIGHT_MODEL_JSON=/opt/inflight/docker/model.json \
+    INFLIGHT_PYTHON=/usr/bin/python3
 EXPOSE 8000 8001 8002
 # Explicit model control: a model whose engine stopped unloads itself and reports not-ready.
 CMD ["tritonserver", "--model-repository=/opt/inflight/model_repository", "--allow-gpu-metrics=true", \

@@ -226,14 +226,57 @@ def bench_structured_outputs(model_dir: str, n: int, repeats: int) -> dict:
     return result
 
 
+def bench_tensor_parallel(model_dir: str, work: Workload, threads: int, repeats: int) -> list[tuple]:
+    """The workload offline on 1 rank (all `threads`) and on 3 ranks (processes of one thread each):
+    output tok/s (medians of alternating runs), mean step time, and rank 0's per-step message to the
+    other ranks (pickling and sending it: milliseconds, bytes)."""
+    from inflight import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+    configs = {1: dict(num_threads=threads), 3: dict(num_threads=1, tensor_parallel_size=3)}
+    llms = {ranks: make_llm(model_dir, num_kv_blocks=1024, **settings) for ranks, settings in configs.items()}
+    expected = None
+    steps = {}
+
+    def run(ranks: int) -> float:
+        nonlocal expected
+        llm = llms[ranks]
+        before = llm.num_steps
+        seconds = timed(lambda: runs.__setitem__(ranks, llm.generate(work.prompts, params)))
+        steps[ranks] = (llm.num_steps - before, seconds)
+        tokens = [o.token_ids for o in runs[ranks]]
+        assert expected is None or tokens == expected, "tensor parallelism changed the greedy output"
+        expected = tokens
+        return seconds
+
+    runs: dict = {}
+    try:
+        seconds = alternating({ranks: lambda ranks=ranks: run(ranks) for ranks in configs}, repeats)
+        rows = []
+        for ranks, times in seconds.items():
+            runner = llms[ranks].runner
+            count, last = steps[ranks]
+            message = (f"{1000 * runner.step_message_seconds / runner.step_messages:.3f} ms, "
+                       f"{runner.step_message_bytes / runner.step_messages / 1024:.1f} KiB") if ranks > 1 else "-"
+            rows.append((ranks, configs[ranks].get("num_threads"), work.output_tokens / statistics.median(times),
+                         1000 * last / count, message))
+        print(f"  tensor parallelism: {rows}", file=sys.stderr)
+        return rows
+    finally:
+        for llm in llms.values():
+            llm.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n",
-                        help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n")
+    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,tp",
+                        help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
+                             "tp (tensor parallelism: 1 and 3 ranks)")
+    parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -323,6 +366,13 @@ def main() -> None:
               f"({cost:+.1%} cost) |")
         print(f"\ntokenizer info built in {r['info_s'] * 1000:.0f} ms; schema compiled cold in "
               f"{r['compile_cold_s'] * 1000:.1f} ms, cached in {r['compile_cached_s'] * 1000:.2f} ms")
+    if "tp" in peers:
+        subset = Workload(work.prompts[:args.tp_requests], work.output_lens[:args.tp_requests])
+        rows = bench_tensor_parallel(args.model, subset, args.threads, args.repeats)
+        print(f"\n| {len(subset.prompts)} requests, {subset.output_tokens} output tokens, median of {args.repeats} "
+              "| threads per rank | output tok/s | mean step | rank 0's message per step |\n|---|---:|---:|---:|---:|")
+        for ranks, threads, tps, step_ms, message in rows:
+            print(f"| tensor_parallel_size {ranks} | {threads} | {tps:.1f} | {step_ms:.1f} ms | {message} |")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def server_command(model_repository: Path, http_port: int, grpc_port: int, metri
     """The tritonserver command line and environment for this project."""
     env = dict(os.environ)
     env["INFLIGHT_ROOT"] = str(ROOT)
+    env["INFLIGHT_PYTHON"] = sys.executable  # tensor-parallel workers run on it (the stub is no Python)
     site_packages = [sysconfig.get_paths()["purelib"]]
     stub_numpy = TOOLS / "stub-numpy"
     if stub_numpy.exists():

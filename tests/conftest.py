@@ -3,10 +3,12 @@ transformers references computed one request at a time."""
 
 import contextlib
 import os
+import queue
 import random
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before triton is imported.
@@ -33,14 +35,15 @@ TINY_FAMILIES = {
 }
 
 
-def make_tiny_model(family: str, out: Path, vocab_size: int = 512) -> Path:
+def make_tiny_model(family: str, out: Path, vocab_size: int = 512, num_attention_heads: int = 4,
+                    num_key_value_heads: int = 2) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     settings = dict(TINY_FAMILIES[family])
     model_type = settings.pop("model_type")
     config = AutoConfig.for_model(
         model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, max_position_embeddings=1024,
         initializer_range=0.2, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, **settings,
     )
     torch.manual_seed(1234)
@@ -157,3 +160,38 @@ def reference(default_model):
 
     llm = LLM(default_model, num_kv_blocks=512)
     return lambda prompts, max_tokens: [o.text for o in llm.generate(prompts, SamplingParams(**greedy(max_tokens)))]
+
+
+def stream_to_the_end(url: str, prompt: str, quiet_s: float = 1.0, **inputs) -> dict:
+    """Send one request and keep listening `quiet_s` after its final response: returns its text, its
+    error and how many responses came after the final one (there must be none)."""
+    import tritonclient.grpc as grpcclient
+
+    sys.path.insert(0, str(ROOT / "client"))
+    from grpc_stream import make_inputs
+
+    client = grpcclient.InferenceServerClient(url)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    client.async_stream_infer("llm", make_inputs(prompt, **inputs), request_id=uuid.uuid4().hex,
+                              enable_empty_final_response=True)
+    text, error, finals, after_final = [], None, 0, 0
+    try:
+        while True:
+            result, err = events.get(timeout=quiet_s if finals else 300)
+            if finals:
+                after_final += 1
+            if err is not None:
+                error, finals = str(err), finals + 1
+                continue
+            out = result.as_numpy("text_output")
+            if out is not None and out.size:
+                text.append(out.reshape(-1)[0].decode())
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                finals += 1
+    except queue.Empty:
+        pass
+    finally:
+        client.stop_stream()
+        client.close()
+    return {"text": "".join(text), "error": error, "finals": finals, "after_final": after_final}

@@ -4,10 +4,8 @@ quickly without stalling good streams."""
 
 import http.client
 import json
-import queue
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate, make_inputs  # noqa: E402
-from conftest import PROMPTS, assert_all_blocks_free, concurrently, greedy, serve  # noqa: E402
+from conftest import PROMPTS, assert_all_blocks_free, concurrently, greedy, serve, stream_to_the_end  # noqa: E402
 from server_process import TritonServer  # noqa: E402
 
 pytestmark = pytest.mark.server
@@ -27,38 +25,6 @@ SETTINGS = dict(num_kv_blocks=128, kv_cache_memory=None, max_num_seqs=4, max_num
 # With 24 streams of 48 tokens in waves of four, each fault ends the wave it hits; the waves between
 # the faults run through.
 FAULTS = "forward@10,sampler@60,detokenize@110"
-
-
-def stream_to_the_end(url: str, prompt: str, quiet_s: float = 1.0, **inputs) -> dict:
-    """Send one request and keep listening `quiet_s` after its final response: returns its text, its
-    error and how many responses came after the final one (there must be none)."""
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(url)
-    events: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer("llm", make_inputs(prompt, **inputs), request_id=uuid.uuid4().hex,
-                              enable_empty_final_response=True)
-    text, error, finals, after_final = [], None, 0, 0
-    try:
-        while True:
-            result, err = events.get(timeout=quiet_s if finals else 300)
-            if finals:
-                after_final += 1
-            if err is not None:
-                error, finals = str(err), finals + 1
-                continue
-            out = result.as_numpy("text_output")
-            if out is not None and out.size:
-                text.append(out.reshape(-1)[0].decode())
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                finals += 1
-    except queue.Empty:
-        pass
-    finally:
-        client.stop_stream()
-        client.close()
-    return {"text": "".join(text), "error": error, "finals": finals, "after_final": after_final}
 
 
 @pytest.fixture(scope="module")

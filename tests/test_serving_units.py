@@ -10,7 +10,8 @@ from inflight import LLM, SamplingParams
 from inflight.outputs import RequestDelta, coalesce
 from inflight.serving.engine_thread import EngineThread
 from inflight.serving.request import parse_request
-from inflight.serving.settings import split_settings
+from inflight.config import EngineConfig
+from inflight.serving.settings import place_instance, split_settings
 
 
 def text(s: str | bytes) -> np.ndarray:
@@ -85,6 +86,22 @@ def test_settings_split_and_unknown_keys():
     with pytest.raises(ValueError, match="overlap_sending"):
         split_settings({"model": "m", "overlap_sending": "yes"})
     assert split_settings({"model": "m", "overlap_sending": False})[1].overlap_sending is False
+
+
+def test_each_gpu_instance_gets_its_own_gpus():
+    # KIND_GPU, instance_group gpus [0, 2] with tensor parallelism 2: instances on GPUs 0-1 and 2-3.
+    settings = {"model": "m", "device": "cuda", "tensor_parallel_size": 2}
+    placed = [EngineConfig(**place_instance(settings, "GPU", gpu, 2)).rank_devices() for gpu in (0, 2)]
+    assert placed == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    assert EngineConfig(**place_instance({"model": "m", "device": "cpu"}, "GPU", 5, 1)).device == "cuda:5"
+    with pytest.raises(ValueError, match="leave gpu_device_ids out"):
+        place_instance({**settings, "gpu_device_ids": [4, 5]}, "GPU", 0, 2)
+    # KIND_MODEL: model.json says where; two such instances would share those GPUs.
+    one = EngineConfig(**place_instance({**settings, "gpu_device_ids": [6, 3]}, "MODEL", 0, 1))
+    assert one.rank_devices() == ["cuda:6", "cuda:3"]
+    with pytest.raises(ValueError, match="2 model instances of kind MODEL would all run on the same GPUs"):
+        place_instance(settings, "MODEL", 0, 2)
+    assert place_instance({"model": "m", "device": "cpu"}, "CPU", 0, 2)["device"] == "cpu"
 
 
 def collect(thread_kwargs, submit, send_delay_s: float = 0.0):

@@ -17,6 +17,10 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output; default: the model's limit, capped by the pool
     enable_prefix_caching: bool = True
     device: str = "cpu"
+    # Ranks of tensor parallelism: each holds 1/N of the weights and of the KV heads (parallel.py).
+    tensor_parallel_size: int = 1
+    # GPU of each rank (rank r on gpu_device_ids[r]); default: cuda:K's K and the GPUs after it.
+    gpu_device_ids: list[int] | None = None
     trust_remote_code: bool = False
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     # A step that raises fails its own requests and the engine goes on; this many failed steps in a
@@ -47,6 +51,8 @@ class EngineConfig:
         positive("max_model_len", allow_none=True)
         positive("num_threads", allow_none=True)
         positive("max_consecutive_failed_steps")
+        positive("tensor_parallel_size")
+        self._check_gpu_device_ids()
         pool_sizes = [name for name in ("num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction")
                       if getattr(self, name) is not None]
         if len(pool_sizes) > 1:
@@ -64,9 +70,29 @@ class EngineConfig:
         if self.device_type not in self.DEFAULT_MEMORY_FRACTION:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
 
+    def _check_gpu_device_ids(self) -> None:
+        ids = self.gpu_device_ids
+        if ids is None:
+            return
+        if self.device_type != "cuda":
+            raise ValueError(f"gpu_device_ids needs device cuda, got device {self.device!r}")
+        if (not isinstance(ids, list) or len(ids) != self.tensor_parallel_size or len(set(ids)) != len(ids)
+                or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)):
+            raise ValueError(f"gpu_device_ids must list {self.tensor_parallel_size} distinct GPU indices "
+                             f"(one per rank of tensor_parallel_size), got {ids!r}")
+
     @property
     def device_type(self) -> str:
         return self.device.split(":")[0]
+
+    def rank_devices(self) -> list[str]:
+        """The device of each tensor-parallel rank."""
+        if self.device_type == "cpu":
+            return ["cpu"] * self.tensor_parallel_size
+        if self.gpu_device_ids is not None:
+            return [f"cuda:{i}" for i in self.gpu_device_ids]
+        first = int(self.device.split(":")[1]) if ":" in self.device else 0
+        return [f"cuda:{first + r}" for r in range(self.tensor_parallel_size)]
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

@@ -26,6 +26,7 @@ from .detokenizer import IncrementalDetokenizer, find_stop_string
 from .logprobs import token_logprobs
 from .model_runner import ModelRunner
 from .outputs import RequestDelta
+from .parallel import RanksFailedError, TensorParallelRunner
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -57,7 +58,8 @@ class LLMEngine:
         self._encoders: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(ENCODERS):
             self._encoders.put(load())
-        self.runner = ModelRunner(self.config)
+        self.runner = ModelRunner(self.config) if self.config.tensor_parallel_size == 1 else \
+            TensorParallelRunner(self.config)
         self.eos_token_ids = self._eos_token_ids(model)
         capacity = self.runner.num_blocks * self.config.block_size
         model_limit = getattr(self.runner.hf_config, "max_position_embeddings", None) or capacity
@@ -229,9 +231,8 @@ class LLMEngine:
             return
         self.num_steps += 1
         self.num_computed_tokens += sum(batch.num_tokens)
-        if self.block_manager.pending_copies:  # copy-on-write of blocks shared by a prompt's completions
-            self.runner.copy_blocks(self.block_manager.pending_copies)
-            self.block_manager.pending_copies.clear()
+        # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward.
+        copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         # Sequences whose last scheduled token is their last known token sample a next token; those
         # that asked for prompt logprobs also need logits at their prompt positions.
         sampling, logits_at, prompt_positions = [], [], []
@@ -243,7 +244,7 @@ class LLMEngine:
             if seq.params.prompt_logprobs is not None and seq.index == 0:
                 prompt_positions += self._prompt_logprob_positions(seq, n, start)
             start += n
-        logits = self._forward(batch, logits_at + [flat for _, flat, _ in prompt_positions])
+        logits = self._forward(batch, logits_at + [flat for _, flat, _ in prompt_positions], copies)
         if prompt_positions:
             self._record_prompt_logprobs(logits[len(sampling):], prompt_positions)
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -280,8 +281,9 @@ class LLMEngine:
         return children
 
     # The three stages of a step that run outside the engine's bookkeeping (faults.py wraps them).
-    def _forward(self, batch: ScheduledBatch, logits_at: list[int]) -> torch.Tensor:
-        return self.runner.execute(batch, logits_at)
+    def _forward(self, batch: ScheduledBatch, logits_at: list[int],
+                 block_copies: list[tuple[int, int]]) -> torch.Tensor:
+        return self.runner.execute(batch, logits_at, block_copies)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         wanting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -359,7 +361,9 @@ class LLMEngine:
         self.num_failed_steps += 1
         self._consecutive_failures += 1
         message = f"the engine failed: {type(error).__name__}: {error}"
-        if self._consecutive_failures >= self.config.max_consecutive_failed_steps:
+        if isinstance(error, RanksFailedError):  # the ranks can no longer step together
+            self._die(message)
+        elif self._consecutive_failures >= self.config.max_consecutive_failed_steps:
             self._die(f"{self._consecutive_failures} steps failed in a row; the last: {message}")
         if batch is None or self.dead_reason is not None:
             failed = list(self._requests)  # failed outside the batch: nothing is known good
@@ -388,6 +392,13 @@ class LLMEngine:
             if self.dead_reason is None:
                 self.dead_reason = reason
                 logger.error("the engine has stopped: %s", reason)
+
+    def close(self) -> None:
+        """Release the model's processes (the tensor-parallel workers); the engine steps no more.
+        Requests still held get no final delta: call shut_down() first to end them."""
+        with self._lock:
+            self.dead_reason = self.dead_reason or "the engine was closed"
+        self.runner.close()
 
     def shut_down(self, reason: str) -> list[RequestDelta]:
         """Stop for good (from outside, e.g. when the thread that steps the engine failed): every

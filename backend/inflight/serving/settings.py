@@ -51,3 +51,21 @@ def split_settings(settings: dict) -> tuple[dict, ServingSettings]:
         raise ValueError(f"unknown setting(s) in model.json: {', '.join(unknown)}")
     serving = ServingSettings(**{k: v for k, v in settings.items() if k in serving_keys})
     return {k: v for k, v in settings.items() if k in engine_keys}, serving
+
+
+def place_instance(engine_settings: dict, instance_kind: str, device_id: int, instance_count: int) -> dict:
+    """The engine settings of one Triton model instance, with its GPUs. KIND_GPU: Triton gives each
+    instance a GPU (one per entry of instance_group's `gpus`); rank 0 runs there and further
+    tensor-parallel ranks on the GPUs after it. KIND_MODEL / KIND_CPU: model.json's device and
+    gpu_device_ids apply as written, so several such instances on GPUs would share them: refused."""
+    settings = dict(engine_settings)
+    if instance_kind == "GPU":
+        if settings.get("gpu_device_ids") is not None:
+            raise ValueError("with instance_group kind KIND_GPU, Triton places each instance on a GPU of its "
+                             "`gpus` list: leave gpu_device_ids out of model.json")
+        settings["device"] = f"cuda:{device_id}"
+    elif instance_count > 1 and str(settings.get("device", "cpu")).startswith("cuda"):
+        raise ValueError(f"{instance_count} model instances of kind {instance_kind} would all run on the same GPUs; "
+                         "use instance_group [ { kind: KIND_GPU, gpus: [...] } ] with one GPU per instance "
+                         "(for tensor parallelism: each instance's first GPU)")
+    return settings

@@ -37,7 +37,7 @@ from inflight.serving.engine_thread import EngineThread  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
 from inflight.serving.request import ParsedRequest, parse_request  # noqa: E402
 from inflight.serving.response import RequestResponses  # noqa: E402
-from inflight.serving.settings import split_settings  # noqa: E402
+from inflight.serving.settings import place_instance, split_settings  # noqa: E402
 
 
 def _error(message: str, code_name: str = "INVALID_ARG"):
@@ -93,6 +93,9 @@ class TritonPythonModel:
         if not os.path.isabs(settings["model"]):
             settings["model"] = os.path.join(ROOT, settings["model"])
         engine_settings, self.serving = split_settings(settings)
+        instances = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
+        engine_settings = place_instance(engine_settings, args.get("model_instance_kind", "MODEL"),
+                                         int(args.get("model_instance_device_id", 0)), instances)
         self.model_name = args["model_name"]
         self.active: dict[str, ActiveRequest] = {}
         self.dead_reason: str | None = None
@@ -218,6 +221,8 @@ class TritonPythonModel:
     def finalize(self):
         self.long_prompts.shutdown(wait=True)  # what it admits is ended below like every other request
         self.thread.stop()
+        if self.engine is not None:
+            self.engine.close()  # its tensor-parallel workers leave with it
         for active in self.active.values():
             active.sender.send(_error("the model is being unloaded; the request was not finished", "UNAVAILABLE"),
                                flags=FINAL)

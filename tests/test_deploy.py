@@ -1,0 +1,38 @@
+"""The Kubernetes manifest in deploy/ agrees with the server it deploys: its settings load, its probes
+are Triton's health endpoints, its ports are the image's, and it asks for a GPU per rank."""
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from inflight.config import EngineConfig
+from inflight.serving.settings import split_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kubernetes_manifest_matches_the_server():
+    docs = {d["kind"]: d for d in yaml.safe_load_all((ROOT / "deploy" / "kubernetes.yaml").read_text())}
+    assert set(docs) == {"ConfigMap", "Deployment", "Service", "ServiceMonitor"}
+    settings = json.loads(docs["ConfigMap"]["data"]["model.json"])
+    engine, _ = split_settings(settings)  # unknown or invalid settings raise
+    config = EngineConfig(**engine)
+
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert env["INFLIGHT_MODEL_JSON"] == mounts["settings"] + "/model.json"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == config.tensor_parallel_size
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/models/llm/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    exposed = re.search(r"^EXPOSE (.+)$", (ROOT / "Dockerfile").read_text(), re.M).group(1).split()
+    assert sorted(ports.values()) == sorted(map(int, exposed))
+    service = {p["name"]: p["targetPort"] for p in docs["Service"]["spec"]["ports"]}
+    assert set(service.values()) <= set(ports) and docs["ServiceMonitor"]["spec"]["endpoints"][0]["port"] in service
+    selector = docs["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert docs["Service"]["spec"]["selector"] == selector == docs["Deployment"]["spec"]["template"]["metadata"]["labels"]

@@ -1,0 +1,121 @@
+"""Tensor parallelism on CPU (gloo): token-exact against one rank, clear start-up errors, and a worker
+that dies mid-run ending every request with an error, with no process left behind."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from conftest import make_tiny_model, random_prompts
+from inflight import LLM, SamplingParams
+from inflight.engine import EngineDeadError
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.is_available(),
+                       reason="transformers builds the tensor-parallel mesh on the GPU where there is one; "
+                              "these tests shard over CPU processes"),
+]
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def run_to_the_end(llm: LLM, prompts, params) -> list[list[int]]:
+    outputs = llm.generate(prompts, params)
+    assert llm.block_manager.num_used_blocks == 0, "KV blocks were not freed"
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def test_three_ranks_match_one_across_chunks_preemption_prefix_caching_and_forks(default_model):
+    shared = "You are a helpful assistant. Answer briefly and precisely. Question: "
+    prompts = [shared + q for q in ("What is the capital of Japan?", "Why is the sky blue?",
+                                    "Name three primary colors.", "What does a compiler do?")]
+    prompts += ["In 1969, the first humans landed on", "def fibonacci(n):"]
+    params = [GREEDY] * 5 + [SamplingParams(n=2, max_tokens=24, temperature=0.0, ignore_eos=True)]
+    # A small pool and budget: prompts are prefilled in chunks, sequences are preempted and recomputed,
+    # the shared prefix is reused, and the n=2 request copies its last prompt block on write.
+    settings = dict(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16, num_threads=1)
+    expected = run_to_the_end(LLM(default_model, **settings), prompts, params)
+    before = children()
+    llm = LLM(default_model, tensor_parallel_size=3, **settings)
+    try:
+        assert len(llm.runner.worker_pids) == 2 and set(llm.runner.worker_pids) <= children()
+        assert llm.runner.num_kv_heads == 1  # 3 KV heads over 3 ranks
+        assert run_to_the_end(llm, prompts, params) == expected
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+        assert llm.runner.step_messages == llm.num_steps  # one message per step
+    finally:
+        llm.close()
+    assert children() <= before, "a worker outlived close()"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks):
+    model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
+    prompts = random_prompts(6, 3, 40, 512, seed=ranks)
+    settings = dict(num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1)
+    expected = run_to_the_end(LLM(model, **settings), prompts, GREEDY)
+    llm = LLM(model, tensor_parallel_size=ranks, **settings)
+    try:
+        assert run_to_the_end(llm, prompts, GREEDY) == expected
+    finally:
+        llm.close()
+
+
+def test_clear_errors_at_start_up(default_model, tmp_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide the model's 9 attention heads and 3 KV"):
+        LLM(default_model, tensor_parallel_size=2, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="tensor parallelism runs on this machine's cpu, not on device 'cuda'"):
+        LLM(default_model, tensor_parallel_size=3, device="cuda", num_kv_blocks=8)
+    with pytest.raises(ValueError, match="gpu_device_ids must list 3 distinct GPU indices"):
+        LLM(default_model, tensor_parallel_size=3, device="cuda", gpu_device_ids=[0, 0, 1])
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(default_model, tensor_parallel_size=0)
+    # A worker that cannot start: its interpreter exits at once.
+    before = children()
+    os.environ["INFLIGHT_PYTHON"] = "/bin/false"
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited with code 1"):
+            LLM(default_model, tensor_parallel_size=3, num_kv_blocks=8)
+        assert time.monotonic() - started < 30
+    finally:
+        del os.environ["INFLIGHT_PYTHON"]
+    assert not torch.distributed.is_initialized()
+    assert children() <= before, "a worker outlived the failed start-up"
+
+
+def test_a_worker_killed_mid_run_ends_every_request_with_an_error(default_model):
+    before = children()
+    llm = LLM(default_model, tensor_parallel_size=3, num_kv_blocks=64, num_threads=1)
+    try:
+        for i in range(4):
+            llm.add_request(f"r{i}", f"Story number {i}: once upon a time", SamplingParams(max_tokens=200,
+                                                                                        ignore_eos=True))
+        for _ in range(3):
+            llm.step()
+        victim = llm.runner.worker_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        started = time.monotonic()
+        finals = {}
+        while llm.has_unfinished():
+            for delta in llm.step():
+                if delta.finished:
+                    finals[delta.request_id] = delta
+            assert time.monotonic() - started < 30, "the engine hung after a worker died"
+        assert sorted(finals) == [f"r{i}" for i in range(4)]
+        assert all(d.finish_reason == "error" and f"rank 2 (pid {victim})" in d.error for d in finals.values())
+        assert llm.dead_reason is not None and llm.block_manager.num_used_blocks == 0
+        with pytest.raises(EngineDeadError):
+            llm.add_request("late", "hello")
+    finally:
+        llm.close()
+    assert children() <= before, "a worker outlived close()"
