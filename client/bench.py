@@ -226,6 +226,37 @@ def bench_structured_outputs(model_dir: str, n: int, repeats: int) -> dict:
     return result
 
 
+def bench_detokenize(model_dir: str, streams: int = 128, steps: int = 64) -> dict[str, float]:
+    """Host time per engine step to turn one new token of each of `streams` sequences into text, through
+    the tokenizer (a decode window per sequence) and through the byte table; milliseconds per step,
+    median of the steps. The tokens are those of real text, so that multi-byte characters split."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from inflight.detokenizer import IncrementalDetokenizer, TokenBytes
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = (Path(ROOT / "README.md").read_text() + " 你好，世界 🌍🚀 naïve café — ") * 4
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    table = TokenBytes.build(tokenizer)
+    result = {}
+    for label, token_bytes in (("through the tokenizer", None), ("byte table", table)):
+        if label == "byte table" and table is None:
+            continue
+        lock = threading.Lock()
+        detoks = [IncrementalDetokenizer(tokenizer, ids[:8], True, lock, token_bytes) for _ in range(streams)]
+        times = []
+        for step in range(steps):
+            start = time.perf_counter()
+            for k, detok in enumerate(detoks):
+                detok.add_tokens([ids[(k * 97 + step) % len(ids)]])
+            times.append(time.perf_counter() - start)
+        result[label] = 1000 * statistics.median(times)
+    print(f"  detokenize: {result}", file=sys.stderr)
+    return result
+
+
 def bench_tensor_parallel(model_dir: str, work: Workload, threads: int, repeats: int) -> list[tuple]:
     """The workload offline on 1 rank (all `threads`) and on 3 ranks (processes of one thread each):
     output tok/s (medians of alternating runs), mean step time, and rank 0's per-step message to the
@@ -273,9 +304,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,tp",
+    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,tp,detok",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
-                             "tp (tensor parallelism: 1 and 3 ranks)")
+                             "tp (tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -366,6 +397,11 @@ def main() -> None:
               f"({cost:+.1%} cost) |")
         print(f"\ntokenizer info built in {r['info_s'] * 1000:.0f} ms; schema compiled cold in "
               f"{r['compile_cold_s'] * 1000:.1f} ms, cached in {r['compile_cached_s'] * 1000:.2f} ms")
+    if "detok" in peers:
+        r = bench_detokenize(args.model)
+        print("\n| detokenizing one token of each of 128 streams | host ms per step (median of 64) |\n|---|---:|")
+        for label, ms in r.items():
+            print(f"| {label} | {ms:.2f} |")
     if "tp" in peers:
         subset = Workload(work.prompts[:args.tp_requests], work.output_lens[:args.tp_requests])
         rows = bench_tensor_parallel(args.model, subset, args.threads, args.repeats)

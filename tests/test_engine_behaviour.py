@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
-from inflight.detokenizer import IncrementalDetokenizer
+from inflight.detokenizer import IncrementalDetokenizer, TokenBytes
 
 PROMPT = "In 1969, the first humans landed on"
 
@@ -114,16 +114,40 @@ def test_streamed_deltas_concatenate_to_the_full_decode(llm):
                                                                                skip_special_tokens=True)):]
 
 
-def test_detokenizer_round_trip(default_model):
+def test_detokenizer_round_trip_through_the_byte_table_and_the_tokenizer(default_model):
+    import random
     import threading as th
 
     tokenizer = AutoTokenizer.from_pretrained(default_model)
+    token_bytes = TokenBytes.build(tokenizer)
+    assert token_bytes is not None, "the default model's byte-level vocabulary should use the byte table"
     text = " Hello wörld! 你好，世界 🌍🚀 naïve café  — done.\n\ttabs"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, lock=th.Lock())
-    pieces = [detok.add_tokens([t]) for t in ids]
-    assert "".join(pieces) + detok.flush() == text
-    assert any(p == "" for p in pieces), "multi-byte characters should be held back until complete"
+    rng = random.Random(7)
+    noise = [rng.randrange(len(tokenizer)) for _ in range(300)] + tokenizer.all_special_ids
+    rng.shuffle(noise)
+    for table in (token_bytes, None):  # the fast way, and the window decoding it replaces
+        streams = {}
+        for skip in (True, False):
+            detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip, lock=th.Lock(), token_bytes=table)
+            pieces = [detok.add_tokens([t]) for t in ids]
+            assert "".join(pieces) + detok.flush() == text
+            assert any(p == "" for p in pieces), "multi-byte characters should be held back until complete"
+            detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip, lock=th.Lock(), token_bytes=table)
+            streams[skip] = "".join(detok.add_tokens([t]) for t in noise) + detok.flush()
+            assert streams[skip] == tokenizer.decode(noise, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_a_vocabulary_that_is_not_byte_level_decodes_through_the_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "!": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert TokenBytes.build(tokenizer) is None
 
 
 def test_abort_frees_blocks_at_once(llm):

@@ -4,17 +4,97 @@ Decoding one token at a time is wrong for byte-level and SentencePiece vocabular
 span several tokens, and a token's leading space depends on what precedes it. So each step decodes a
 short window of recent tokens twice (without and with the new ones) and emits the difference, holding
 text back while it ends in an incomplete character.
+
+Byte-level BPE vocabularies (GPT-2's scheme: Llama 3, Qwen, SmolLM2) have a faster way: the text of any
+token sequence is the UTF-8 decoding of the tokens' bytes joined, so each token's bytes are looked up
+in a table and fed to an incremental UTF-8 decoder; no tokenizer call per token. The table is used only
+for a tokenizer whose own decode it reproduces on a sample of sequences (TokenBytes.build).
 """
 
+import codecs
+import json
+import logging
+import random
 import threading
+
+logger = logging.getLogger(__name__)
 
 # Tokens of context kept before the first new token; enough for any merge to see its neighbours.
 _CONTEXT_TOKENS = 6
 _INCOMPLETE = "\ufffd"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character standing for each byte in byte-level BPE token strings: printable Latin-1
+    characters stand for themselves, the other bytes for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+class TokenBytes:
+    """The bytes of every token of a byte-level BPE tokenizer, special tokens apart."""
+
+    SAMPLE_SEQUENCES = 512  # random token sequences the table must decode exactly as the tokenizer does
+
+    def __init__(self, table: list[bytes], special_ids: set[int]):
+        self.table = table
+        self.special_ids = special_ids
+
+    def join(self, token_ids: list[int], skip_special_tokens: bool) -> bytes:
+        table, special = self.table, self.special_ids
+        if skip_special_tokens:
+            return b"".join(table[t] for t in token_ids if t not in special)
+        return b"".join(table[t] for t in token_ids)
+
+    @classmethod
+    def build(cls, tokenizer) -> "TokenBytes | None":
+        """The table for `tokenizer`, or None when its decoder is not plain byte-level or the table
+        does not reproduce its decode on random sequences (then the window decoding is used)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or (json.loads(backend.to_str()).get("decoder") or {}).get("type") != "ByteLevel":
+            return None
+        alphabet = _byte_level_alphabet()
+        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        table = []
+        for token_id in range(len(tokenizer)):
+            piece = added.get(token_id)
+            if piece is not None:
+                table.append(piece.encode())
+                continue
+            piece = backend.id_to_token(token_id)
+            if piece is None or any(c not in alphabet for c in piece):
+                return None
+            table.append(bytes(alphabet[c] for c in piece))
+        special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        special |= set(tokenizer.all_special_ids)
+        token_bytes = cls(table, special)
+        return token_bytes if token_bytes._reproduces(tokenizer) else None
+
+    def _reproduces(self, tokenizer) -> bool:
+        rng = random.Random(0)
+        vocab = len(self.table)
+        specials = sorted(self.special_ids)
+        for k in range(self.SAMPLE_SEQUENCES):
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+            if specials and k % 4 == 0:
+                ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+            skip = k % 2 == 0
+            expected = tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            if self.join(ids, skip).decode("utf-8", errors="replace") != expected:
+                logger.info("detokenizing through the tokenizer: its byte table differs on %s", ids)
+                return False
+        return True
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, lock: threading.Lock):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, lock: threading.Lock,
+                 token_bytes: TokenBytes | None = None):
+        self._token_bytes = token_bytes  # the fast way, for byte-level vocabularies
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds back split characters
         self._tokenizer = tokenizer
         self._lock = lock  # a HF fast tokenizer must not be used from two threads at once
         self._skip_special = skip_special_tokens
@@ -29,6 +109,8 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, token_ids: list[int]) -> str:
         """Feed newly generated tokens; return the text they complete (possibly empty)."""
+        if self._token_bytes is not None:
+            return self._utf8.decode(self._token_bytes.join(token_ids, self._skip_special))
         self._ids.extend(token_ids)
         window = self._ids[self._prefix_offset:]
         before = self._decode(self._ids[self._prefix_offset:self._read_offset])
@@ -42,6 +124,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a sequence, emit whatever was held back (an incomplete character stays as U+FFFD)."""
+        if self._token_bytes is not None:
+            return self._utf8.decode(b"", final=True)
         if self._read_offset == len(self._ids):
             return ""
         before = self._decode(self._ids[self._prefix_offset:self._read_offset])

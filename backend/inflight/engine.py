@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer, find_stop_string
+from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
 from .logprobs import token_logprobs
 from .model_runner import ModelRunner
 from .outputs import RequestDelta
@@ -55,6 +55,7 @@ class LLMEngine:
         load = lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=self.config.trust_remote_code)  # noqa: E731
         self.tokenizer = load()
         self._decode_lock = threading.Lock()
+        self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode through the tokenizer
         self._encoders: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(ENCODERS):
             self._encoders.put(load())
@@ -160,7 +161,7 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                               self._decode_lock),
+                                               self._decode_lock, self._token_bytes),
             generator=generator,
             bad_words_ids=bad_words_ids,
             matcher=self.grammars().matcher(params.structured_outputs) if params.structured_outputs else None,
