@@ -406,7 +406,8 @@ def main() -> None:
         subset = Workload(work.prompts[:args.tp_requests], work.output_lens[:args.tp_requests])
         rows = bench_tensor_parallel(args.model, subset, args.threads, args.repeats)
         print(f"\n| {len(subset.prompts)} requests, {subset.output_tokens} output tokens, median of {args.repeats} "
-              "| threads per rank | output tok/s | mean step | rank 0's message per step |\n|---|---:|---:|---:|---:|")
+              "| threads per rank | output tok/s | mean step | rank 0's message per step |")
+        print("|---|---:|---:|---:|---:|")
         for ranks, threads, tps, step_ms, message in rows:
             print(f"| tensor_parallel_size {ranks} | {threads} | {tps:.1f} | {step_ms:.1f} ms | {message} |")
 

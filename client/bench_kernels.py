@@ -1,14 +1,18 @@
 """GPU benchmark of the Triton paged attention against torch's fused SDPA on the same ragged batches.
 
-    make bench-kernels          # needs a CUDA GPU
+    make bench-kernels                       # needs a CUDA GPU: both shapes, the engine's launch parameters
+    .venv/bin/python client/bench_kernels.py --sweep   # also every tile / split / warps / stages variant
 
-For each mix it times: our kernel over the paged cache (one launch for the whole ragged batch), and
-torch SDPA (flash/efficient backends) over the same sequences laid out contiguously and padded to a
-batch, which is the best torch does without paging. Decode rows also report achieved bandwidth: KV
-bytes read per second, against the measured device-copy bandwidth.
+For each mix it times: our kernel over the paged cache (one launch for the whole ragged batch, split-KV
+where the engine would split), and torch SDPA over the same sequences laid out contiguously and padded
+to a batch, which is the best torch does without paging; it names the SDPA backend torch picked (from
+the kernels it ran). Decode rows report achieved bandwidth, KV bytes read per second against the
+measured device-copy bandwidth; prefill rows report TFLOP/s (causal pairs only). With --sweep, each mix
+also tries the launch parameters below and prints the fastest, for the tuned table in triton_ops.
 """
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -22,10 +26,20 @@ MIXES = {
     "decode 64 x 1k": [(1024, 1)] * 64,
     "decode 256 x 2k": [(2048, 1)] * 256,
     "decode 32 x 8k": [(8192, 1)] * 32,
+    "decode 4 x 8k": [(8192, 1)] * 4,
+    "decode 2 x 32k": [(32768, 1)] * 2,
     "prefill 8 x 2k": [(0, 2048)] * 8,
     "prefill 2 x 8k": [(0, 8192)] * 2,
     "mixed: 1 chunk of 2k + 128 decodes x 1k": [(0, 2048)] + [(1024, 1)] * 128,
 }
+
+
+SHAPES = {  # name: (query heads, KV heads, head_dim)
+    "llama3-8b": (32, 8, 128),
+    "smollm2": (9, 3, 64),
+}
+SWEEP_DECODE = {"num_splits": [1, 2, 4, 8, 16], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
 def timed(fn, iters: int = 20) -> float:
@@ -66,40 +80,101 @@ def build(seqs, heads, kv_heads, head_dim, block_size, dtype):
     return query, kc, vc, cu, torch.tensor(lens, device="cuda"), block_tables
 
 
+def causal_flops(seqs, heads: int, head_dim: int) -> float:
+    """Matmul FLOPs of attention over the visible (causal) query-key pairs: 2 matmuls x 2 FLOPs each."""
+    pairs = sum(q * c + q * (q + 1) // 2 for c, q in seqs)
+    return 4.0 * pairs * heads * head_dim
+
+
+def sdpa_backend(call) -> str:
+    """Which SDPA backend torch ran for `call`, from the names of the CUDA kernels it launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = " ".join(e.key.lower() for e in prof.key_averages())
+    backends = (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("fmha", "efficient", "cutlass")),
+                ("math", ("softmax",)))
+    for backend, marks in backends:
+        if any(mark in names for mark in marks):
+            return backend
+    return "?"
+
+
+def sweep(run, grid: dict) -> tuple[float, dict]:
+    """The fastest launch parameters of `run(**params)` over `grid`; variants that fail to compile or
+    launch (too much shared memory) are skipped."""
+    best = (float("inf"), {})
+    for values in itertools.product(*grid.values()):
+        params = dict(zip(grid, values))
+        try:
+            seconds = timed(lambda: run(**params), iters=10)
+        except Exception:  # noqa: BLE001 - an impossible variant on this GPU
+            continue
+        best = min(best, (seconds, params), key=lambda item: item[0])
+    return best
+
+
+def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: bool) -> None:
+    from inflight.ops import triton_ops
+
+    heads, kv_heads, head_dim = SHAPES[shape]
+    print(f"\n{shape}: {heads} heads / {kv_heads} KV heads, head_dim {head_dim}, block {block_size}\n")
+    print("| mix | inflight Triton (ms) | torch SDPA (ms), backend | ratio | decode bandwidth / prefill TFLOP/s "
+          "(ours, SDPA) |" + (" fastest sweep variant |" if do_sweep else "")
+          + "\n|---|---:|---:|---:|---:|" + ("---|" if do_sweep else ""))
+    scale = head_dim ** -0.5
+    for name, seqs in MIXES.items():
+        query, kc, vc, cu, seq_lens, tables = build(seqs, heads, kv_heads, head_dim, block_size, dtype)
+        out = torch.empty_like(query)
+
+        def ours_with(**params):
+            return triton_ops.paged_attention(query, kc, vc, cu, seq_lens, tables, scale, out=out, **params)
+
+        ours = timed(ours_with)
+        # torch: the same sequences contiguous and padded into one batch (what SDPA can take).
+        max_len, max_q = int(seq_lens.max()), int((cu[1:] - cu[:-1]).max())
+        k = torch.randn(len(seqs), kv_heads, max_len, head_dim, device="cuda", dtype=dtype)
+        v = torch.randn_like(k)
+        q = torch.randn(len(seqs), heads, max_q, head_dim, device="cuda", dtype=dtype)
+        causal = all(c == 0 for c, _ in seqs)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+        theirs = timed(sdpa)
+        decode = all(n == 1 for _, n in seqs)
+        if decode:
+            kv_bytes = sum(c + n for c, n in seqs) * 2 * kv_heads * head_dim * kc.element_size()
+            rate = (f"{kv_bytes / ours / 1e12:.2f} TB/s ({kv_bytes / ours / bandwidth:.0%}), "
+                    f"{kv_bytes / theirs / 1e12:.2f} TB/s")
+        else:
+            flops = causal_flops(seqs, heads, head_dim)
+            rate = f"{flops / ours / 1e12:.0f}, {flops / theirs / 1e12:.0f} TFLOP/s"
+        row = (f"| {name} | {ours * 1e3:.3f} | {theirs * 1e3:.3f}, {sdpa_backend(sdpa)} | {ours / theirs:.2f}x "
+               f"| {rate} |")
+        if do_sweep:
+            seconds, params = sweep(ours_with, SWEEP_DECODE if decode else SWEEP_PREFILL)
+            row += f" {seconds * 1e3:.3f} ms: {params} |"
+        print(row, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--sweep", action="store_true", help="also try every launch-parameter variant")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench-kernels needs a CUDA GPU; on CPU the kernels are tested under TRITON_INTERPRET=1")
-    from inflight.ops import triton_ops
-
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, {args.dtype}, {args.heads} heads / {args.kv_heads} KV heads, "
-          f"head_dim {args.head_dim}, block {args.block_size}; device copy {bandwidth / 1e12:.2f} TB/s\n")
-    print("| mix | inflight Triton (ms) | torch SDPA (ms) | ratio | decode KV bandwidth |\n|---|---:|---:|---:|---:|")
-    scale = args.head_dim ** -0.5
-    for name, seqs in MIXES.items():
-        query, kc, vc, cu, seq_lens, tables = build(seqs, args.heads, args.kv_heads, args.head_dim,
-                                                    args.block_size, dtype)
-        out = torch.empty_like(query)
-        ours = timed(lambda: triton_ops.paged_attention(query, kc, vc, cu, seq_lens, tables, scale, out=out))
-        # torch: the same sequences contiguous and padded into one batch (what SDPA can take).
-        max_len, max_q = int(seq_lens.max()), int((cu[1:] - cu[:-1]).max())
-        k = torch.randn(len(seqs), args.kv_heads, max_len, args.head_dim, device="cuda", dtype=dtype)
-        v = torch.randn_like(k)
-        q = torch.randn(len(seqs), args.heads, max_q, args.head_dim, device="cuda", dtype=dtype)
-        causal = all(c == 0 for c, _ in seqs)
-        theirs = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
-        kv_bytes = sum(c + n for c, n in seqs) * 2 * args.kv_heads * args.head_dim * kc.element_size()
-        decode = all(n == 1 for _, n in seqs)
-        bw = f"{kv_bytes / ours / 1e12:.2f} TB/s ({kv_bytes / ours / bandwidth:.0%})" if decode else "-"
-        print(f"| {name} | {ours * 1e3:.3f} | {theirs * 1e3:.3f} | {ours / theirs:.2f}x | {bw} |")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}; "
+          f"device copy {bandwidth / 1e12:.2f} TB/s")
+    for shape in args.shapes.split(","):
+        bench_shape(shape, dtype, args.block_size, bandwidth, args.sweep)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ that need more registers or shared memory than the GPU has. Prints one row per k
     .venv/bin/python scripts/compile_kernels.py                  # sm_80 and sm_90, every dtype
     .venv/bin/python scripts/compile_kernels.py --targets 90 --dtypes float16
 
-The variants are those the engine launches: decode and prefill tiles for the default model's shape
-(9 query heads on 3 KV heads, head_dim 64) and a Llama-3-8B-like one (32 on 8, head_dim 128), with
-and without a sliding window.
+The variants are those the engine launches: decode (whole and split-KV) and prefill tiles for the
+default model's shape (9 query heads on 3 KV heads, head_dim 64) and a Llama-3-8B-like one (32 on 8,
+head_dim 128), with and without a sliding window, and the split-KV merge.
 """
 
 import argparse
@@ -50,10 +50,11 @@ def signature(kernel, constants: dict, dtype: torch.dtype) -> tuple[dict, dict]:
         if name in constants:
             types[name] = "constexpr"
         elif name.endswith("_ptr"):
-            types[name] = "*i64" if name in METADATA else f"*{TRITON_TYPES[dtype]}"
+            pointee = "i64" if name in METADATA else "fp32" if name.startswith("part_") else TRITON_TYPES[dtype]
+            types[name] = f"*{pointee}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            types[name] = "fp32" if name == "scale" else "i32"
+            types[name] = "fp32" if name.startswith("scale") else "i32"
     return types, attrs
 
 
@@ -82,13 +83,16 @@ def variants(dtypes: list[torch.dtype], block_size: int = 16):
     """(name, kernel, constants, dtype) for every kernel variant worth compiling."""
     for dtype in dtypes:
         for shape, (heads, kv_heads, head_dim, window) in SHAPES.items():
-            for phase, (tokens, seqs) in {"decode": (64, 64), "prefill": (2048, 4)}.items():
+            phases = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
+            for phase, (tokens, seqs, splits) in phases.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         dtype, window)
+                                                         dtype, window, num_splits=splits)
                 yield f"paged_attention {shape} {phase}", triton_ops._paged_attention_kernel, constants, dtype
             if window is None:
                 _, constants = triton_ops.kv_write_meta(64, kv_heads, head_dim, block_size)
                 yield f"write_kv_cache {shape}", triton_ops._write_kv_cache_kernel, constants, dtype
+                merge = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim))
+                yield f"merge_splits {shape}", triton_ops._merge_splits_kernel, merge, dtype
 
 
 def main() -> int:

@@ -35,4 +35,5 @@ def test_kubernetes_manifest_matches_the_server():
     service = {p["name"]: p["targetPort"] for p in docs["Service"]["spec"]["ports"]}
     assert set(service.values()) <= set(ports) and docs["ServiceMonitor"]["spec"]["endpoints"][0]["port"] in service
     selector = docs["Deployment"]["spec"]["selector"]["matchLabels"]
-    assert docs["Service"]["spec"]["selector"] == selector == docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    pod_labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert docs["Service"]["spec"]["selector"] == selector == pod_labels

@@ -135,7 +135,8 @@ def test_detokenizer_round_trip_through_the_byte_table_and_the_tokenizer(default
             assert any(p == "" for p in pieces), "multi-byte characters should be held back until complete"
             detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip, lock=th.Lock(), token_bytes=table)
             streams[skip] = "".join(detok.add_tokens([t]) for t in noise) + detok.flush()
-            assert streams[skip] == tokenizer.decode(noise, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert streams[skip] == tokenizer.decode(noise, skip_special_tokens=skip,
+                                                     clean_up_tokenization_spaces=False)
 
 
 def test_a_vocabulary_that_is_not_byte_level_decodes_through_the_tokenizer():

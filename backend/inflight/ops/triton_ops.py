@@ -5,7 +5,16 @@ vLLM's unified attention (ideas only, the code is ours): a program takes a tile 
 of one sequence times the query heads that share one KV head (packed into BLOCK_M rows, so GQA reads
 each key once per group), walks that sequence's keys tile by tile through its block table, and keeps
 an online softmax in float32. Programs are laid out per sequence at `cu_seqlens_q[s] // BLOCK_Q + s`,
-so each finds its sequence by a binary search, with no host-side work per step.
+so each finds its sequence by a binary search, with no host-side work per step. Keys before a tile's
+first query are visible to all its rows, so whole tiles of them run without masks; only the tiles at
+the causal edge (or in a sliding window) are masked. The block table is read once per page of keys. The
+softmax runs on exp2, with log2(e) folded into the scale.
+
+Split-KV (flash-decoding): a decode batch too small to fill the GPU with (sequence, KV head) programs
+splits each context into NUM_SPLITS ranges of whole tiles, one program each (a third grid axis); each
+writes its float32 partial output and log-sum-exp, and `_merge_splits_kernel` weighs them together. The
+split count comes from the batch's shape alone (`decode_splits`), never from a device value, so a
+captured CUDA graph stays valid as contexts grow.
 
 The softmax and accumulators are float32; the matmuls take 16-bit inputs as they are on a GPU, and
 float32 everywhere under the interpreter (TRITON_INTERPRET=1), which computes bfloat16 wrongly.
@@ -19,6 +28,7 @@ import triton.language as tl
 
 # The interpreter computes 16-bit (bfloat16 above all) arithmetic wrongly: there, everything is float32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2_E = 1.4426950408889634  # folded into the scale: the softmax runs on exp2
 
 
 @triton.jit
@@ -76,10 +86,58 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, block_t: in
 
 
 @triton.jit
+def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos, kv_end, dims, dim_ok,
+                 stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+                 scale_log2,
+                 SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                 DOT_FP32: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of TILE_N keys from n0 into the online softmax (base 2). MASKED: the tile may hold keys
+    past the end or after a query (causal) or outside the sliding window; else every key is visible to
+    every row."""
+    keys = n0 + tl.arange(0, TILE_N)
+    pages = n0 // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
+    if MASKED:
+        key_ok = keys < kv_end
+        blocks = tl.load(table + pages, mask=pages * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
+    else:
+        key_ok = keys >= 0
+        blocks = tl.load(table + pages).to(tl.int64)
+    # The block table is read once per page; each key takes its page's block.
+    block = tl.reshape(tl.broadcast_to(blocks[:, None], (TILE_N // BLOCK_SIZE, BLOCK_SIZE)), (TILE_N,))
+    slot = keys % BLOCK_SIZE
+    k = tl.load(key_cache_ptr + block[None, :] * stride_kc_block + slot[None, :] * stride_kc_slot
+                + kv_head * stride_kc_head + dims[:, None],
+                mask=dim_ok[:, None] & key_ok[None, :], other=0.0)  # [DIM_PAD, TILE_N]
+    if DOT_FP32:
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale_log2
+    else:
+        s = tl.dot(q, k) * scale_log2  # 16-bit inputs, float32 accumulation
+    if MASKED:
+        allowed = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            allowed = allowed & (q_pos[:, None] - keys[None, :] < SLIDING_WINDOW)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(value_cache_ptr + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot
+                + kv_head * stride_vc_head + dims[None, :],
+                mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM_PAD]
+    acc = acc * alpha[:, None]
+    if DOT_FP32:
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    scale, num_seqs,
+    scale_log2, num_seqs, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
@@ -88,10 +146,12 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # >1: each program takes 1/NUM_SPLITS of the keys; _merge_splits_kernel sums
     DOT_FP32: tl.constexpr,  # float32 matmuls (float32 inputs, or the interpreter); else 16-bit
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     # The sequence this tile belongs to: the last s with cu_seqlens_q[s] // BLOCK_Q + s <= q_tile.
     lo = 0
@@ -129,53 +189,83 @@ def _paged_attention_kernel(
     kv_start = 0
     if SLIDING_WINDOW > 0:
         kv_start = tl.maximum(0, context + first_q - SLIDING_WINDOW + 1) // TILE_N * TILE_N
+    # Keys before the tile's first query are visible to all its rows: whole tiles of them need no mask.
+    unmasked_end = kv_start
+    if SLIDING_WINDOW == 0:
+        unmasked_end = (context + first_q + 1) // TILE_N * TILE_N
+    if NUM_SPLITS > 1:  # this program's share: whole tiles, in order
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, TILE_N), NUM_SPLITS) * TILE_N
+        kv_start = kv_start + split * chunk
+        kv_end = tl.minimum(kv_end, kv_start + chunk)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(kv_start, kv_end, TILE_N):
-        keys = n0 + tl.arange(0, TILE_N)
-        key_ok = keys < kv_end
-        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        slot = keys % BLOCK_SIZE
-        k = tl.load(key_cache_ptr + block[None, :] * stride_kc_block + slot[None, :] * stride_kc_slot
-                    + kv_head * stride_kc_head + dims[:, None],
-                    mask=dim_ok[:, None] & key_ok[None, :], other=0.0)  # [DIM_PAD, TILE_N]
-        if DOT_FP32:
-            s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, k) * scale  # 16-bit inputs, float32 accumulation
-        allowed = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
-        if SLIDING_WINDOW > 0:
-            allowed = allowed & (q_pos[:, None] - keys[None, :] < SLIDING_WINDOW)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot
-                    + kv_head * stride_vc_head + dims[None, :],
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM_PAD]
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for n0 in range(kv_start, tl.minimum(unmasked_end, kv_end), TILE_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
+                                     kv_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
+                                     stride_vc_block, stride_vc_slot, stride_vc_head, scale_log2,
+                                     SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, False)
+    for n0 in range(tl.maximum(unmasked_end, kv_start), kv_end, TILE_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
+                                     kv_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
+                                     stride_vc_block, stride_vc_slot, stride_vc_head, scale_log2,
+                                     SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, True)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if NUM_SPLITS > 1:  # the partial result and its log-sum-exp (base 2), merged by _merge_splits_kernel
+        part = (q_tok * num_heads + head) * NUM_SPLITS + split
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * DIM_PAD + dims[None, :], out, mask=row_ok[:, None])
+    else:
+        tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """out[token, head] from its NUM_SPLITS partial results, weighted by their shares of the softmax."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    parts = (token * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + parts)
+    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits (-inf) weigh nothing
+    dims = tl.arange(0, DIM_PAD)
+    partial = tl.load(part_out_ptr + parts[:, None] * DIM_PAD + dims[None, :])
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+# Split-KV decode: a decode batch with fewer (sequence, KV head) programs than this many per SM has its
+# contexts split, up to MAX_SPLITS ways, so that every SM has work.
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 16
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits for a decode batch: a power of two, from its shape alone (no device value), so a captured
+    CUDA graph of a batch size stays valid for every context length."""
+    programs = num_seqs * num_kv_heads
+    splits = 1
+    while splits < MAX_SPLITS and programs * splits < PROGRAMS_PER_SM * num_sms:
+        splits *= 2
+    return splits
 
 
 def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, dtype: torch.dtype, sliding_window: int | None = None,
-                   block_m: int | None = None, tile_n: int | None = None) -> tuple[tuple[int, int], dict]:
-    """The launch grid and compile-time constants (with num_warps) of `_paged_attention_kernel` for
-    one batch."""
+                   block_m: int | None = None, tile_n: int | None = None, num_splits: int = 1,
+                   num_warps: int | None = None, num_stages: int | None = None) -> tuple[tuple[int, int, int], dict]:
+    """The launch grid and compile-time constants (with num_warps, and num_stages when given) of
+    `_paged_attention_kernel` for one batch; the optional values override the defaults (bench sweeps)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     # Decode-only batches waste rows on a tall tile; prefill-heavy ones want it tall. Compiled float32
@@ -188,31 +278,52 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
         SLIDING_WINDOW=sliding_window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(32, block_size),
-        DOT_FP32=dtype == torch.float32 or _INTERPRETED,
-        num_warps=8 if head_dim > 64 or wide else 4,
+        NUM_SPLITS=num_splits, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
+        num_warps=num_warps or (8 if head_dim > 64 or wide else 4),
     )
-    return (num_tokens // block_q + num_seqs, num_kv_heads), constants
+    if num_stages is not None:
+        constants["num_stages"] = num_stages
+    return (num_tokens // block_q + num_seqs, num_kv_heads, num_splits), constants
+
+
+def _default_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int) -> int:
+    if query.device.type != "cuda" or query.shape[0] != num_seqs:  # split decode batches on a GPU only
+        return 1
+    return decode_splits(num_seqs, num_kv_heads, torch.cuda.get_device_properties(query.device).multi_processor_count)
 
 
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                    sliding_window=None, out=None, block_m: int | None = None, tile_n: int | None = None):
+                    sliding_window=None, out=None, block_m: int | None = None, tile_n: int | None = None,
+                    num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
+    if num_splits is None:
+        num_splits = _default_splits(query, num_seqs, num_kv_heads)
     grid, constants = attention_meta(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                                     query.dtype, sliding_window, block_m, tile_n)
+                                     query.dtype, sliding_window, block_m, tile_n, num_splits, num_warps, num_stages)
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    dim_pad = constants["DIM_PAD"]
+    if num_splits > 1:  # float32 partial results; the merge writes `out`
+        part_out = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # not written
     _paged_attention_kernel[grid](
-        query, key_cache, value_cache, out, cu_seqlens_q, seq_lens, block_tables,
-        scale, num_seqs,
+        query, key_cache, value_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
+        scale * LOG2_E, num_seqs, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         **constants,
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, num_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, DIM_PAD=dim_pad)
     return out
