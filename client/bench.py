@@ -125,6 +125,19 @@ def run_inflight(model_dir: str, work: Workload, logprobs: int | None = None, **
     return elapsed
 
 
+def dense_forward_rate(model_dir: str, tokens: int = 256, repeats: int = 5) -> float:
+    """Tokens per second of one dense forward pass over `tokens` tokens (HF transformers, torch SDPA
+    attention, no cache): what the hardware gives the model at its most efficient; median of `repeats`."""
+    model = load_hf(model_dir)
+    ids = torch.randint(100, model.config.vocab_size, (1, tokens))
+    times = []
+    with torch.inference_mode():
+        model(ids, use_cache=False, logits_to_keep=1)  # warm-up
+        for _ in range(repeats):
+            times.append(timed(lambda: model(ids, use_cache=False, logits_to_keep=1)))
+    return tokens / statistics.median(times)
+
+
 def stream_ttft(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
     """Submit everything at once; return mean time to first token and output tokens/s."""
     from inflight import SamplingParams
@@ -351,6 +364,12 @@ def main() -> None:
     if served:
         record_median(f"inflight through tritonserver (gRPC streaming, all {args.num_requests} requests at once)",
                       served)
+    if offline:
+        processed = sum(map(len, work.prompts)) + work.output_tokens
+        rate, dense = processed / statistics.median(offline), dense_forward_rate(args.model)
+        processing_line = (f"engine processing rate: {rate:.0f} tokens/s (prompt + output tokens over the offline "
+                           f"run, median) = {rate / dense:.0%} of one dense 256-token forward ({dense:.0f} tokens/s)")
+        print(f"  {processing_line}", file=sys.stderr)
     for name, runs in (("offline", offline), ("through tritonserver", served)):
         if len(runs) > 1:
             print(f"  inflight {name}, each run: " + ", ".join(f"{work.output_tokens / t:.1f}" for t in runs)
@@ -366,6 +385,8 @@ def main() -> None:
         if offline and served:
             share = statistics.median(offline) / statistics.median(served)
             print(f"\nthrough tritonserver: {share:.1%} of offline throughput (medians)")
+        if offline:
+            print(f"\n{processing_line}")
     if "prefix" in peers:
         rows = bench_prefix_caching(args.model, args.num_requests, args.seed)
         print("\n| workload (64 requests, 32 output tokens) | prefix caching | mean TTFT (s) | output tok/s | hit tokens |"
