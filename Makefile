@@ -10,7 +10,7 @@ MINUTES ?= 10
 CONCURRENCY ?= 1,2,4,8,16,32
 REQUESTS ?= 64
 
-.PHONY: setup setup-serving serve test test-fast bench bench-kernels compile-kernels load soak clean
+.PHONY: setup setup-serving serve test test-fast bench bench-kernels bench-gpu compile-kernels load soak clean
 
 setup:
 	@bash scripts/setup.sh
@@ -32,6 +32,10 @@ bench: setup-serving
 
 bench-kernels: setup
 	$(PY) client/bench_kernels.py
+
+# On a GPU machine with nothing but the repository (no set-up: it may reach no package registry).
+bench-gpu:
+	$(if $(wildcard $(PY)),$(PY),python3) client/bench_gpu.py --out bench-gpu.md
 
 compile-kernels: setup
 	$(PY) scripts/compile_kernels.py

@@ -39,16 +39,15 @@ def make_workload(n: int, seed: int, prompt_range=(16, 512), output_range=(16, 2
     return Workload(prompts, [rng.randint(*output_range) for _ in range(n)])
 
 
-def load_hf(model_dir: str):
+def load_hf(model_dir: str, dtype=torch.float32, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
-def run_hf_static(model_dir: str, work: Workload, batch_size: int) -> float:
+def run_hf_static(model, work: Workload, batch_size: int) -> float:
     """HF `generate` on batches of `batch_size`, left padded; a batch runs to its longest request and
     only each request's own tokens are counted."""
-    model = load_hf(model_dir)
     model.generation_config.eos_token_id = None
     pad = 0
     start = time.perf_counter()
@@ -56,24 +55,26 @@ def run_hf_static(model_dir: str, work: Workload, batch_size: int) -> float:
         for i in range(0, len(work.prompts), batch_size):
             prompts = work.prompts[i:i + batch_size]
             width = max(map(len, prompts))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
             with torch.inference_mode():
                 model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
                                max_new_tokens=max(work.output_lens[i:i + batch_size]),
                                min_new_tokens=max(work.output_lens[i:i + batch_size]))
             bar.update(len(prompts))
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def run_hf_continuous(model_dir: str, work: Workload, max_batch_tokens: int) -> float:
-    """transformers' ContinuousBatchingManager with per-request max_new_tokens."""
+def run_hf_continuous(model, work: Workload, max_batch_tokens: int, **options) -> float:
+    """transformers' ContinuousBatchingManager with per-request max_new_tokens; `options` go to its
+    ContinuousBatchingConfig (use_cuda_graph, use_async_batching, ...)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    model = load_hf(model_dir)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens), eos_token_id=-1, pad_token_id=0)
     blocks = sum(len(p) + n for p, n in zip(work.prompts, work.output_lens)) // 16 + len(work.prompts) + 64
-    cb = ContinuousBatchingConfig(page_size=16, num_blocks=blocks, max_batch_tokens=max_batch_tokens)
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=blocks, max_batch_tokens=max_batch_tokens, **options)
     with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
                                                    block=True, timeout=5) as manager:
         start = time.perf_counter()
@@ -344,11 +345,11 @@ def main() -> None:
 
     if "hf-static" in peers:
         record(f"HF static batching (generate, batches of {args.hf_static_batch})",
-               run_hf_static(args.model, work, args.hf_static_batch))
+               run_hf_static(load_hf(args.model), work, args.hf_static_batch))
     if "hf-cb" in peers:
         for tokens in map(int, args.hf_cb_tokens.split(",")):
             record(f"HF continuous batching (max_batch_tokens={tokens})",
-                   run_hf_continuous(args.model, work, tokens))
+                   run_hf_continuous(load_hf(args.model), work, tokens))
     # Offline and served runs alternate, so that a slow spell of a shared machine hits both alike.
     runs = {}
     if "inflight" in peers:

@@ -1,5 +1,6 @@
-"""The Kubernetes manifest in deploy/ agrees with the server it deploys: its settings load, its probes
-are Triton's health endpoints, its ports are the image's, and it asks for a GPU per rank."""
+"""What runs elsewhere, kept honest here: the Kubernetes manifest in deploy/ agrees with the server it
+deploys (its settings load, its probes are Triton's health endpoints, its ports are the image's, it asks
+for a GPU per rank), and `make bench-gpu` runs its steps (on CPU, tiny shapes)."""
 
 import json
 import re
@@ -37,3 +38,19 @@ def test_kubernetes_manifest_matches_the_server():
     selector = docs["Deployment"]["spec"]["selector"]["matchLabels"]
     pod_labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert docs["Service"]["spec"]["selector"] == selector == pod_labels
+
+
+def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
+    """`make bench-gpu` runs on a GPU machine when one is at hand: its smoke mode (the same steps on CPU,
+    tiny shapes) keeps it working in between, and its tables carry every row."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench-gpu.md"
+    result = subprocess.run([sys.executable, str(ROOT / "client" / "bench_gpu.py"), "--smoke", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = out.read_text()
+    assert "| tiny (smoke), float32 | 12/12 |" in text  # greedy agreement with HF generate
+    for row in ("| tiny (smoke) |", "| inflight (max_num_seqs 256", "| HF continuous batching", "| HF static batching"):
+        assert row in text, text

@@ -1,0 +1,229 @@
+"""make bench-gpu: the engine on a GPU, from nothing but the repository (and the default model's tokenizer
+files under models/): random-weight models built from the default model's shape and a 1.2B Llama shape
+(throughput does not depend on the weights' values), then
+
+1. greedy agreement with HF `generate` (one request at a time) on the default shape, float32 and bfloat16;
+2. the decode step of 128 running sequences, both shapes: wall time, GPU-busy time and kernel launches
+   per step (torch profiler);
+3. offline output tok/s on the 1.2B shape for inflight, HF continuous batching at its best (CUDA graphs
+   and async batching) and HF static batching, on a workload shaped like nano-vllm's benchmark (inputs
+   and outputs of 100 to 1024 tokens), scaled down to fit the time.
+
+It prints markdown tables and writes them to --out. `--smoke` runs the same steps on CPU with tiny shapes
+and a few requests (the test suite does, so that the script works when a GPU is at hand).
+
+    make bench-gpu
+    python3 client/bench_gpu.py --smoke --out /tmp/bench-gpu.md
+"""
+
+import argparse
+import gc
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "backend"), str(ROOT / "client")]
+
+from bench import Workload, load_hf, make_workload, run_hf_continuous, run_hf_static  # noqa: E402
+
+TOKENIZER = ROOT / "models" / "SmolLM2-135M-Instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+SHAPES = {  # Llama configurations; the default model's is SmolLM2-135M's
+    "default model (SmolLM2-135M)": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                         rope_theta=100000.0, tie_word_embeddings=True),
+    "1.2B Llama": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True),
+}
+SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True)
+
+
+def build_model(shape: dict, out: Path, dtype: torch.dtype, device: str) -> str:
+    """A random-weight Llama of `shape`, saved with the default model's tokenizer. initializer_range 0.1
+    makes logits peaked enough for greedy comparisons to test the engine, not rounding."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**shape, max_position_embeddings=4096, initializer_range=0.1, eos_token_id=0,
+                         bos_token_id=1)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (TOKENIZER / name).exists():
+            shutil.copy(TOKENIZER / name, out / name)
+    del model
+    release()
+    return str(out)
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def engine(model_dir: str, device: str, dtype: str, **settings):
+    from inflight import LLM
+
+    settings.setdefault("kv_cache_memory", 16 << 30 if device == "cuda" else 256 << 20)
+    return LLM(model_dir, device=device, dtype=dtype, **settings)
+
+
+def greedy_agreement(model_dir: str, device: str, dtype: str, prompts: int, tokens: int) -> int:
+    """How many of `prompts` random prompts get the same `tokens` greedy tokens from the engine (all at
+    once) as from HF `generate` (one at a time)."""
+    from inflight import SamplingParams
+
+    work = random_prompt_ids(prompts, 4, 200, seed=3)
+    llm = engine(model_dir, device, dtype)
+    ours = [o.token_ids for o in llm.generate(work, SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                                   ignore_eos=True))]
+    del llm
+    release()
+    model = load_hf(model_dir, getattr(torch, dtype), device)
+    same = 0
+    with torch.inference_mode():
+        for prompt, tokens_ours in zip(work, ours):
+            ids = torch.tensor([prompt], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            same += out[0, len(prompt):].tolist() == tokens_ours
+    del model
+    release()
+    return same
+
+
+def decode_step(model_dir: str, device: str, sequences: int, steps: int) -> dict:
+    """The engine's decode step with `sequences` running (prompts of 128 tokens already computed)."""
+    from inflight import SamplingParams
+
+    llm = engine(model_dir, device, "bfloat16" if device == "cuda" else "float32", max_num_seqs=max(sequences, 8),
+                 max_num_batched_tokens=max(4096, sequences))
+    for i, prompt in enumerate(random_prompt_ids(sequences, 128, 128, seed=5)):
+        llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
+    while llm.stats()["num_waiting"] or any(s.num_computed_tokens < s.num_prompt_tokens
+                                            for s in llm.scheduler.running):
+        llm.step()
+    for _ in range(3):  # warm-up
+        llm.step()
+    sync()
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        llm.step()
+        sync()
+        walls.append(time.perf_counter() - start)
+    result = {"wall_ms": 1000 * statistics.median(walls), "gpu_ms": None, "launches": None}
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                llm.step()
+            sync()
+        try:
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            result["gpu_ms"] = sum(e.time_range.elapsed_us() for e in kernels) / 1000 / steps
+            result["launches"] = len(kernels) / steps
+        except Exception as e:  # noqa: BLE001 - the profiler's event API moves between torch versions
+            print(f"could not read the profile: {type(e).__name__}: {e}", file=sys.stderr)
+    for request_id in llm.unfinished_request_ids():
+        llm.abort(request_id)
+    llm.step()
+    del llm
+    release()
+    return result
+
+
+def random_prompt_ids(count: int, low: int, high: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49152) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def offline(model_dir: str, device: str, work: Workload, static_batch: int) -> dict[str, float]:
+    """Output tok/s of each system on `work`, EOS ignored."""
+    from inflight import SamplingParams
+
+    results = {}
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    llm = engine(model_dir, device, dtype, max_num_seqs=256, max_num_batched_tokens=4096)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+    llm.generate(work.prompts[:8], params[:8])  # warm-up
+    start = time.perf_counter()
+    llm.generate(work.prompts, params)
+    sync()
+    seconds = time.perf_counter() - start
+    results["inflight (max_num_seqs 256, budget 4096)"] = work.output_tokens / seconds
+    del llm
+    release()
+    model = load_hf(model_dir, getattr(torch, dtype), device)
+    best = dict(use_cuda_graph=True, use_async_batching=True) if device == "cuda" else {}
+    results[f"HF continuous batching (budget 2048{', CUDA graphs, async' if best else ''})"] = \
+        work.output_tokens / run_hf_continuous(model, work, 2048, **best)
+    results[f"HF static batching (batches of {static_batch})"] = \
+        work.output_tokens / run_hf_static(model, work, static_batch)
+    del model
+    release()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few requests")
+    parser.add_argument("--out", default=None, help="also write the tables to this file")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench-gpu needs a CUDA GPU (--smoke runs its steps on CPU)")
+    if not (TOKENIZER / "tokenizer.json").exists():
+        sys.exit(f"{TOKENIZER} has no tokenizer.json: run `make setup`, or bring the tokenizer files")
+    shapes = {"tiny (smoke)": SMOKE_SHAPE} if args.smoke else SHAPES
+    sequences, steps = (8, 3) if args.smoke else (128, 20)
+    work = make_workload(*((6, 0, (8, 40), (4, 16)) if args.smoke else (128, 0, (100, 1024), (100, 1024))))
+    started = time.perf_counter()
+    lines = [f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}"]
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-gpu-") as tmp:
+        built = {name: build_model(shape, Path(tmp) / f"m{i}", torch.bfloat16 if device == "cuda" else torch.float32,
+                                   device) for i, (name, shape) in enumerate(shapes.items())}
+        first = next(iter(built.values()))
+        lines += ["", "| greedy, engine vs HF `generate` (12 prompts x 24 tokens) | same tokens |", "|---|---:|"]
+        for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
+            lines.append(f"| {next(iter(built))}, {dtype} | {greedy_agreement(first, device, dtype, 12, 24)}/12 |")
+        lines += ["", f"| decode step, {sequences} sequences | wall (ms) | GPU busy (ms) | kernel launches |",
+                  "|---|---:|---:|---:|"]
+        for name, model_dir in built.items():
+            r = decode_step(model_dir, device, sequences, steps)
+            gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
+            launches = "-" if r["launches"] is None else f"{r['launches']:.0f}"
+            lines.append(f"| {name} | {r['wall_ms']:.2f} | {gpu} | {launches} |")
+        name, model_dir = list(built.items())[-1]
+        lines += ["", f"| offline, {name}: {len(work.prompts)} requests, inputs and outputs "
+                      f"{min(map(len, work.prompts))}-{max(map(len, work.prompts))} / "
+                      f"{min(work.output_lens)}-{max(work.output_lens)} tokens, {work.output_tokens} output tokens "
+                      "| output tok/s |", "|---|---:|"]
+        for system, tps in offline(model_dir, device, work, 64).items():
+            lines.append(f"| {system} | {tps:,.0f} |")
+    lines += ["", f"(bench-gpu took {time.perf_counter() - started:.0f} s)"]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
