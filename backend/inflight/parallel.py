@@ -107,7 +107,10 @@ class _Worker:
              str(theirs.fileno()), str(os.getpid())],
             pass_fds=[theirs.fileno()], env=env)
         theirs.close()
-        ours.send((config, rank, port))
+        try:
+            ours.send((config, rank, port))
+        except OSError:
+            pass  # it exited already: _await reports how
         return cls(rank, process, ours)
 
     @property
