@@ -281,20 +281,19 @@ def bench_tensor_parallel(model_dir: str, work: Workload, threads: int, repeats:
     configs = {1: dict(num_threads=threads), 3: dict(num_threads=1, tensor_parallel_size=3)}
     llms = {ranks: make_llm(model_dir, num_kv_blocks=1024, **settings) for ranks, settings in configs.items()}
     expected = None
-    steps = {}
+    steps = {}  # ranks -> (steps, seconds) of its last run
 
     def run(ranks: int) -> float:
         nonlocal expected
         llm = llms[ranks]
-        before = llm.num_steps
-        seconds = timed(lambda: runs.__setitem__(ranks, llm.generate(work.prompts, params)))
+        before, start = llm.num_steps, time.perf_counter()
+        tokens = [o.token_ids for o in llm.generate(work.prompts, params)]
+        seconds = time.perf_counter() - start
         steps[ranks] = (llm.num_steps - before, seconds)
-        tokens = [o.token_ids for o in runs[ranks]]
         assert expected is None or tokens == expected, "tensor parallelism changed the greedy output"
         expected = tokens
         return seconds
 
-    runs: dict = {}
     try:
         seconds = alternating({ranks: lambda ranks=ranks: run(ranks) for ranks in configs}, repeats)
         rows = []

@@ -87,7 +87,7 @@ def greedy_agreement(model_dir: str, device: str, dtype: str, prompts: int, toke
     once) as from HF `generate` (one at a time)."""
     from inflight import SamplingParams
 
-    work = random_prompt_ids(prompts, 4, 200, seed=3)
+    work = make_workload(prompts, 3, (4, 200)).prompts
     llm = engine(model_dir, device, dtype)
     ours = [o.token_ids for o in llm.generate(work, SamplingParams(max_tokens=tokens, temperature=0.0,
                                                                    ignore_eos=True))]
@@ -112,7 +112,7 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int) -> dict
 
     llm = engine(model_dir, device, "bfloat16" if device == "cuda" else "float32", max_num_seqs=max(sequences, 8),
                  max_num_batched_tokens=max(4096, sequences))
-    for i, prompt in enumerate(random_prompt_ids(sequences, 128, 128, seed=5)):
+    for i, prompt in enumerate(make_workload(sequences, 5, (128, 128)).prompts):
         llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
     while llm.stats()["num_waiting"] or any(s.num_computed_tokens < s.num_prompt_tokens
                                             for s in llm.scheduler.running):
@@ -146,13 +146,6 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int) -> dict
     del llm
     release()
     return result
-
-
-def random_prompt_ids(count: int, low: int, high: int, seed: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 49152) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
 def offline(model_dir: str, device: str, work: Workload, static_batch: int) -> dict[str, float]:

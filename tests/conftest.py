@@ -153,6 +153,14 @@ def assert_all_blocks_free(server):
     server.wait_for_metric("inflight_num_requests_waiting", lambda v: v == 0)
 
 
+def assert_not_ready(server, timeout: float = 60.0):
+    """The served model reports not-ready within `timeout` (an engine that stopped unloads it)."""
+    deadline = time.monotonic() + timeout
+    while server.model_ready() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not server.model_ready(), "the model still reports ready"
+
+
 @pytest.fixture(scope="session")
 def reference(default_model):
     """Greedy texts from the offline engine, with a roomy pool: what every served request must get."""

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate, make_inputs  # noqa: E402
-from conftest import PROMPTS, assert_all_blocks_free, concurrently, greedy, serve, stream_to_the_end  # noqa: E402
+from conftest import (PROMPTS, assert_all_blocks_free, assert_not_ready, concurrently, greedy, serve,  # noqa: E402
+                      stream_to_the_end)
 from server_process import TritonServer  # noqa: E402
 
 pytestmark = pytest.mark.server
@@ -99,10 +100,7 @@ def test_a_persistent_fault_makes_the_model_not_ready():
         results = [stream_to_the_end(server.grpc_url, PROMPTS[0], quiet_s=0.3, **greedy(8)) for _ in range(4)]
         assert results[0]["error"] is not None and "injected forward fault" in results[0]["error"]
         assert all(r["finals"] == 1 and r["after_final"] == 0 for r in results)
-        deadline = time.monotonic() + 60
-        while server.model_ready() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not server.model_ready()
+        assert_not_ready(server)
         start = time.monotonic()
         refused = stream_to_the_end(server.grpc_url, PROMPTS[1], quiet_s=0.3, **greedy(8))
         assert refused["error"] and refused["finals"] == 1 and time.monotonic() - start < 5

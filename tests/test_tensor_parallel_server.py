@@ -16,7 +16,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
-from conftest import PROMPTS, assert_all_blocks_free, concurrently, greedy, stream_to_the_end  # noqa: E402
+from conftest import (PROMPTS, assert_all_blocks_free, assert_not_ready, concurrently, greedy,  # noqa: E402
+                      stream_to_the_end)
 from grpc_stream import generate  # noqa: E402
 from server_process import TritonServer  # noqa: E402
 
@@ -59,13 +60,6 @@ def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Pr
     return [p for p in processes if running(p)]
 
 
-def wait_not_ready(server: TritonServer, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while server.model_ready() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not server.model_ready(), "the model still reports ready"
-
-
 def test_streams_cancellation_bad_input_and_unload_leave_no_process(reference):
     with TritonServer(**SETTINGS) as server:
         processes = engine_processes(server)
@@ -89,7 +83,7 @@ def test_streams_cancellation_bad_input_and_unload_leave_no_process(reference):
                                          data=b"{}")
         with urllib.request.urlopen(request, timeout=60) as response:
             assert response.status == 200
-        wait_not_ready(server)
+        assert_not_ready(server)
         left = wait_gone(processes["worker"] + processes["stub"], timeout=60)
         assert not left, f"still running after unload: {[p.pid for p in left]}"
         assert server.alive()
@@ -113,7 +107,7 @@ def test_a_killed_worker_ends_every_stream_with_an_error_and_the_model_unloads()
             assert result["error"] and "tensor-parallel step failed" in result["error"], result["error"]
         print(f"\nworker killed: every stream ended within {time.monotonic() - killed_at:.1f} s; "
               f"error: {results[0]['error'][:200]}")
-        wait_not_ready(server)
+        assert_not_ready(server)
         left = wait_gone(processes["worker"] + processes["stub"], timeout=60)
         assert not left, f"still running after the worker died: {[p.pid for p in left]}"
         refused = stream_to_the_end(server.grpc_url, PROMPTS[0], quiet_s=0.3, **greedy(4))

@@ -45,12 +45,13 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table)) + self._must_copy(seq)
+        return max(0, -(-total // self.block_size) - len(seq.block_table)) + (self._shared_next(seq) is not None)
 
-    def _must_copy(self, seq: Sequence) -> bool:
-        """Whether the block the next token of `seq` is written to is shared with another sequence."""
+    def _shared_next(self, seq: Sequence) -> int | None:
+        """The table index of the block the next token of `seq` is written to, when that block is shared
+        with another sequence (it must be copied first); else None."""
         i = seq.num_computed_tokens // self.block_size
-        return i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1
+        return i if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1 else None
 
     def max_new_tokens(self, seq: Sequence) -> int:
         """How many more tokens of `seq` fit in its blocks plus the whole free pool."""
@@ -63,8 +64,8 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             return False
-        if self._must_copy(seq):
-            i = seq.num_computed_tokens // self.block_size
+        i = self._shared_next(seq)
+        if i is not None:
             shared = self.blocks[seq.block_table[i]]
             shared.ref_count -= 1
             seq.block_table[i] = self._take_free_block()

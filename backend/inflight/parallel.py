@@ -117,6 +117,17 @@ class _Worker:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def receive(self) -> str:
+        """The kind of the worker's next message, "died" once it has exited; an error's account is kept."""
+        try:
+            kind, detail = self.conn.recv()
+        except (EOFError, OSError):  # the pipe closed: it exited
+            _reap(self.process)
+            return "died"
+        if kind == "error":
+            self.error = detail
+        return kind
+
     def describe(self) -> str:
         what = f"rank {self.rank} (pid {self.process.pid})"
         if self.error:
@@ -179,17 +190,9 @@ class TensorParallelRunner:
                 raise RuntimeError(f"tensor-parallel workers did not get {what} within {WORKER_START_TIMEOUT_S:.0f} s: "
                                    + "; ".join(w.describe() for w in waiting.values()))
             for ready in multiprocessing.connection.wait(list(waiting), timeout=left):
-                worker = waiting[ready]
-                try:
-                    kind, detail = worker.conn.recv()
-                except (EOFError, OSError):  # it exited
-                    kind, detail = "died", None
-                    _reap(worker.process)
-                if kind == "error":
-                    worker.error = detail
-                if kind != what:
+                worker = waiting.pop(ready)
+                if worker.receive() != what:
                     raise RuntimeError(f"tensor-parallel worker {worker.describe()}")
-                waiting.pop(worker.conn, None)
 
     def execute(self, batch: ScheduledBatch, logits_at: list[int],
                 block_copies: list[tuple[int, int]] | None = None) -> torch.Tensor:
@@ -218,13 +221,8 @@ class TensorParallelRunner:
         for worker in self.workers:
             while worker.error is None and time.monotonic() < deadline:
                 if worker.conn.poll(0.05):
-                    try:
-                        kind, detail = worker.conn.recv()
-                    except (EOFError, OSError):  # it exited
-                        _reap(worker.process)
+                    if worker.receive() == "died":
                         break
-                    if kind == "error":
-                        worker.error = detail
                 elif worker.alive:
                     break  # nothing to say and running: not the one that failed
             if worker.error or not worker.alive:
