@@ -3,11 +3,11 @@ files under models/): random-weight models built from the default model's shape 
 (throughput does not depend on the weights' values), then
 
 1. greedy agreement with HF `generate` (one request at a time) on the default shape, float32 and bfloat16;
-2. the decode step of 128 running sequences, both shapes: wall time, GPU-busy time and kernel launches
-   per step (torch profiler);
-3. offline output tok/s on the 1.2B shape for inflight, HF continuous batching at its best (CUDA graphs
-   and async batching) and HF static batching, on a workload shaped like nano-vllm's benchmark (inputs
-   and outputs of 100 to 1024 tokens), scaled down to fit the time.
+2. the decode step of 128 running sequences, both shapes, with CUDA graphs, with graphs and
+   torch_compile, and eager: wall time, GPU-busy time and kernel launches per step (torch profiler);
+3. offline output tok/s on the 1.2B shape for inflight (graphs; graphs and torch_compile), HF continuous
+   batching at its best (CUDA graphs and async batching) and HF static batching (one batch), on a
+   workload shaped like nano-vllm's benchmark (inputs and outputs of 100 to 1024 tokens), scaled down.
 
 It prints markdown tables and writes them to --out. `--smoke` runs the same steps on CPU with tiny shapes
 and a few requests (the test suite does, so that the script works when a GPU is at hand).
@@ -18,6 +18,7 @@ and a few requests (the test suite does, so that the script works when a GPU is 
 
 import argparse
 import gc
+import itertools
 import shutil
 import statistics
 import sys
@@ -40,6 +41,11 @@ SHAPES = {  # Llama configurations; the default model's is SmolLM2-135M's
                                          rope_theta=100000.0, tie_word_embeddings=True),
     "1.2B Llama": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True),
+}
+MODES = {  # engine settings compared
+    "CUDA graphs": dict(cuda_graphs=True),
+    "CUDA graphs + torch_compile": dict(cuda_graphs=True, torch_compile=True),
+    "eager (cuda_graphs false)": dict(cuda_graphs=False),
 }
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True)
@@ -82,36 +88,43 @@ def engine(model_dir: str, device: str, dtype: str, **settings):
     return LLM(model_dir, device=device, dtype=dtype, **settings)
 
 
-def greedy_agreement(model_dir: str, device: str, dtype: str, prompts: int, tokens: int) -> int:
-    """How many of `prompts` random prompts get the same `tokens` greedy tokens from the engine (all at
-    once) as from HF `generate` (one at a time)."""
-    from inflight import SamplingParams
-
-    work = make_workload(prompts, 3, (4, 200)).prompts
-    llm = engine(model_dir, device, dtype)
-    ours = [o.token_ids for o in llm.generate(work, SamplingParams(max_tokens=tokens, temperature=0.0,
-                                                                   ignore_eos=True))]
-    del llm
-    release()
+def hf_greedy(model_dir: str, device: str, dtype: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """HF `generate`'s greedy tokens, one request at a time."""
     model = load_hf(model_dir, getattr(torch, dtype), device)
-    same = 0
+    outs = []
     with torch.inference_mode():
-        for prompt, tokens_ours in zip(work, ours):
+        for prompt in prompts:
             ids = torch.tensor([prompt], device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
-            same += out[0, len(prompt):].tolist() == tokens_ours
+            outs.append(out[0, len(prompt):].tolist())
     del model
     release()
-    return same
+    return outs
 
 
-def decode_step(model_dir: str, device: str, sequences: int, steps: int) -> dict:
+def greedy_agreement(model_dir: str, device: str, dtype: str, prompts: list[list[int]],
+                     expected: list[list[int]]) -> str:
+    """How many prompts get HF's greedy tokens from the engine (all at once), and the mean number of
+    leading tokens that agree."""
+    from inflight import SamplingParams
+
+    llm = engine(model_dir, device, dtype)
+    params = SamplingParams(max_tokens=len(expected[0]), temperature=0.0, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    del llm
+    release()
+    same = sum(a == b for a, b in zip(ours, expected))
+    leading = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(ours, expected)]
+    return f"{same}/{len(prompts)} (first {statistics.mean(leading):.1f} tokens agree)"
+
+
+def decode_step(model_dir: str, device: str, sequences: int, steps: int, **settings) -> dict:
     """The engine's decode step with `sequences` running (prompts of 128 tokens already computed)."""
     from inflight import SamplingParams
 
     llm = engine(model_dir, device, "bfloat16" if device == "cuda" else "float32", max_num_seqs=max(sequences, 8),
-                 max_num_batched_tokens=max(4096, sequences))
+                 max_num_batched_tokens=max(4096, sequences), **settings)
     for i, prompt in enumerate(make_workload(sequences, 5, (128, 128)).prompts):
         llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
     while llm.stats()["num_waiting"] or any(s.num_computed_tokens < s.num_prompt_tokens
@@ -148,37 +161,90 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int) -> dict
     return result
 
 
-def offline(model_dir: str, device: str, work: Workload, static_batch: int) -> dict[str, float]:
-    """Output tok/s of each system on `work`, EOS ignored."""
+def offline(model_dir: str, device: str, work: Workload, static_batch: int):
+    """(system, output tok/s) of each system on `work`, EOS ignored, as each finishes."""
     from inflight import SamplingParams
 
-    results = {}
     dtype = "bfloat16" if device == "cuda" else "float32"
-    llm = engine(model_dir, device, dtype, max_num_seqs=256, max_num_batched_tokens=4096)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
-    llm.generate(work.prompts[:8], params[:8])  # warm-up
-    start = time.perf_counter()
-    llm.generate(work.prompts, params)
-    sync()
-    seconds = time.perf_counter() - start
-    results["inflight (max_num_seqs 256, budget 4096)"] = work.output_tokens / seconds
-    del llm
-    release()
+    for mode, settings in MODES.items():
+        if not settings["cuda_graphs"]:
+            continue
+        llm = engine(model_dir, device, dtype, max_num_seqs=256, max_num_batched_tokens=4096, **settings)
+        llm.generate(work.prompts[:8], params[:8])  # warm-up
+        steps, replays = llm.num_steps, getattr(llm.runner.graphs, "replays", 0)
+        start = time.perf_counter()
+        outs = llm.generate(work.prompts, params)
+        sync()
+        seconds = time.perf_counter() - start
+        done = sum(len(o.token_ids) for o in outs if o.finish_reason == "length")
+        if done != work.output_tokens:
+            raise RuntimeError(f"inflight produced {done} of {work.output_tokens} output tokens: "
+                               f"{[o.finish_reason for o in outs if o.finish_reason != 'length'][:3]}")
+        steps, replays = llm.num_steps - steps, getattr(llm.runner.graphs, "replays", 0) - replays
+        yield (f"inflight, {mode} (max_num_seqs 256, budget 4096; {steps} steps, {replays} from CUDA graphs, "
+               f"mean {1000 * seconds / steps:.2f} ms)"), work.output_tokens / seconds
+        del llm
+        release()
     model = load_hf(model_dir, getattr(torch, dtype), device)
     best = dict(use_cuda_graph=True, use_async_batching=True) if device == "cuda" else {}
-    results[f"HF continuous batching (budget 2048{', CUDA graphs, async' if best else ''})"] = \
-        work.output_tokens / run_hf_continuous(model, work, 2048, **best)
-    results[f"HF static batching (batches of {static_batch})"] = \
-        work.output_tokens / run_hf_static(model, work, static_batch)
+    yield (f"HF continuous batching (budget 2048{', CUDA graphs, async' if best else ''})",
+           work.output_tokens / run_hf_continuous(model, work, 2048, **best))
+    # Static batching pads every batch to its longest output: one batch of the workload gives its rate.
+    part = Workload(work.prompts[:static_batch], work.output_lens[:static_batch])
+    yield (f"HF static batching (one batch of {static_batch} of these requests)",
+           part.output_tokens / run_hf_static(model, part, static_batch))
     del model
     release()
-    return results
+
+
+def host_profile(model_dir: str, sequences: int, steps: int) -> str:
+    """Where the host's time goes in decode steps of `sequences` (cProfile, by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    from inflight import SamplingParams
+
+    llm = engine(model_dir, "cuda", "bfloat16", max_num_seqs=sequences, max_num_batched_tokens=4096)
+    for i, prompt in enumerate(make_workload(sequences, 5, (128, 128)).prompts):
+        llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
+    for _ in range(5):
+        llm.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        llm.step()
+    sync()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+    del llm
+    release()
+    return text.getvalue()
+
+
+class Report:
+    """Lines printed as they come (a run cut short keeps what it measured) and written to --out."""
+
+    def __init__(self, out: str | None):
+        self.out = Path(out) if out else None
+        if self.out:
+            self.out.write_text("")
+
+    def add(self, *lines: str) -> None:
+        for line in lines:
+            print(line, flush=True)
+            if self.out:
+                with self.out.open("a") as f:
+                    f.write(line + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few requests")
     parser.add_argument("--out", default=None, help="also write the tables to this file")
+    parser.add_argument("--host-profile", action="store_true", help="also profile the host side of decode steps")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -189,33 +255,35 @@ def main() -> None:
     sequences, steps = (8, 3) if args.smoke else (128, 20)
     work = make_workload(*((6, 0, (8, 40), (4, 16)) if args.smoke else (128, 0, (100, 1024), (100, 1024))))
     started = time.perf_counter()
-    lines = [f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}"]
+    report = Report(args.out)
+    report.add(f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory(prefix="inflight-bench-gpu-") as tmp:
         built = {name: build_model(shape, Path(tmp) / f"m{i}", torch.bfloat16 if device == "cuda" else torch.float32,
                                    device) for i, (name, shape) in enumerate(shapes.items())}
         first = next(iter(built.values()))
-        lines += ["", "| greedy, engine vs HF `generate` (12 prompts x 24 tokens) | same tokens |", "|---|---:|"]
+        report.add("", "| greedy, engine vs HF `generate` (12 prompts x 24 tokens) | same tokens |", "|---|---:|")
+        prompts = make_workload(12, 3, (4, 200)).prompts
         for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
-            lines.append(f"| {next(iter(built))}, {dtype} | {greedy_agreement(first, device, dtype, 12, 24)}/12 |")
-        lines += ["", f"| decode step, {sequences} sequences | wall (ms) | GPU busy (ms) | kernel launches |",
-                  "|---|---:|---:|---:|"]
-        for name, model_dir in built.items():
-            r = decode_step(model_dir, device, sequences, steps)
+            expected = hf_greedy(first, device, dtype, prompts, 24)
+            report.add(f"| {next(iter(built))}, {dtype} | {greedy_agreement(first, device, dtype, prompts, expected)} |")
+        report.add("", f"| decode step, {sequences} sequences | wall (ms) | GPU busy (ms) | kernel launches |",
+                   "|---|---:|---:|---:|")
+        for (name, model_dir), (mode, settings) in itertools.product(built.items(), MODES.items()):
+            r = decode_step(model_dir, device, sequences, steps, **settings)
             gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
             launches = "-" if r["launches"] is None else f"{r['launches']:.0f}"
-            lines.append(f"| {name} | {r['wall_ms']:.2f} | {gpu} | {launches} |")
+            report.add(f"| {name}, {mode} | {r['wall_ms']:.2f} | {gpu} | {launches} |")
         name, model_dir = list(built.items())[-1]
-        lines += ["", f"| offline, {name}: {len(work.prompts)} requests, inputs and outputs "
-                      f"{min(map(len, work.prompts))}-{max(map(len, work.prompts))} / "
-                      f"{min(work.output_lens)}-{max(work.output_lens)} tokens, {work.output_tokens} output tokens "
-                      "| output tok/s |", "|---|---:|"]
-        for system, tps in offline(model_dir, device, work, 64).items():
-            lines.append(f"| {system} | {tps:,.0f} |")
-    lines += ["", f"(bench-gpu took {time.perf_counter() - started:.0f} s)"]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+        report.add("", f"| offline, {name}: {len(work.prompts)} requests, inputs and outputs "
+                       f"{min(map(len, work.prompts))}-{max(map(len, work.prompts))} / "
+                       f"{min(work.output_lens)}-{max(work.output_lens)} tokens, {work.output_tokens} output tokens "
+                       "| output tok/s |", "|---|---:|")
+        for system, tps in offline(model_dir, device, work, 64):
+            report.add(f"| {system} | {tps:,.0f} |")
+        if args.host_profile and device == "cuda":
+            report.add("", f"host profile, {name}, decode steps of {sequences} sequences:", "```",
+                       host_profile(model_dir, sequences, 20), "```")
+    report.add("", f"(bench-gpu took {time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
     "llama3-8b": (32, 8, 128),
     "smollm2": (9, 3, 64),
 }
-SWEEP_DECODE = {"num_splits": [1, 2, 4, 8, 16], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
-SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+SWEEP_DECODE = {"num_splits": [1, 4, 16], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
 def timed(fn, iters: int = 20) -> float:

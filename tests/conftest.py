@@ -24,6 +24,13 @@ DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 
 torch.set_num_threads(int(os.environ.get("INFLIGHT_TEST_THREADS", "2")))
 
+# The engines under test run on the CPU unless a test asks for a GPU (device="cuda"): "auto" would pick
+# a GPU where there is one, but the HF references and the served tests' expectations are computed on
+# the CPU in float32. Served tests get device "cpu" in their model.json (serve below).
+import inflight.config  # noqa: E402
+
+inflight.config.auto_device = lambda: "cpu"
+
 # Tiny checkpoints of each family, small enough to run in milliseconds. initializer_range is raised
 # above the usual 0.02 so that logits are peaked: greedy comparisons then test the engine, not
 # float32 rounding between two near-equal logits.
@@ -128,6 +135,7 @@ def serve(env: dict | None = None, **settings):
     sys.path.insert(0, str(ROOT / "client"))
     from server_process import TritonServer
 
+    settings.setdefault("device", "cpu")
     with TritonServer(env=env, **settings) as server:
         yield server
         assert server.alive(), f"the server died during the tests:\n{server.log()[-3000:]}"

@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from conftest import random_prompts
@@ -40,6 +41,25 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(llm):
     assert mixed[6].token_ids == alone
     reseeded = llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=99))
     assert reseeded[0].token_ids != alone, "another seed should sample otherwise"
+
+
+def test_draws_follow_the_distribution():
+    """The sampler's inverse-CDF draw: frequencies within 4 standard errors of the probabilities, never a
+    token of no probability, and a seeded row's token independent of the rows beside it."""
+    from inflight.sampler import draw
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    n = 20_000
+    torch.manual_seed(0)
+    tokens = draw(probs.expand(n, -1).contiguous(), [None] * n)
+    frequencies = torch.bincount(tokens, minlength=len(probs)).float() / n
+    assert frequencies[1] == 0 and frequencies[5] == 0
+    torch.testing.assert_close(frequencies, probs, atol=0.015, rtol=0)
+    unnormalized = draw(torch.tensor([[0.0, 0.0, 0.2]]), [None])  # what min_p leaves: rows need not sum to 1
+    assert unnormalized.tolist() == [2]
+    alone = draw(probs[None], [torch.Generator().manual_seed(3)])
+    beside = draw(probs.expand(5, -1).contiguous(), [None, None, torch.Generator().manual_seed(3), None, None])
+    assert alone.item() == beside[2].item()
 
 
 def test_sampling_filters_restrict_the_choice(llm):
@@ -125,6 +145,7 @@ def test_detokenizer_round_trip_through_the_byte_table_and_the_tokenizer(default
     ids = tokenizer.encode(text, add_special_tokens=False)
     rng = random.Random(7)
     noise = [rng.randrange(len(tokenizer)) for _ in range(300)] + tokenizer.all_special_ids
+    noise += [len(tokenizer), len(tokenizer) + 79_000]  # a model's embedding can be padded past the vocabulary
     rng.shuffle(noise)
     for table in (token_bytes, None):  # the fast way, and the window decoding it replaces
         streams = {}

@@ -1,6 +1,7 @@
 """Greedy outputs equal HF transformers' `generate` token for token, whatever the batching does."""
 
 import pytest
+import torch
 
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
@@ -16,6 +17,9 @@ SCHEDULES = {
     "one-at-a-time": dict(num_kv_blocks=512, max_num_seqs=1, max_num_batched_tokens=512),
 }
 
+# On a GPU machine the engine's greedy tests also run there (float32, CUDA graphs for decode steps).
+DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
 
 def run_and_compare(model_dir, prompts, hf_reference, **settings):
     llm = LLM(model_dir, block_size=16, enable_prefix_caching=False, **settings)
@@ -27,11 +31,15 @@ def run_and_compare(model_dir, prompts, hf_reference, **settings):
     return llm
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_tiny_models_match_hf(tiny_models, hf_reference, family, schedule):
+def test_tiny_models_match_hf(tiny_models, hf_reference, family, schedule, device):
     prompts = random_prompts(16, 1, 320, vocab=512, seed=7)
-    llm = run_and_compare(tiny_models[family], prompts, hf_reference, **SCHEDULES[schedule])
+    llm = run_and_compare(tiny_models[family], prompts, hf_reference, device=device, dtype="float32",
+                          **SCHEDULES[schedule])
+    if device == "cuda":
+        assert llm.runner.graphs.replays > 0, "decode steps were meant to replay CUDA graphs"
     if schedule == "preemption":
         assert llm.stats()["num_preemptions"] > 0, "the pool was meant to be too small to hold every sequence"
 
@@ -43,3 +51,17 @@ def test_default_model_matches_hf(default_model, hf_reference):
     llm = run_and_compare(default_model, prompts, hf_reference, num_kv_blocks=48, max_num_seqs=16,
                           max_num_batched_tokens=96)
     assert llm.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_matches_hf(tiny_models, hf_reference, device):
+    """torch_compile: the model compiled around our attention (a graph break), dynamic shapes, chunked
+    prefill and decodes of several batch sizes (on a GPU, captured in CUDA graphs too)."""
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    prompts = random_prompts(6, 1, 90, vocab=512, seed=13)
+    llm = run_and_compare(tiny_models["llama"], prompts, hf_reference, device=device, dtype="float32",
+                          torch_compile=True, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+    assert counters["stats"]["unique_graphs"] > graphs_before, "the model was meant to run compiled"
+

@@ -21,7 +21,7 @@ from server_process import TritonServer  # noqa: E402
 pytestmark = pytest.mark.server
 
 # Four sequences at a time, so that each injected fault hits one batch of four and spares the rest.
-SETTINGS = dict(num_kv_blocks=128, kv_cache_memory=None, max_num_seqs=4, max_num_batched_tokens=256,
+SETTINGS = dict(device="cpu", num_kv_blocks=128, kv_cache_memory=None, max_num_seqs=4, max_num_batched_tokens=256,
                 max_model_len=512)
 # With 24 streams of 48 tokens in waves of four, each fault ends the wave it hits; the waves between
 # the faults run through.

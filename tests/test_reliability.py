@@ -23,7 +23,7 @@ from soak import soak  # noqa: E402
 pytestmark = pytest.mark.server
 
 # A small pool (64 blocks of 16 tokens) so that bursts exhaust it.
-SETTINGS = dict(num_kv_blocks=64, kv_cache_memory=None, max_num_seqs=32, max_num_batched_tokens=256,
+SETTINGS = dict(device="cpu", num_kv_blocks=64, kv_cache_memory=None, max_num_seqs=32, max_num_batched_tokens=256,
                 max_model_len=512, max_queued_requests=512, max_tokens_limit=1000)
 
 

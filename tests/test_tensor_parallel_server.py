@@ -27,8 +27,8 @@ pytestmark = [
                                                          "test_tensor_parallel.py)"),
 ]
 
-SETTINGS = dict(tensor_parallel_size=3, num_threads=1, num_kv_blocks=128, kv_cache_memory=None, max_num_seqs=8,
-                max_num_batched_tokens=128)
+SETTINGS = dict(device="cpu", tensor_parallel_size=3, num_threads=1, num_kv_blocks=128, kv_cache_memory=None,
+                max_num_seqs=8, max_num_batched_tokens=128)
 
 
 def engine_processes(server: TritonServer) -> dict[str, list[psutil.Process]]:

@@ -150,10 +150,9 @@ class BlockManager:
         start = len(seq.block_hashes)
         if num_full <= start:
             return
-        tokens = seq.token_ids
         parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(start, num_full):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
             h = self.hash_block(parent_hash, chunk)
             block = self.blocks[seq.block_table[i]]
             parent_id = seq.block_table[i - 1] if i else None

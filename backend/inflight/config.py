@@ -4,10 +4,19 @@
 from dataclasses import dataclass, fields
 
 
+def auto_device() -> str:
+    """What device "auto" means: the first GPU when one is visible, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str = "float32"  # float32 | float16 | bfloat16 | auto (the checkpoint's dtype)
+    # float32 | float16 | bfloat16 | auto: bfloat16 on a GPU (float16 where the checkpoint is float16),
+    # float32 on a CPU
+    dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # pool size as a block count ...
     kv_cache_memory: int | None = None  # ... or as bytes ...
@@ -16,7 +25,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
     max_model_len: int | None = None  # prompt + output; default: the model's limit, capped by the pool
     enable_prefix_caching: bool = True
-    device: str = "cpu"
+    device: str = "auto"  # auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N
+    # Decode steps replay CUDA graphs captured at start-up (cuda_graphs.py); no effect on a CPU.
+    cuda_graphs: bool = True
+    # torch.compile the model around our attention: fewer, fused kernels per layer; compiles at start-up.
+    torch_compile: bool = False
     # Ranks of tensor parallelism: each holds 1/N of the weights and of the KV heads (parallel.py).
     tensor_parallel_size: int = 1
     # GPU of each rank (rank r on gpu_device_ids[r]); default: cuda:K's K and the GPUs after it.
@@ -39,6 +52,8 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
+        if self.device == "auto":
+            self.device = auto_device()
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         positive("block_size")
@@ -52,6 +67,9 @@ class EngineConfig:
         positive("num_threads", allow_none=True)
         positive("max_consecutive_failed_steps")
         positive("tensor_parallel_size")
+        for name in ("cuda_graphs", "torch_compile", "enable_prefix_caching", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_gpu_device_ids()
         pool_sizes = [name for name in ("num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction")
                       if getattr(self, name) is not None]

@@ -45,10 +45,11 @@ class TokenBytes:
         self.special_ids = special_ids
 
     def join(self, token_ids: list[int], skip_special_tokens: bool) -> bytes:
-        table, special = self.table, self.special_ids
-        if skip_special_tokens:
-            return b"".join(table[t] for t in token_ids if t not in special)
-        return b"".join(table[t] for t in token_ids)
+        """The tokens' bytes. An id past the tokenizer's vocabulary (a model's embedding padded beyond
+        it can sample one) is nothing, as in the tokenizer's own decode."""
+        table, size = self.table, len(self.table)
+        skipped = self.special_ids if skip_special_tokens else ()
+        return b"".join(table[t] if t < size else b"" for t in token_ids if t not in skipped)
 
     @classmethod
     def build(cls, tokenizer) -> "TokenBytes | None":

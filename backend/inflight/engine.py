@@ -62,15 +62,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.config) if self.config.tensor_parallel_size == 1 else \
             TensorParallelRunner(self.config)
         self.eos_token_ids = self._eos_token_ids(model)
-        capacity = self.runner.num_blocks * self.config.block_size
-        model_limit = getattr(self.runner.hf_config, "max_position_embeddings", None) or capacity
-        if self.config.max_model_len is None:
-            self.max_model_len = min(model_limit, capacity)
-        else:
-            if self.config.max_model_len > capacity:
-                raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the KV pool's "
-                                 f"{capacity} tokens; raise num_kv_blocks or kv_cache_memory")
-            self.max_model_len = self.config.max_model_len
+        self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self._grammars: StructuredOutputs | None = None  # built with the first constrained request

@@ -5,7 +5,7 @@ of its own KV heads; rank 0 builds each step's StepInputs, which the other ranks
 """
 
 import logging
-from dataclasses import dataclass, field
+import time
 
 import numpy as np
 import psutil
@@ -14,27 +14,15 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import ops
-from .attention import ATTN_IMPLEMENTATION, AttentionContext
+from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, AttentionContext
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
+from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class StepInputs:
-    """One step's model inputs over the ragged batch; all that another rank needs to run it."""
-
-    input_ids: np.ndarray  # [T] every scheduled token of every sequence
-    positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T] cache slot of each token
-    cu_seqlens: np.ndarray  # [S+1] offsets of each sequence's tokens
-    seq_lens: np.ndarray  # [S] context + new tokens
-    block_tables: np.ndarray  # [S, max_blocks], padded with block 0
-    logits_at: np.ndarray  # flat positions whose logits are returned
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), done first
 
 
 class ModelRunner:
@@ -47,16 +35,14 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         hf_config = getattr(hf_config, "text_config", hf_config)
-        dtype = _DTYPES.get(config.dtype) or getattr(hf_config, "dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = _DTYPES[dtype]
-        self.dtype = dtype
+        self.dtype = dtype = self._dtype(getattr(hf_config, "dtype", None))
         sharding = {}
         if self.world_size > 1:  # transformers' own tensor-parallel plan over the process group
             from transformers.distributed import DistributedConfig
             sharding["distributed_config"] = DistributedConfig(tp_size=self.world_size, tp_plan="auto")
         self.model = AutoModelForCausalLM.from_pretrained(
-            config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
+            config.model, dtype=dtype,
+            attn_implementation=ATTN_IMPLEMENTATION_COMPILED if config.torch_compile else ATTN_IMPLEMENTATION,
             trust_remote_code=config.trust_remote_code, **sharding,
         ).to(self.device).eval()
         self.hf_config = hf_config
@@ -72,6 +58,61 @@ class ModelRunner:
         self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
                                     self.head_dim, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        self.max_model_len = self._max_model_len()
+        self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                                    -(-self.max_model_len // self.block_size), self.device)
+        self._model_call = self.model
+        if config.torch_compile:
+            self._compile()
+        self.graphs = None
+        if self._use_cuda_graphs():
+            self.graphs = DecodeGraphs(self._forward, self.buffers, config.max_num_seqs)
+            self.graphs.capture()
+
+    def _compile(self) -> None:
+        """torch.compile the model (our attention stays a graph break: attention.py), with dynamic shapes,
+        and compile now on a prefill and a decode step of nothing (no KV written) rather than in a request."""
+        started = time.perf_counter()
+        self._model_call = torch.compile(self.model, dynamic=True)
+        n, seqs = min(16, self.config.max_num_batched_tokens), min(2, self.config.max_num_seqs)
+        ints = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
+        prefill = StepInputs(ints([0] * n), ints(range(n)), ints([-1] * n), ints([0, n]), ints([n]),
+                             np.zeros((1, -(-n // self.block_size)), dtype=np.int64), ints([n - 1]))
+        decode = StepInputs(ints([0] * seqs), ints([0] * seqs), ints([-1] * seqs), ints(range(seqs + 1)),
+                            ints([1] * seqs), np.zeros((seqs, 1), dtype=np.int64), ints(range(seqs)))
+        with torch.inference_mode():
+            for step in (prefill, decode):
+                self._forward(self.buffers.load(step))
+        logger.info("torch.compile: compiled in %.1f s", time.perf_counter() - started)
+
+    def _max_model_len(self) -> int:
+        """Prompt plus output of one sequence: the setting, or the model's limit capped by the pool."""
+        capacity = self.num_blocks * self.block_size
+        if self.config.max_model_len is None:
+            return min(getattr(self.hf_config, "max_position_embeddings", None) or capacity, capacity)
+        if self.config.max_model_len > capacity:
+            raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the KV pool's "
+                             f"{capacity} tokens; raise num_kv_blocks or kv_cache_memory")
+        return self.config.max_model_len
+
+    def _use_cuda_graphs(self) -> bool:
+        if not self.config.cuda_graphs or self.device.type != "cuda":
+            return False
+        if self.attention_impl != "triton":
+            logger.warning("CUDA graphs need the Triton attention kernels; decode steps run eagerly")
+            return False
+        if self.world_size > 1:
+            logger.warning("CUDA graphs are not used under tensor parallelism yet; decode steps run eagerly")
+            return False
+        return True
+
+    def _dtype(self, checkpoint_dtype) -> torch.dtype:
+        """The setting; for "auto", bfloat16 on a GPU (float16 where the checkpoint is), float32 on a CPU."""
+        if self.config.dtype != "auto":
+            return _DTYPES[self.config.dtype]
+        if self.device.type == "cpu":
+            return torch.float32
+        return torch.float16 if str(checkpoint_dtype).removeprefix("torch.") == "float16" else torch.bfloat16
 
     @property
     def bytes_per_block(self) -> int:
@@ -110,26 +151,9 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch, logits_at: list[int],
                 block_copies: list[tuple[int, int]] | None = None) -> StepInputs:
-        """The flat inputs of a step: its scheduled tokens, their positions and cache slots, and the
-        attention metadata; logits are returned at the flat positions `logits_at` (a sequence's last
+        """The step's inputs; logits are returned at the flat positions `logits_at` (a sequence's last
         scheduled token where it samples; prompt positions where prompt logprobs are asked for)."""
-        bs = self.block_size
-        input_ids, positions, slot_mapping = [], [], []
-        cu_seqlens, seq_lens = [0], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens
-            tokens = seq.token_ids
-            input_ids.extend(tokens[start:start + n])
-            positions.extend(range(start, start + n))
-            table = seq.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            seq_lens.append(start + n)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
-        ints = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
-        return StepInputs(ints(input_ids), ints(positions), ints(slot_mapping), ints(cu_seqlens), ints(seq_lens),
-                          ints(tables), ints(logits_at), list(block_copies or []))
+        return build_step_inputs(batch, self.block_size, logits_at, block_copies)
 
     def execute(self, batch: ScheduledBatch, logits_at: list[int],
                 block_copies: list[tuple[int, int]] | None = None) -> torch.Tensor:
@@ -138,24 +162,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [len(logits_at), vocab], float32; valid until the next step."""
         self.copy_blocks(inputs.block_copies)
+        if self.graphs is not None and self.graphs.covers(inputs):
+            return self.graphs.replay(inputs)
+        return self._forward(self.buffers.load(inputs))
 
-        def tensor(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(values).to(self.device)
-
+    def _forward(self, step: StepTensors) -> torch.Tensor:
         context = AttentionContext(
             kv_caches=self.kv_caches,
-            slot_mapping=tensor(inputs.slot_mapping),
-            cu_seqlens_q=tensor(inputs.cu_seqlens),
-            seq_lens=tensor(inputs.seq_lens),
-            block_tables=tensor(inputs.block_tables),
+            slot_mapping=step.slot_mapping,
+            cu_seqlens_q=step.cu_seqlens,
+            seq_lens=step.seq_lens,
+            block_tables=step.block_tables,
             impl=self.attention_impl,
         )
-        output = self.model(
-            input_ids=tensor(inputs.input_ids)[None],
-            position_ids=tensor(inputs.positions)[None],
+        output = self._model_call(
+            input_ids=step.input_ids[None],
+            position_ids=step.positions[None],
             use_cache=False,
-            logits_to_keep=tensor(inputs.logits_at),
+            logits_to_keep=0 if step.logits_at is None else step.logits_at,
             inflight_context=context,
         )
         return output.logits[0].float()

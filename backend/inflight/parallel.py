@@ -29,7 +29,8 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from .config import EngineConfig
-from .model_runner import ModelRunner, StepInputs
+from .input_buffers import StepInputs
+from .model_runner import ModelRunner
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)

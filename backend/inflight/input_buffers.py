@@ -1,0 +1,155 @@
+"""A step's model inputs in tensors allocated once and reused every step.
+
+On a GPU the host side is one pinned buffer and the device side one buffer of the same layout: a step
+writes its values into the pinned buffer (numpy, no per-token Python) and one non-blocking copy moves
+them, so a step costs one host-to-device transfer instead of a tensor per input. The device tensors
+never move, which is what CUDA graphs need: a captured step reads its inputs from these addresses
+(cuda_graphs.py). On a CPU the device buffer is the host buffer.
+
+Every field has a fixed place sized for the largest step (max_num_batched_tokens tokens,
+max_num_seqs sequences, a block table row long enough for max_model_len); the block table comes last,
+so a step copies only the rows it uses.
+"""
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
+import torch
+
+from .scheduler import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs over the ragged batch; all that another rank needs to run it."""
+
+    input_ids: np.ndarray  # [T] every scheduled token of every sequence
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T] cache slot of each token
+    cu_seqlens: np.ndarray  # [S+1] offsets of each sequence's tokens
+    seq_lens: np.ndarray  # [S] context + new tokens
+    block_tables: np.ndarray  # [S, max_blocks], padded with block 0
+    logits_at: np.ndarray  # flat positions whose logits are returned
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), done first
+
+    @property
+    def is_decode(self) -> bool:
+        """One token for each sequence, each sampled, nothing else asked."""
+        return len(self.input_ids) == len(self.seq_lens) == len(self.logits_at)
+
+
+def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[int],
+                      block_copies: list[tuple[int, int]] | None = None) -> StepInputs:
+    """The flat inputs of a step: its scheduled tokens, their positions and cache slots, and the
+    attention metadata; logits are returned at the flat positions `logits_at`. Python runs once per
+    sequence; everything per token is numpy."""
+    seqs = batch.seqs
+    counts = np.asarray(batch.num_tokens, dtype=np.int64)
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+    cu_seqlens = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu_seqlens[1:])
+    positions = np.arange(cu_seqlens[-1], dtype=np.int64) - np.repeat(cu_seqlens[:-1] - starts, counts)
+    if len(positions) == len(seqs):  # decode: one token each
+        input_ids = np.fromiter((s.token_at(s.num_computed_tokens) for s in seqs), np.int64, len(seqs))
+    else:
+        input_ids = np.fromiter(chain.from_iterable(s.token_slice(s.num_computed_tokens, s.num_computed_tokens + n)
+                                                    for s, n in zip(seqs, batch.num_tokens)),
+                                np.int64, len(positions))
+    tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int64)
+    for row, seq in enumerate(seqs):
+        tables[row, :len(seq.block_table)] = seq.block_table
+    token_rows = np.repeat(np.arange(len(seqs)), counts)
+    slot_mapping = tables[token_rows, positions // block_size] * block_size + positions % block_size
+    return StepInputs(input_ids, positions, slot_mapping, cu_seqlens, starts + counts, tables,
+                      np.asarray(logits_at, dtype=np.int64), list(block_copies or []))
+
+
+@dataclass
+class StepTensors:
+    """Device views of one step's inputs (valid until the next step loads its own)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]; -1: a padding token, written nowhere
+    cu_seqlens: torch.Tensor  # [S+1]
+    seq_lens: torch.Tensor  # [S]
+    block_tables: torch.Tensor  # [S, W], rows max_blocks apart
+    logits_at: torch.Tensor | None  # [L]; None: every token's logits
+
+
+class InputBuffers:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        sizes = dict(input_ids=max_tokens, positions=max_tokens, slot_mapping=max_tokens, logits_at=max_tokens,
+                     cu_seqlens=max_seqs + 1, seq_lens=max_seqs, block_tables=max_seqs * max_blocks)
+        self._offsets, start = {}, 0
+        for name, size in sizes.items():
+            self._offsets[name] = (start, start + size)
+            start += size
+        on_gpu = device.type == "cuda"
+        self.host = torch.zeros(start, dtype=torch.int64, pin_memory=on_gpu)
+        self.device = torch.zeros(start, dtype=torch.int64, device=device) if on_gpu else self.host
+        self._host = self.host.numpy()
+        # The pinned buffer is rewritten only once the GPU has taken the last step's values from it.
+        self._copied = torch.cuda.Event() if on_gpu else None
+
+    def _field(self, buffer, name: str):
+        begin, end = self._offsets[name]
+        return buffer[begin:end]
+
+    def tables(self, buffer) -> torch.Tensor | np.ndarray:
+        return self._field(buffer, "block_tables").reshape(self.max_seqs, self.max_blocks)
+
+    def check(self, inputs: StepInputs) -> None:
+        """A clear error for a step larger than the buffers (the scheduler's limits should prevent it)."""
+        tokens, seqs = len(inputs.input_ids), len(inputs.seq_lens)
+        width = inputs.block_tables.shape[1] if inputs.block_tables.ndim == 2 else 0
+        if tokens > self.max_tokens or len(inputs.logits_at) > self.max_tokens or seqs > self.max_seqs \
+                or width > self.max_blocks:
+            raise ValueError(f"a step of {tokens} tokens, {seqs} sequences and {width} blocks a sequence "
+                             f"exceeds the input buffers ({self.max_tokens}, {self.max_seqs}, {self.max_blocks})")
+
+    def load(self, inputs: StepInputs, pad_seqs: int | None = None) -> StepTensors:
+        """Write `inputs` into the buffers and return device views of them. `pad_seqs` (decode steps
+        only: one token a sequence) pads the batch to that many sequences for a captured graph: the
+        padding tokens write no KV (slot -1) and attend to one key of their own row."""
+        self.check(inputs)
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, seqs = len(inputs.input_ids), len(inputs.seq_lens)
+        width = inputs.block_tables.shape[1]
+        host = self._host
+        for name in ("input_ids", "positions", "slot_mapping", "logits_at"):
+            values = getattr(inputs, name)
+            begin = self._offsets[name][0]
+            host[begin:begin + len(values)] = values
+        begin = self._offsets["cu_seqlens"][0]
+        host[begin:begin + seqs + 1] = inputs.cu_seqlens
+        begin = self._offsets["seq_lens"][0]
+        host[begin:begin + seqs] = inputs.seq_lens
+        self.tables(host)[:seqs, :width] = inputs.block_tables
+        rows = seqs if pad_seqs is None else pad_seqs
+        if rows > seqs:
+            assert tokens == seqs, "only decode steps are padded"
+            pad = slice(seqs, rows)
+            for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
+                self._field(host, name)[pad] = value
+            self._field(host, "cu_seqlens")[seqs + 1:rows + 1] = np.arange(seqs + 1, rows + 1)
+            self._field(host, "seq_lens")[pad] = 1
+            self.tables(host)[pad, 0] = 0
+        if self.device is not self.host:
+            used = self._offsets["block_tables"][0] + rows * self.max_blocks
+            self.device[:used].copy_(self.host[:used], non_blocking=True)
+            self._copied.record()
+        if pad_seqs is None:
+            return self.views(tokens, seqs, width, len(inputs.logits_at))
+        return self.views(rows, rows, self.max_blocks, None)  # what a captured graph reads: every row's logits
+
+    def views(self, tokens: int, seqs: int, width: int, logits: int | None) -> StepTensors:
+        """New view objects each call (torch_ops caches its plan by the identity of these tensors)."""
+        field = lambda name, n: self._field(self.device, name)[:n]  # noqa: E731
+        return StepTensors(field("input_ids", tokens), field("positions", tokens), field("slot_mapping", tokens),
+                           field("cu_seqlens", seqs + 1), field("seq_lens", seqs),
+                           self.tables(self.device)[:seqs, :width],
+                           None if logits is None else field("logits_at", logits))

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks of one device-machine session, as one script (README "GPU"): the GPU tests (CUDA graphs
+# against eager and HF, the engine's greedy tests on CUDA, the kernels compiled), `make bench-gpu`, `make bench-kernels`
+# and (PARTS naming `sweep`) its --sweep; PARTS chooses the parts. Each part has its own time limit, so one that hangs or fails
+# leaves the others their time; logs and tables go to $OUT. Needs no package registry: a newer
+# transformers travels as a wheel under .whl/ (installed to /tmp/site), the default model's tokenizer
+# files under models/.
+set -u
+OUT=${OUT:-/tmp/inflight-gpu-session}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/backend PYTHONUNBUFFERED=1
+part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name (limit ${seconds} s)"
+  local started=$SECONDS
+  timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? after $((SECONDS - started)) s"
+  grep -E "passed|failed|error" "$OUT/$name.log" | tail -3
+}
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+want() { [[ " ${PARTS:-tests-engine bench-gpu bench-kernels tests-kernels} " == *" $1 "* ]]; }
+want tests-engine && part tests-engine "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider \
+  tests/test_cuda_graphs.py tests/test_engine_greedy.py -k "cuda or graphs or auto or padded or bucket or step_inputs"
+want bench-gpu && part bench-gpu "${BENCH_S:-200}" python3 client/bench_gpu.py --host-profile --out "$OUT/bench-gpu.md"
+want bench-kernels && part bench-kernels "${KERNELS_S:-90}" python3 client/bench_kernels.py
+want sweep && part sweep "${SWEEP_S:-200}" python3 client/bench_kernels.py --sweep
+want tests-kernels && part tests-kernels "${KERNEL_TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py

@@ -1,0 +1,118 @@
+"""The GPU path's host side: step inputs built without per-token Python, persistent input buffers, the
+padding a captured decode graph reads, the graphs' batch-size buckets; on a GPU, graphs against eager."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+from inflight.cuda_graphs import bucket_sizes
+from inflight.input_buffers import InputBuffers, StepInputs
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert bucket_sizes(5) == [1, 2, 4, 5]
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def reference_inputs(batch, block_size, logits_at) -> StepInputs:
+    """The step's inputs token by token, the plain way."""
+    ids, positions, slots, cu, lens = [], [], [], [0], []
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
+        cu.append(cu[-1] + n)
+        lens.append(seq.num_computed_tokens + n)
+    width = max(len(s.block_table) for s in batch.seqs)
+    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+    return StepInputs(*(np.asarray(x, dtype=np.int64) for x in (ids, positions, slots, cu, lens, tables, logits_at)))
+
+
+def test_step_inputs_equal_a_token_by_token_build(tiny_models):
+    """Every step of a run with chunked prefill, decodes and preemption: the numpy build equals the
+    plain one, field by field."""
+    llm = LLM(tiny_models["llama"], num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=40,
+              enable_prefix_caching=False)
+    built = llm.runner.prepare
+    checked = []
+
+    def prepare(batch, logits_at, block_copies=None):
+        inputs = built(batch, logits_at, block_copies)
+        expected = reference_inputs(batch, llm.runner.block_size, logits_at)
+        for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens", "seq_lens", "block_tables", "logits_at"):
+            np.testing.assert_array_equal(getattr(inputs, name), getattr(expected, name), err_msg=name)
+        checked.append(inputs.is_decode)
+        return inputs
+
+    llm.runner.prepare = prepare
+    llm.generate(random_prompts(10, 1, 90, vocab=512, seed=5), GREEDY)
+    assert True in checked and False in checked, "the run was meant to have decode and prefill steps"
+    assert llm.stats()["num_preemptions"] > 0
+    llm.block_manager.check_all_free()
+
+
+def decode_step(seq_lens: list[int], tables: list[list[int]]) -> StepInputs:
+    n = len(seq_lens)
+    ints = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    return StepInputs(ints(range(100, 100 + n)), ints(seq_lens) - 1, ints([t[0] * 16 for t in tables]),
+                      ints(range(n + 1)), ints(seq_lens), ints(tables), ints(range(n)))
+
+
+def test_padded_decode_step_reads_harmless_rows():
+    buffers = InputBuffers(max_tokens=32, max_seqs=8, max_blocks=4, device=torch.device("cpu"))
+    step = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
+    exact = buffers.load(step)
+    assert exact.input_ids.tolist() == [100, 101, 102] and exact.block_tables.tolist() == [[7, 0], [2, 9], [4, 0]]
+    assert exact.logits_at.tolist() == [0, 1, 2]
+    padded = buffers.load(decode_step([5], [[3]]), pad_seqs=4)
+    assert padded.input_ids.tolist() == [100, 0, 0, 0]
+    assert padded.slot_mapping.tolist() == [48, -1, -1, -1]  # padding writes no KV
+    assert padded.cu_seqlens.tolist() == [0, 1, 2, 3, 4]
+    assert padded.seq_lens.tolist() == [5, 1, 1, 1]  # one key each: its own row's first block
+    assert padded.block_tables.shape == (4, 4) and padded.block_tables[:, 0].tolist() == [3, 0, 0, 0]
+    assert padded.logits_at is None  # a graph computes every row's logits
+    with pytest.raises(ValueError, match="exceeds the input buffers"):
+        buffers.load(decode_step([5] * 9, [[1]] * 9))
+    with pytest.raises(ValueError, match="exceeds the input buffers"):
+        buffers.load(decode_step([5], [[1, 2, 3, 4, 5]]))
+
+
+def test_auto_device_and_dtype(tiny_models):
+    llm = LLM(tiny_models["llama"], num_kv_blocks=8)  # the tests' "auto" is the CPU (conftest)
+    assert (llm.config.device, llm.runner.dtype) == ("cpu", torch.float32)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_graphs_equal_eager_in_bfloat16(tiny_models, family):
+    """bfloat16 on the GPU: decode steps replayed from graphs (padded to their bucket) give the tokens
+    of eager steps, for batch sizes that hit several buckets and a bucket's exact size."""
+    prompts = random_prompts(21, 1, 200, vocab=512, seed=9)
+    settings = dict(device="cuda", dtype="bfloat16", num_kv_blocks=512, max_num_seqs=24, max_num_batched_tokens=512)
+    graphed = LLM(tiny_models[family], **settings)
+    assert graphed.runner.dtype == torch.bfloat16
+    outs = graphed.generate(prompts, GREEDY)
+    assert graphed.runner.graphs.replays > 0
+    graphed.block_manager.check_all_free()
+    eager = LLM(tiny_models[family], cuda_graphs=False, **settings)
+    assert eager.runner.graphs is None
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(prompts, GREEDY)]
+
+
+@needs_cuda
+def test_auto_is_the_gpu_in_bfloat16(tiny_models, monkeypatch):
+    import inflight.config
+
+    monkeypatch.setattr(inflight.config, "auto_device", lambda: "cuda")
+    llm = LLM(tiny_models["llama"], num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64)
+    assert (llm.config.device, llm.runner.dtype, llm.runner.graphs is not None) == ("cuda", torch.bfloat16, True)
