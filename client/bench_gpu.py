@@ -42,10 +42,11 @@ SHAPES = {  # Llama configurations; the default model's is SmolLM2-135M's
     "1.2B Llama": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True),
 }
-MODES = {  # engine settings compared
-    "CUDA graphs": dict(cuda_graphs=True),
-    "CUDA graphs + torch_compile": dict(cuda_graphs=True, torch_compile=True),
-    "eager (cuda_graphs false)": dict(cuda_graphs=False),
+MODES = {  # engine settings compared (async scheduling is on by default on a GPU)
+    "CUDA graphs, async scheduling": dict(cuda_graphs=True),
+    "CUDA graphs, one step at a time": dict(cuda_graphs=True, async_scheduling=False),
+    "CUDA graphs + torch_compile, async": dict(cuda_graphs=True, torch_compile=True),
+    "eager, one step at a time (no graphs, no async)": dict(cuda_graphs=False, async_scheduling=False),
 }
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True)
@@ -172,7 +173,7 @@ def offline(model_dir: str, device: str, work: Workload, static_batch: int):
             continue
         llm = engine(model_dir, device, dtype, max_num_seqs=256, max_num_batched_tokens=4096, **settings)
         llm.generate(work.prompts[:8], params[:8])  # warm-up
-        steps, replays = llm.num_steps, getattr(llm.runner.graphs, "replays", 0)
+        steps, replays, overlapped = llm.num_steps, getattr(llm.runner.graphs, "replays", 0), llm.num_pipelined_steps
         start = time.perf_counter()
         outs = llm.generate(work.prompts, params)
         sync()
@@ -182,8 +183,9 @@ def offline(model_dir: str, device: str, work: Workload, static_batch: int):
             raise RuntimeError(f"inflight produced {done} of {work.output_tokens} output tokens: "
                                f"{[o.finish_reason for o in outs if o.finish_reason != 'length'][:3]}")
         steps, replays = llm.num_steps - steps, getattr(llm.runner.graphs, "replays", 0) - replays
+        overlapped = llm.num_pipelined_steps - overlapped
         yield (f"inflight, {mode} (max_num_seqs 256, budget 4096; {steps} steps, {replays} from CUDA graphs, "
-               f"mean {1000 * seconds / steps:.2f} ms)"), work.output_tokens / seconds
+               f"{overlapped} overlapped, mean {1000 * seconds / steps:.2f} ms)"), work.output_tokens / seconds
         del llm
         release()
     model = load_hf(model_dir, getattr(torch, dtype), device)

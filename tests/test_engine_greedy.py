@@ -17,8 +17,12 @@ SCHEDULES = {
     "one-at-a-time": dict(num_kv_blocks=512, max_num_seqs=1, max_num_batched_tokens=512),
 }
 
-# On a GPU machine the engine's greedy tests also run there (float32, CUDA graphs for decode steps).
+# On a GPU machine the engine's greedy tests also run there (float32, CUDA graphs for decode steps,
+# async scheduling); on the CPU with steps one at a time and with async scheduling.
 DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+MODES = {"cpu": dict(device="cpu", async_scheduling=False), "cpu-async": dict(device="cpu", async_scheduling=True)}
+if torch.cuda.is_available():
+    MODES["cuda"] = dict(device="cuda")
 
 
 def run_and_compare(model_dir, prompts, hf_reference, **settings):
@@ -31,15 +35,17 @@ def run_and_compare(model_dir, prompts, hf_reference, **settings):
     return llm
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_tiny_models_match_hf(tiny_models, hf_reference, family, schedule, device):
+def test_tiny_models_match_hf(tiny_models, hf_reference, family, schedule, mode):
     prompts = random_prompts(16, 1, 320, vocab=512, seed=7)
-    llm = run_and_compare(tiny_models[family], prompts, hf_reference, device=device, dtype="float32",
+    llm = run_and_compare(tiny_models[family], prompts, hf_reference, dtype="float32", **MODES[mode],
                           **SCHEDULES[schedule])
-    if device == "cuda":
+    if mode == "cuda":
         assert llm.runner.graphs.replays > 0, "decode steps were meant to replay CUDA graphs"
+    if llm.config.async_scheduling:
+        assert llm.num_pipelined_steps > llm.num_steps // 2, "steps were meant to overlap"
     if schedule == "preemption":
         assert llm.stats()["num_preemptions"] > 0, "the pool was meant to be too small to hold every sequence"
 

@@ -65,10 +65,13 @@ def test_a_failing_step_keeps_what_finished_earlier_in_it(model):
     assert run(engine, {"c": ([5, 6, 7], GREEDY)})["c"][-1].error is None
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "async"])
 @pytest.mark.parametrize("stage", list(faults.STAGES))
-def test_injected_faults_end_each_request_once_and_the_engine_serves_on(model, expected, stage):
+def test_injected_faults_end_each_request_once_and_the_engine_serves_on(model, expected, stage, async_scheduling):
+    """Under async scheduling a failed step also fails the step in flight (its tokens are lost)."""
     prompts, outputs = expected
-    engine = faults.inject(LLM(model, num_kv_blocks=128, max_num_batched_tokens=128), f"{stage}@3,{stage}@9")
+    engine = faults.inject(LLM(model, num_kv_blocks=128, max_num_batched_tokens=128,
+                               async_scheduling=async_scheduling), f"{stage}@3,{stage}@9")
     deltas = run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
     assert_one_final_each(deltas)
     failed = [i for i in range(len(prompts)) if deltas[str(i)][-1].error]
@@ -140,7 +143,7 @@ def test_stop_strings_are_checked_in_the_text_flushed_at_the_end(model):
     tokenizer = engine.tokenizer
     ab, partial = tokenizer.encode("ab", add_special_tokens=False), tokenizer.convert_tokens_to_ids("Ã")
     script = iter([*ab, partial])
-    engine._sample = lambda logits, seqs: [next(script) for _ in seqs]
+    engine._sample = lambda logits, seqs: torch.tensor([next(script) for _ in seqs])
     deltas = run(engine, {"x": ([5, 6, 7], SamplingParams(max_tokens=len(ab) + 1, stop=["b\ufffd"]))})
     final = deltas["x"][-1]
     assert "".join(d.new_text for d in deltas["x"]) == "a" and final.finish_reason == "stop"

@@ -30,6 +30,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     # torch.compile the model around our attention: fewer, fused kernels per layer; compiles at start-up.
     torch_compile: bool = False
+    # Schedule and launch step N+1 before reading step N's tokens, so that the host's work overlaps the
+    # GPU's (engine.py). None: on for one CUDA device, off on a CPU (where nothing runs asynchronously).
+    async_scheduling: bool | None = None
     # Ranks of tensor parallelism: each holds 1/N of the weights and of the KV heads (parallel.py).
     tensor_parallel_size: int = 1
     # GPU of each rank (rank r on gpu_device_ids[r]); default: cuda:K's K and the GPUs after it.
@@ -71,6 +74,13 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_gpu_device_ids()
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device_type == "cuda" and self.tensor_parallel_size == 1
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true, false or null, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1 (the workers would need the GPU's "
+                             "sampled tokens)")
         pool_sizes = [name for name in ("num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction")
                       if getattr(self, name) is not None]
         if len(pool_sizes) > 1:

@@ -70,12 +70,12 @@ class DecodeGraphs:
                 and inputs.block_tables.shape[1] <= self._buffers.max_blocks
                 and bool((inputs.logits_at == np.arange(seqs)).all()))
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor:
+    def replay(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """The step's logits [sequences, vocab]: a view of the graph's output, valid until its next replay."""
         seqs = len(inputs.seq_lens)
         size = self.sizes[bisect.bisect_left(self.sizes, seqs)]
         graph, logits = self._graphs[size]
-        self._buffers.load(inputs, pad_seqs=size)
+        self._buffers.load(inputs, pad_seqs=size, sampled=sampled)
         graph.replay()
         self.replays += 1
         return logits[:seqs]

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -46,6 +47,17 @@ class EngineDeadError(RuntimeError):
     """The engine failed persistently and takes no more requests."""
 
 
+@dataclass
+class _InFlight:
+    """A step launched under async scheduling whose tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    sampling: list[Sequence]  # the sequences that sample, in the order of `tokens`
+    tokens: torch.Tensor | None  # on the device
+    host: torch.Tensor | None  # where they are copied to (pinned), or `tokens` itself on a CPU
+    copied: "torch.cuda.Event | None"  # recorded after the copy
+
+
 class LLMEngine:
     def __init__(self, model: str, **settings):
         self.config = EngineConfig(model=model, **settings)
@@ -67,7 +79,11 @@ class LLMEngine:
                                           self.config.enable_prefix_caching)
         self._grammars: StructuredOutputs | None = None  # built with the first constrained request
         self._grammars_lock = threading.Lock()
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+        self._in_flight: _InFlight | None = None  # under async scheduling: the step launched, unread
+        on_gpu = self.runner.device.type == "cuda"
+        self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.long, pin_memory=on_gpu)
+                               for _ in range(2)]
         self._lock = threading.Lock()
         self._inbox: deque[Sequence] = deque()
         self._abort_inbox: deque[str] = deque()
@@ -78,6 +94,7 @@ class LLMEngine:
         self._consecutive_failures = 0
         self.num_steps = 0  # counters since start
         self.num_failed_steps = 0
+        self.num_pipelined_steps = 0  # steps launched while the one before was still running
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prompts, recomputes, decodes)
@@ -209,15 +226,95 @@ class LLMEngine:
         batch = None
         try:
             self._drain_inbox(deltas)
-            if self.dead_reason is None:
+            if self.dead_reason is None and self.config.async_scheduling and self._can_pipeline():
+                batch = self.scheduler.schedule()
+                launched = self._launch(batch)
+                if self._in_flight is not None:
+                    self.num_pipelined_steps += launched is not None
+                    self._complete(self._in_flight, deltas)
+                self._in_flight = launched
+            elif self.dead_reason is None:
+                if self._in_flight is not None:  # this step needs every token's value first
+                    in_flight, self._in_flight = self._in_flight, None
+                    self._complete(in_flight, deltas)
                 batch = self.scheduler.schedule()
                 self._run(batch, deltas)
         except Exception as e:
             logger.exception("engine step failed")
-            self._fail_step(e, batch, deltas)
+            in_flight, self._in_flight = self._in_flight, None
+            self._fail_step(e, batch, deltas, in_flight.batch if in_flight is not None else None)
         else:
             self._consecutive_failures = 0
         return deltas
+
+    # -- async scheduling ------------------------------------------------------------------------
+    # Step N+1 is scheduled and launched before step N's sampled tokens are read: the host's work for
+    # step N (reading its tokens, stop checks, detokenizing, deltas) then runs while the GPU computes
+    # step N+1. A decoding sequence's token from step N is still on the GPU when step N+1 is launched,
+    # so the forward pass reads it there (the runner copies it into the step's input ids); the host
+    # counts it as pending (Sequence.num_pending) until step N completes. A sequence that finishes in
+    # step N has its row of step N+1 thrown away. Requests whose sampling needs the previous tokens'
+    # values on the host (penalties, grammars, bad words, min_tokens, logprobs, n > 1 still to fork)
+    # make the engine take its steps one at a time while they run.
+
+    def _can_pipeline(self) -> bool:
+        return all(not s.forks_left and s.matcher is None and not s.bad_words_ids and not s.params.needs_known_output
+                   for s in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+
+    def _launch(self, batch: ScheduledBatch) -> "_InFlight | None":
+        """Run `batch` and sample, without waiting for the GPU."""
+        if not batch.seqs:
+            return None
+        self.num_steps += 1
+        self.num_computed_tokens += sum(batch.num_tokens)
+        copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        sampling, logits_at, pending_at, pending_rows = [], [], [], []
+        start = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            first = seq.num_computed_tokens
+            if seq.num_pending and first + n == seq.num_tokens:  # its last token is in the step in flight
+                pending_at.append(start + n - 1)
+                pending_rows.append(seq.pending_row)
+            if first + n == seq.num_tokens:
+                sampling.append(seq)
+                logits_at.append(start + n - 1)
+            start += n
+        pending = (self._in_flight.tokens, pending_at, pending_rows) if pending_at else None
+        logits = self._forward(batch, logits_at, copies, pending)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+        if not sampling:
+            return _InFlight(batch, [], None, None, None)
+        tokens = self._sample(logits, sampling)
+        for row, seq in enumerate(sampling):
+            seq.num_pending += 1
+            seq.pending_row = row
+        host, copied = tokens, None
+        if tokens.device.type == "cuda":  # into a pinned buffer (two: the previous step's may be unread)
+            host = self._token_buffers[self.num_steps % 2][:len(sampling)]
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return _InFlight(batch, sampling, tokens, host, copied)
+
+    def _complete(self, step: "_InFlight | None", deltas: list[RequestDelta]) -> None:
+        """Read a launched step's tokens and do its host work."""
+        if step is None:
+            return
+        if step.copied is not None:
+            step.copied.synchronize()
+        tokens = step.host.tolist() if step.sampling else []
+        for seq, token in zip(step.sampling, tokens):
+            seq.num_pending -= 1
+            if seq.is_finished:  # ended while the step ran (aborted, or finished the step before)
+                continue
+            seq.output_token_ids.append(token)
+            self.num_generated_tokens += 1
+            self._check_finished(seq, token)
+            deltas.append(self._delta(seq))
+        for seq in step.batch.seqs:
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)  # its computed tokens are all known now
 
     def _run(self, batch: ScheduledBatch, deltas: list[RequestDelta]) -> None:
         if not batch.seqs:
@@ -253,7 +350,7 @@ class LLMEngine:
                 sampling.append(child)
                 rows.append(row)
         sample_logits = logits[rows] if len(rows) > len(logits_at) else logits[:len(rows)]
-        for seq, token in zip(sampling, self._sample(sample_logits, sampling)):
+        for seq, token in zip(sampling, self._sample(sample_logits, sampling).tolist()):
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
             self._check_finished(seq, token)
@@ -274,21 +371,25 @@ class LLMEngine:
         return children
 
     # The three stages of a step that run outside the engine's bookkeeping (faults.py wraps them).
-    def _forward(self, batch: ScheduledBatch, logits_at: list[int],
-                 block_copies: list[tuple[int, int]]) -> torch.Tensor:
-        return self.runner.execute(batch, logits_at, block_copies)
+    def _forward(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]],
+                 pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
+        if pending is None:
+            return self.runner.execute(batch, logits_at, block_copies)
+        return self.runner.execute(batch, logits_at, block_copies, pending)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The next tokens, on the logits' device."""
         wanting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = logits[wanting] if wanting else None  # a copy: sampling changes `logits` in place
         constrained = self._grammars if any(s.matcher is not None for s in seqs) else None
         tokens = sample(logits, seqs, self.eos_token_ids, constrained)
         if wanting:
-            entries = token_logprobs(raw, [tokens[i] for i in wanting],
+            values = tokens.tolist()
+            entries = token_logprobs(raw, [values[i] for i in wanting],
                                      [seqs[i].params.logprobs for i in wanting], self._decode_one)
             for i, entry in zip(wanting, entries):
                 seqs[i].output_logprobs.append(entry)
-                seqs[i].cumulative_logprob += entry[tokens[i]].logprob
+                seqs[i].cumulative_logprob += entry[values[i]].logprob
         return tokens
 
     def _decode_one(self, token_id: int) -> str:
@@ -348,9 +449,11 @@ class LLMEngine:
         return self._delta(seq)
 
     # -- failures ----------------------------------------------------------------------------------
-    def _fail_step(self, error: Exception, batch: ScheduledBatch | None, deltas: list[RequestDelta]) -> None:
-        """End what a failed step touched. The deltas already built stay: a request that finished
-        earlier in the step keeps its normal end."""
+    def _fail_step(self, error: Exception, batch: ScheduledBatch | None, deltas: list[RequestDelta],
+                   in_flight: ScheduledBatch | None = None) -> None:
+        """End what a failed step touched (and the step in flight, under async scheduling, whose
+        tokens are lost). The deltas already built stay: a request that finished earlier in the step
+        keeps its normal end."""
         self.num_failed_steps += 1
         self._consecutive_failures += 1
         message = f"the engine failed: {type(error).__name__}: {error}"
@@ -361,7 +464,8 @@ class LLMEngine:
         if batch is None or self.dead_reason is not None:
             failed = list(self._requests)  # failed outside the batch: nothing is known good
         else:
-            failed = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
+            touched = batch.seqs + (in_flight.seqs if in_flight is not None else [])
+            failed = list(dict.fromkeys(seq.request_id for seq in touched))
         for request_id in failed:  # every completion of a failed request
             for seq in list(self._requests.get(request_id, [])):
                 if not seq.is_finished:
@@ -419,7 +523,7 @@ class LLMEngine:
         elif num_out >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos)
                                           or token in p.stop_token_ids):
             reason = "stop"
-        elif num_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_out >= p.max_tokens or seq.num_prompt_tokens + num_out >= self.max_model_len:
             reason = "length"
         if reason is not None:
             seq.output_text += seq.detokenizer.flush()  # text held back for an incomplete character

@@ -32,6 +32,10 @@ class StepInputs:
     block_tables: np.ndarray  # [S, max_blocks], padded with block 0
     logits_at: np.ndarray  # flat positions whose logits are returned
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), done first
+    # Under async scheduling: the flat positions whose token is still on the GPU (PENDING in input_ids),
+    # and each one's row in the previous step's sampled tokens, which the runner reads it from.
+    pending_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def is_decode(self) -> bool:
@@ -82,7 +86,8 @@ class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         sizes = dict(input_ids=max_tokens, positions=max_tokens, slot_mapping=max_tokens, logits_at=max_tokens,
-                     cu_seqlens=max_seqs + 1, seq_lens=max_seqs, block_tables=max_seqs * max_blocks)
+                     cu_seqlens=max_seqs + 1, seq_lens=max_seqs, pending_at=max_seqs, pending_rows=max_seqs,
+                     block_tables=max_seqs * max_blocks)
         self._offsets, start = {}, 0
         for name, size in sizes.items():
             self._offsets[name] = (start, start + size)
@@ -110,17 +115,18 @@ class InputBuffers:
             raise ValueError(f"a step of {tokens} tokens, {seqs} sequences and {width} blocks a sequence "
                              f"exceeds the input buffers ({self.max_tokens}, {self.max_seqs}, {self.max_blocks})")
 
-    def load(self, inputs: StepInputs, pad_seqs: int | None = None) -> StepTensors:
+    def load(self, inputs: StepInputs, pad_seqs: int | None = None, sampled: torch.Tensor | None = None) -> StepTensors:
         """Write `inputs` into the buffers and return device views of them. `pad_seqs` (decode steps
         only: one token a sequence) pads the batch to that many sequences for a captured graph: the
-        padding tokens write no KV (slot -1) and attend to one key of their own row."""
+        padding tokens write no KV (slot -1) and attend to one key of their own row. `sampled`: the
+        previous step's tokens, on the device, that inputs.pending_at takes (inputs.pending_rows)."""
         self.check(inputs)
         if self._copied is not None:
             self._copied.synchronize()
         tokens, seqs = len(inputs.input_ids), len(inputs.seq_lens)
         width = inputs.block_tables.shape[1]
         host = self._host
-        for name in ("input_ids", "positions", "slot_mapping", "logits_at"):
+        for name in ("input_ids", "positions", "slot_mapping", "logits_at", "pending_at", "pending_rows"):
             values = getattr(inputs, name)
             begin = self._offsets[name][0]
             host[begin:begin + len(values)] = values
@@ -142,6 +148,11 @@ class InputBuffers:
             used = self._offsets["block_tables"][0] + rows * self.max_blocks
             self.device[:used].copy_(self.host[:used], non_blocking=True)
             self._copied.record()
+        pending = len(inputs.pending_at)
+        if pending:  # tokens the previous step sampled, straight from the device
+            at = self._field(self.device, "pending_at")[:pending]
+            rows = self._field(self.device, "pending_rows")[:pending]
+            self._field(self.device, "input_ids").index_copy_(0, at, sampled.index_select(0, rows))
         if pad_seqs is None:
             return self.views(tokens, seqs, width, len(inputs.logits_at))
         return self.views(rows, rows, self.max_blocks, None)  # what a captured graph reads: every row's logits

@@ -155,18 +155,25 @@ class ModelRunner:
         scheduled token where it samples; prompt positions where prompt logprobs are asked for)."""
         return build_step_inputs(batch, self.block_size, logits_at, block_copies)
 
-    def execute(self, batch: ScheduledBatch, logits_at: list[int],
-                block_copies: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        """Copy the blocks asked for, run the scheduled tokens; logits [len(logits_at), vocab]."""
-        return self.run(self.prepare(batch, logits_at, block_copies))
+    def execute(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]] | None = None,
+                pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
+        """Copy the blocks asked for, run the scheduled tokens; logits [len(logits_at), vocab].
+        `pending`: (the previous step's sampled tokens on the device, the flat positions whose token
+        is one of them, its row there), under async scheduling."""
+        inputs = self.prepare(batch, logits_at, block_copies)
+        sampled = None
+        if pending is not None:
+            sampled, at, rows = pending
+            inputs.pending_at, inputs.pending_rows = np.asarray(at, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+        return self.run(inputs, sampled)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(logits_at), vocab], float32; valid until the next step."""
         self.copy_blocks(inputs.block_copies)
         if self.graphs is not None and self.graphs.covers(inputs):
-            return self.graphs.replay(inputs)
-        return self._forward(self.buffers.load(inputs))
+            return self.graphs.replay(inputs, sampled)
+        return self._forward(self.buffers.load(inputs, sampled=sampled))
 
     def _forward(self, step: StepTensors) -> torch.Tensor:
         context = AttentionContext(

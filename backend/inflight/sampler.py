@@ -61,8 +61,8 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         kth = torch.sort(logits, dim=-1, descending=True).values.gather(
             1, torch.tensor(top_k, device=device)[:, None] - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)[:, None]
-    if bool((top_p < 1.0).any()):
+    if any(s.params.top_p < 1.0 for s in seqs):  # decided on the host: no device sync in the step
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=device)[:, None]
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens ranked above it already hold top_p of the mass. Rows without
@@ -70,16 +70,17 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         drop = ((torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p) & (top_p < 1.0)
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=device)[:, None]
-    if bool((min_p > 0).any()):
+    if any(s.params.min_p > 0 for s in seqs):
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=device)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], grammars=None) -> list[int]:
-    """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place). `grammars`
-    (a StructuredOutputs) masks the rows of sequences that have a grammar matcher."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], grammars=None) -> torch.Tensor:
+    """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place), on the
+    logits' device: nothing here waits for the GPU. `grammars` (a StructuredOutputs) masks the rows of
+    sequences that have a grammar matcher."""
     if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
            for s in seqs):
         apply_penalties(logits, seqs)
@@ -94,7 +95,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     if rows:
         probs = _filter(logits[rows], [seqs[i] for i in rows])
         tokens[rows] = draw(probs, [seqs[i].generator for i in rows])
-    return tokens.tolist()
+    return tokens
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

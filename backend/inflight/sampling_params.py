@@ -101,6 +101,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def needs_known_output(self) -> bool:
+        """Sampling the next token needs the previous ones' values on the host (penalties, min_tokens),
+        or logprobs: no async scheduling for this request."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0 or self.logprobs is not None or self.prompt_logprobs is not None)
+
+    @property
     def max_stop_length(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

@@ -35,8 +35,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
         self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []  # ordered by (priority, arrival)
@@ -57,9 +58,11 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
 
-        # 1. Decodes: one token for every running sequence whose prompt is fully computed.
+        # 1. Decodes: one token for every running sequence whose prompt is fully computed (under async
+        #    scheduling, not for one whose token still on the GPU is its last).
         for seq in list(self.running):
-            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 \
+                    and not seq.is_last_token_pending(self.max_model_len):
                 if self._make_room(batch, seq, 1):
                     self.block_manager.allocate(seq, 1)
                     batch.add(seq, 1)

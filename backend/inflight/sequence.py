@@ -9,6 +9,9 @@ from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
 
+PENDING = -1  # the id of a token still on the GPU (its forward pass reads it from there)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # no blocks: new, or preempted and waiting to be recomputed
     RUNNING = "running"  # holds blocks; prefilling in chunks or decoding
@@ -36,6 +39,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks cached so far
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # Under async scheduling: output tokens sampled on the GPU whose values the host has not read yet.
+    # They count in num_tokens (the scheduler plans with them) but not in output_token_ids.
+    num_pending: int = 0
+    pending_row: int = 0  # the row of the latest pending token in its step's sampled tokens
 
     output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, when asked for
     cumulative_logprob: float = 0.0
@@ -55,7 +62,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and output tokens, pending ones included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens, pending ones included."""
+        return len(self.output_token_ids) + self.num_pending
+
+    def is_last_token_pending(self, max_model_len: int) -> bool:
+        """Its pending token is the last it may have: nothing is left to compute for it."""
+        return self.num_pending > 0 and (self.num_output_tokens >= self.params.max_tokens
+                                         or self.num_tokens >= max_model_len)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -67,13 +85,17 @@ class Sequence:
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+        if index < n:
+            return self.prompt_token_ids[index]
+        return self.output_token_ids[index - n] if index - n < len(self.output_token_ids) else PENDING
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """token_ids[start:end] without building token_ids."""
+        """token_ids[start:end] without building token_ids; a pending token reads PENDING."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
+        known = n + len(self.output_token_ids)
+        tail = [PENDING] * max(0, end - max(start, known))
         if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+            return self.output_token_ids[start - n:end - n] + tail
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n] + tail

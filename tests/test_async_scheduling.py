@@ -1,0 +1,91 @@
+"""Async scheduling (step N+1 launched before step N's tokens are read): the same outputs as steps taken
+one at a time, whatever ends a request (EOS, stop strings, max_tokens, max_model_len, an abort while
+its token is in flight), every block back; requests whose sampling needs the previous tokens on the host
+turn the pipelining off while they run. On the CPU the pipelining changes nothing but the order of the
+host's work, which is what these tests check; on a GPU it is what overlaps the host with the GPU."""
+
+import pytest
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+
+PROMPTS = ["In 1969, the first humans landed on", "The three primary colors are", "def fibonacci(n):",
+           "Once upon a time", "The capital of France is", "List three fruits:"]
+
+
+def engines(model, **settings):
+    return (LLM(model, async_scheduling=False, **settings), LLM(model, async_scheduling=True, **settings))
+
+
+def outputs(llm, prompts, params):
+    return [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.slow
+def test_every_way_to_finish_matches_one_step_at_a_time(default_model):
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0),  # EOS may end it
+        SamplingParams(max_tokens=40, temperature=0.0, stop=[".", "\n"]),
+        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0.0),
+        SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7),  # seeded: the same draws
+        SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),  # runs into max_model_len
+    ]
+    one_at_a_time, pipelined = engines(default_model, num_kv_blocks=256, max_num_seqs=8, max_model_len=48)
+    assert outputs(pipelined, PROMPTS, params) == outputs(one_at_a_time, PROMPTS, params)
+    assert pipelined.num_pipelined_steps > 0
+    last = outputs(pipelined, PROMPTS[-1:], params[-1:])[0]
+    assert last[2] == "length" and len(pipelined.encode(PROMPTS[-1])) + len(last[0]) == 48
+    pipelined.block_manager.check_all_free()
+
+
+def test_preemption_and_chunked_prefill_match(tiny_models):
+    prompts = random_prompts(12, 20, 200, vocab=512, seed=4)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    one_at_a_time, pipelined = engines(tiny_models["qwen2"], num_kv_blocks=36, max_num_seqs=8,
+                                       max_num_batched_tokens=48)
+    assert outputs(pipelined, prompts, params) == outputs(one_at_a_time, prompts, params)
+    assert pipelined.stats()["num_preemptions"] > 0
+    pipelined.block_manager.check_all_free()
+
+
+def test_abort_while_a_token_is_in_flight(tiny_models):
+    prompts = random_prompts(4, 10, 30, vocab=512, seed=2)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    expected = outputs(LLM(tiny_models["llama"], num_kv_blocks=64, async_scheduling=False), prompts, params)
+    llm = LLM(tiny_models["llama"], num_kv_blocks=64, async_scheduling=True)
+    for i, prompt in enumerate(prompts):
+        llm.add_request(f"r{i}", prompt, params)
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    ends = {}
+    for _ in range(4):
+        for d in llm.step():
+            tokens[d.request_id] += d.new_token_ids
+    assert any(seq.request_id == "r1" for seq in llm._in_flight.sampling), "r1's next token was meant to be in flight"
+    llm.abort("r1")
+    while llm.has_unfinished():
+        for d in llm.step():
+            tokens[d.request_id] += d.new_token_ids
+            if d.finished:
+                ends[d.request_id] = d.finish_reason
+    assert ends == {"r0": "length", "r1": "abort", "r2": "length", "r3": "length"}
+    for i in (0, 2, 3):
+        assert tokens[f"r{i}"] == expected[i][0]
+    assert tokens["r1"] == expected[1][0][:len(tokens["r1"])] and len(tokens["r1"]) < 20
+    llm.step()  # whatever was still in flight
+    llm.block_manager.check_all_free()
+
+
+def test_requests_that_need_known_tokens_step_one_at_a_time(tiny_models):
+    prompts = random_prompts(6, 5, 40, vocab=512, seed=3)
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5)
+    params = [plain] * 5 + [penalized]
+    one_at_a_time, pipelined = engines(tiny_models["llama"], num_kv_blocks=128)
+    assert outputs(pipelined, prompts, params) == outputs(one_at_a_time, prompts, params)
+    steps = pipelined.num_pipelined_steps
+    outputs(pipelined, prompts[-1:], [penalized])
+    assert pipelined.num_pipelined_steps == steps, "a penalized request alone was meant to step one at a time"
+    outputs(pipelined, prompts[:1], [plain])
+    assert pipelined.num_pipelined_steps > steps
+    pipelined.block_manager.check_all_free()
