@@ -78,6 +78,12 @@ def test_padded_decode_step_reads_harmless_rows():
     assert padded.seq_lens.tolist() == [5, 1, 1, 1]  # one key each: its own row's first block
     assert padded.block_tables.shape == (4, 4) and padded.block_tables[:, 0].tolist() == [3, 0, 0, 0]
     assert padded.logits_at is None  # a graph computes every row's logits
+    # Under async scheduling a row's token is still on the device: it comes from the last step's tokens.
+    step = decode_step([5, 9, 7], [[3], [4], [5]])
+    step.input_ids[[0, 2]] = -1
+    step.pending_at, step.pending_rows = np.array([0, 2]), np.array([1, 0])
+    padded = buffers.load(step, pad_seqs=4, sampled=torch.tensor([41, 42, 43]))
+    assert padded.input_ids.tolist() == [42, 101, 41, 0] and padded.seq_lens.tolist() == [5, 9, 7, 1]
     with pytest.raises(ValueError, match="exceeds the input buffers"):
         buffers.load(decode_step([5] * 9, [[1]] * 9))
     with pytest.raises(ValueError, match="exceeds the input buffers"):

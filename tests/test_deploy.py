@@ -51,6 +51,10 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     text = out.read_text()
-    assert "| tiny (smoke), float32 | 12/12 |" in text  # greedy agreement with HF generate
-    for row in ("| tiny (smoke) |", "| inflight (max_num_seqs 256", "| HF continuous batching", "| HF static batching"):
+    assert "| tiny (smoke), float32 | 12/12 (first 24.0 tokens agree) |" in text  # greedy agreement with HF
+    rows = [f"| tiny (smoke), {mode} |" for mode in ("CUDA graphs, async scheduling", "CUDA graphs, one step at a time",
+                                                     "CUDA graphs + torch_compile, async", "eager, one step at a time")]
+    rows += ["| inflight, CUDA graphs, async scheduling (", "| inflight, CUDA graphs + torch_compile, async (",
+             "| HF continuous batching", "| HF static batching"]
+    for row in rows:
         assert row in text, text

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .input_buffers import InputBuffers, StepInputs, StepTensors
+from .input_buffers import InputBuffers, StepInputs, StepTensors, empty_step
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +29,6 @@ logger = logging.getLogger(__name__)
 def bucket_sizes(max_seqs: int) -> list[int]:
     """The batch sizes captured: 1, 2, 4, 8, then every 16, and max_seqs itself."""
     return sorted({n for n in (1, 2, 4, 8) if n < max_seqs} | set(range(16, max_seqs, 16)) | {max_seqs})
-
-
-def _empty_step() -> StepInputs:
-    """A decode step of no sequences: loaded with padding, it fills a bucket with harmless rows."""
-    none = np.zeros(0, dtype=np.int64)
-    return StepInputs(none, none, none, np.zeros(1, dtype=np.int64), none, np.zeros((0, 0), dtype=np.int64), none)
 
 
 class DecodeGraphs:
@@ -51,7 +45,7 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            tensors = self._buffers.load(_empty_step(), pad_seqs=size)
+            tensors = self._buffers.load(empty_step(), pad_seqs=size)
             self._forward(tensors)  # compiles this bucket's kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

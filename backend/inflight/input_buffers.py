@@ -82,6 +82,13 @@ class StepTensors:
     logits_at: torch.Tensor | None  # [L]; None: every token's logits
 
 
+def empty_step() -> StepInputs:
+    """A decode step of no sequences: loaded with padding (InputBuffers.load's pad_seqs), it is a batch
+    of harmless rows, for capturing graphs and compiling."""
+    none = np.zeros(0, dtype=np.int64)
+    return StepInputs(none, none, none, np.zeros(1, dtype=np.int64), none, np.zeros((0, 0), dtype=np.int64), none)
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
@@ -151,8 +158,8 @@ class InputBuffers:
         pending = len(inputs.pending_at)
         if pending:  # tokens the previous step sampled, straight from the device
             at = self._field(self.device, "pending_at")[:pending]
-            rows = self._field(self.device, "pending_rows")[:pending]
-            self._field(self.device, "input_ids").index_copy_(0, at, sampled.index_select(0, rows))
+            source = self._field(self.device, "pending_rows")[:pending]
+            self._field(self.device, "input_ids").index_copy_(0, at, sampled.index_select(0, source))
         if pad_seqs is None:
             return self.views(tokens, seqs, width, len(inputs.logits_at))
         return self.views(rows, rows, self.max_blocks, None)  # what a captured graph reads: every row's logits

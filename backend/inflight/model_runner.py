@@ -17,7 +17,7 @@ from . import ops
 from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, AttentionContext
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
-from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs
+from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_step
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -74,15 +74,13 @@ class ModelRunner:
         and compile now on a prefill and a decode step of nothing (no KV written) rather than in a request."""
         started = time.perf_counter()
         self._model_call = torch.compile(self.model, dynamic=True)
-        n, seqs = min(16, self.config.max_num_batched_tokens), min(2, self.config.max_num_seqs)
+        n = min(16, self.config.max_num_batched_tokens)
         ints = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
         prefill = StepInputs(ints([0] * n), ints(range(n)), ints([-1] * n), ints([0, n]), ints([n]),
                              np.zeros((1, -(-n // self.block_size)), dtype=np.int64), ints([n - 1]))
-        decode = StepInputs(ints([0] * seqs), ints([0] * seqs), ints([-1] * seqs), ints(range(seqs + 1)),
-                            ints([1] * seqs), np.zeros((seqs, 1), dtype=np.int64), ints(range(seqs)))
         with torch.inference_mode():
-            for step in (prefill, decode):
-                self._forward(self.buffers.load(step))
+            self._forward(self.buffers.load(prefill))
+            self._forward(self.buffers.load(empty_step(), pad_seqs=min(2, self.config.max_num_seqs)))
         logger.info("torch.compile: compiled in %.1f s", time.perf_counter() - started)
 
     def _max_model_len(self) -> int:

@@ -90,8 +90,8 @@ class StructuredOutputs:
         try:
             if kind == "json":
                 return self._compiler.compile_json_schema(text, any_whitespace=False)
-            if kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # an object, as asked (xgrammar's builtin JSON grammar takes any value)
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
             if kind == "regex":
                 return self._compiler.compile_regex(text)
             return self._compiler.compile_grammar(text)  # grammar, or choice as a grammar
