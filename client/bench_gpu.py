@@ -267,7 +267,8 @@ def main() -> None:
         prompts = make_workload(12, 3, (4, 200)).prompts
         for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
             expected = hf_greedy(first, device, dtype, prompts, 24)
-            report.add(f"| {next(iter(built))}, {dtype} | {greedy_agreement(first, device, dtype, prompts, expected)} |")
+            agreement = greedy_agreement(first, device, dtype, prompts, expected)
+            report.add(f"| {next(iter(built))}, {dtype} | {agreement} |")
         report.add("", f"| decode step, {sequences} sequences sampling at temperature 1 | wall (ms) | GPU busy (ms) "
                        "| kernel launches |",
                    "|---|---:|---:|---:|")

@@ -67,7 +67,7 @@ def test_torch_compile_matches_hf(tiny_models, hf_reference, device):
 
     graphs_before = counters["stats"]["unique_graphs"]
     prompts = random_prompts(6, 1, 90, vocab=512, seed=13)
-    llm = run_and_compare(tiny_models["llama"], prompts, hf_reference, device=device, dtype="float32",
-                          torch_compile=True, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+    run_and_compare(tiny_models["llama"], prompts, hf_reference, device=device, dtype="float32",
+                    torch_compile=True, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
     assert counters["stats"]["unique_graphs"] > graphs_before, "the model was meant to run compiled"
 
