@@ -13,6 +13,7 @@ It prints markdown tables and writes them to --out. `--smoke` runs the same step
 and a few requests (the test suite does, so that the script works when a GPU is at hand).
 
     make bench-gpu
+    python3 client/bench_gpu.py --skip eager,hf-static     # leave parts out to fit a GPU session's time
     python3 client/bench_gpu.py --smoke --out /tmp/bench-gpu.md
 """
 
@@ -42,12 +43,13 @@ SHAPES = {  # Llama configurations; the default model's is SmolLM2-135M's
     "1.2B Llama": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True),
 }
-MODES = {  # engine settings compared (async scheduling is on by default on a GPU)
-    "CUDA graphs, async scheduling": dict(cuda_graphs=True),
-    "CUDA graphs, one step at a time": dict(cuda_graphs=True, async_scheduling=False),
-    "CUDA graphs + torch_compile, async": dict(cuda_graphs=True, torch_compile=True),
-    "eager, one step at a time": dict(cuda_graphs=False, async_scheduling=False),
+MODES = {  # engine settings compared, by the name --skip takes (async scheduling is on by default on a GPU)
+    "graphs": ("CUDA graphs, async scheduling", dict(cuda_graphs=True)),
+    "sync": ("CUDA graphs, one step at a time", dict(cuda_graphs=True, async_scheduling=False)),
+    "compile": ("CUDA graphs + torch_compile, async", dict(cuda_graphs=True, torch_compile=True)),
+    "eager": ("eager, one step at a time", dict(cuda_graphs=False, async_scheduling=False)),
 }
+PARTS = (*MODES, "greedy", "hf-cb", "hf-static")  # what --skip can leave out, to fit a GPU session's time
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True)
 
@@ -162,14 +164,14 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int, **setti
     return result
 
 
-def offline(model_dir: str, device: str, work: Workload, static_batch: int):
+def offline(model_dir: str, device: str, work: Workload, static_batch: int, skip: set[str]):
     """(system, output tok/s) of each system on `work`, EOS ignored, as each finishes."""
     from inflight import SamplingParams
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
-    for mode, settings in MODES.items():
-        if not settings["cuda_graphs"]:
+    for key, (mode, settings) in MODES.items():
+        if key in skip or not settings["cuda_graphs"]:
             continue
         llm = engine(model_dir, device, dtype, max_num_seqs=256, max_num_batched_tokens=4096, **settings)
         llm.generate(work.prompts[:8], params[:8])  # warm-up
@@ -188,14 +190,17 @@ def offline(model_dir: str, device: str, work: Workload, static_batch: int):
                f"{overlapped} overlapped, mean {1000 * seconds / steps:.2f} ms)"), work.output_tokens / seconds
         del llm
         release()
+    if {"hf-cb", "hf-static"} <= skip:
+        return
     model = load_hf(model_dir, getattr(torch, dtype), device)
     best = dict(use_cuda_graph=True, use_async_batching=True) if device == "cuda" else {}
-    yield (f"HF continuous batching (budget 2048{', CUDA graphs, async' if best else ''})",
-           work.output_tokens / run_hf_continuous(model, work, 2048, **best))
-    # Static batching pads every batch to its longest output: one batch of the workload gives its rate.
-    part = Workload(work.prompts[:static_batch], work.output_lens[:static_batch])
-    yield (f"HF static batching (one batch of {static_batch} of these requests)",
-           part.output_tokens / run_hf_static(model, part, static_batch))
+    if "hf-cb" not in skip:
+        yield (f"HF continuous batching (budget 2048{', CUDA graphs, async' if best else ''})",
+               work.output_tokens / run_hf_continuous(model, work, 2048, **best))
+    if "hf-static" not in skip:  # it pads every batch to its longest output: one batch gives its rate
+        part = Workload(work.prompts[:static_batch], work.output_lens[:static_batch])
+        yield (f"HF static batching (one batch of {static_batch} of these requests)",
+               part.output_tokens / run_hf_static(model, part, static_batch))
     del model
     release()
 
@@ -247,7 +252,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few requests")
     parser.add_argument("--out", default=None, help="also write the tables to this file")
     parser.add_argument("--host-profile", action="store_true", help="also profile the host side of decode steps")
+    parser.add_argument("--skip", default="", help=f"comma-separated parts to leave out, of {', '.join(PARTS)}")
     args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    if skip - set(PARTS):
+        sys.exit(f"--skip takes {', '.join(PARTS)}; not {', '.join(sorted(skip - set(PARTS)))}")
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench-gpu needs a CUDA GPU (--smoke runs its steps on CPU)")
@@ -265,14 +274,16 @@ def main() -> None:
         first = next(iter(built.values()))
         report.add("", "| greedy, engine vs HF `generate` (12 prompts x 24 tokens) | same tokens |", "|---|---:|")
         prompts = make_workload(12, 3, (4, 200)).prompts
-        for dtype in ("float32", "bfloat16") if device == "cuda" else ("float32",):
+        for dtype in () if "greedy" in skip else ("float32", "bfloat16") if device == "cuda" else ("float32",):
             expected = hf_greedy(first, device, dtype, prompts, 24)
             agreement = greedy_agreement(first, device, dtype, prompts, expected)
             report.add(f"| {next(iter(built))}, {dtype} | {agreement} |")
         report.add("", f"| decode step, {sequences} sequences sampling at temperature 1 | wall (ms) | GPU busy (ms) "
                        "| kernel launches |",
                    "|---|---:|---:|---:|")
-        for (name, model_dir), (mode, settings) in itertools.product(built.items(), MODES.items()):
+        for (name, model_dir), (key, (mode, settings)) in itertools.product(built.items(), MODES.items()):
+            if key in skip:
+                continue
             r = decode_step(model_dir, device, sequences, steps, **settings)
             gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
             launches = "-" if r["launches"] is None else f"{r['launches']:.0f}"
@@ -282,7 +293,7 @@ def main() -> None:
                        f"{min(map(len, work.prompts))}-{max(map(len, work.prompts))} / "
                        f"{min(work.output_lens)}-{max(work.output_lens)} tokens, {work.output_tokens} output tokens "
                        "| output tok/s |", "|---|---:|")
-        for system, tps in offline(model_dir, device, work, 64):
+        for system, tps in offline(model_dir, device, work, 64, skip):
             report.add(f"| {system} | {tps:,.0f} |")
         if args.host_profile and device == "cuda":
             report.add("", f"host profile, {name}, decode steps of {sequences} sequences:", "```",

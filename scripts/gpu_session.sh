@@ -27,7 +27,9 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 want() { [[ " ${PARTS:-tests-engine bench-gpu bench-kernels tests-kernels} " == *" $1 "* ]]; }
 want tests-engine && part tests-engine "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider \
   tests/test_cuda_graphs.py tests/test_engine_greedy.py -k "cuda or graphs or auto or padded or bucket or step_inputs"
-want bench-gpu && part bench-gpu "${BENCH_S:-200}" python3 client/bench_gpu.py --host-profile --out "$OUT/bench-gpu.md"
+# BENCH_SKIP: bench-gpu's parts to leave out (its --skip), e.g. "eager,hf-static" for a short session.
+want bench-gpu && part bench-gpu "${BENCH_S:-300}" python3 client/bench_gpu.py --host-profile \
+  --skip "${BENCH_SKIP:-}" --out "$OUT/bench-gpu.md"
 want bench-kernels && part bench-kernels "${KERNELS_S:-90}" python3 client/bench_kernels.py
 want sweep && part sweep "${SWEEP_S:-200}" python3 client/bench_kernels.py --sweep
 want tests-kernels && part tests-kernels "${KERNEL_TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py
