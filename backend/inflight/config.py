@@ -11,6 +11,10 @@ def auto_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(device: str) -> str:
+    return auto_device() if device == "auto" else device
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -55,8 +59,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        if self.device == "auto":
-            self.device = auto_device()
+        self.device = resolve_device(self.device)
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         positive("block_size")

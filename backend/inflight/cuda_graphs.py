@@ -61,7 +61,6 @@ class DecodeGraphs:
         """A decode step of at most the largest bucket, sampling every row in order."""
         seqs = len(inputs.seq_lens)
         return (bool(self._graphs) and 0 < seqs <= self.sizes[-1] and inputs.is_decode
-                and inputs.block_tables.shape[1] <= self._buffers.max_blocks
                 and bool((inputs.logits_at == np.arange(seqs)).all()))
 
     def replay(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor:

@@ -81,9 +81,9 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
         self._in_flight: _InFlight | None = None  # under async scheduling: the step launched, unread
-        on_gpu = self.runner.device.type == "cuda"
-        self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.long, pin_memory=on_gpu)
-                               for _ in range(2)]
+        # Pinned buffers for async scheduling's sampled tokens (two: the previous step's may be unread).
+        self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.long, pin_memory=True)
+                               for _ in range(2)] if self.runner.device.type == "cuda" else []
         self._lock = threading.Lock()
         self._inbox: deque[Sequence] = deque()
         self._abort_inbox: deque[str] = deque()
@@ -290,7 +290,7 @@ class LLMEngine:
             seq.num_pending += 1
             seq.pending_row = row
         host, copied = tokens, None
-        if tokens.device.type == "cuda":  # into a pinned buffer (two: the previous step's may be unread)
+        if tokens.device.type == "cuda":
             host = self._token_buffers[self.num_steps % 2][:len(sampling)]
             host.copy_(tokens, non_blocking=True)
             copied = torch.cuda.Event()
@@ -373,8 +373,6 @@ class LLMEngine:
     # The three stages of a step that run outside the engine's bookkeeping (faults.py wraps them).
     def _forward(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]],
                  pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
-        if pending is None:
-            return self.runner.execute(batch, logits_at, block_copies)
         return self.runner.execute(batch, logits_at, block_copies, pending)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -195,8 +195,11 @@ class TensorParallelRunner:
                 if worker.receive() != what:
                     raise RuntimeError(f"tensor-parallel worker {worker.describe()}")
 
-    def execute(self, batch: ScheduledBatch, logits_at: list[int],
-                block_copies: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]] | None = None,
+                pending: None = None) -> torch.Tensor:
+        """ModelRunner.execute's, without `pending`: async scheduling is refused under tensor parallelism
+        (config.py), since the workers would need rank 0's sampled tokens."""
+        assert pending is None
         inputs = self.runner.prepare(batch, logits_at, block_copies)
         try:
             self._send(inputs)

@@ -4,7 +4,7 @@ and whether responses are sent while the next step runs."""
 
 from dataclasses import dataclass, fields
 
-from ..config import EngineConfig, auto_device
+from ..config import EngineConfig, resolve_device
 from ..sampling_params import SamplingParams
 
 
@@ -53,11 +53,6 @@ def split_settings(settings: dict) -> tuple[dict, ServingSettings]:
     return {k: v for k, v in settings.items() if k in engine_keys}, serving
 
 
-def _device(settings: dict) -> str:
-    device = str(settings.get("device", "auto"))
-    return auto_device() if device == "auto" else device
-
-
 def place_instance(engine_settings: dict, instance_kind: str, device_id: int, instance_count: int) -> dict:
     """The engine settings of one Triton model instance, with its GPUs. KIND_GPU: Triton gives each
     instance a GPU (one per entry of instance_group's `gpus`); rank 0 runs there and further
@@ -69,7 +64,7 @@ def place_instance(engine_settings: dict, instance_kind: str, device_id: int, in
             raise ValueError("with instance_group kind KIND_GPU, Triton places each instance on a GPU of its "
                              "`gpus` list: leave gpu_device_ids out of model.json")
         settings["device"] = f"cuda:{device_id}"
-    elif instance_count > 1 and _device(settings).startswith("cuda"):
+    elif instance_count > 1 and resolve_device(str(settings.get("device", "auto"))).startswith("cuda"):
         raise ValueError(f"{instance_count} model instances of kind {instance_kind} would all run on the same GPUs; "
                          "use instance_group [ { kind: KIND_GPU, gpus: [...] } ] with one GPU per instance "
                          "(for tensor parallelism: each instance's first GPU)")
