@@ -106,21 +106,30 @@ def test_decode_splits_fill_the_gpu():
     assert decode_splits(64, 1, 132) == 8  # 64 x 4 = 256 is still short of 264
 
 
-def test_reference_matches_dense_attention():
-    """The torch reference itself against plain causal SDPA over each sequence's full context."""
-    seqs = [(0, 9), (12, 1), (20, 6)]
-    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, 8, 2, 2, 64, torch.float32)
-    got = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125)
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_reference_matches_dense_attention(dtype, sliding_window):
+    """The torch reference itself against plain causal SDPA over each sequence's full context. On a CPU,
+    float32 decodes take the ragged sparse path and float16 ones the gathered groups."""
+    seqs = [(0, 9), (12, 1), (20, 6), (37, 1), (4, 1), (30, 1)]
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, 8, 2, 2, 64, dtype)
+    got = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125,
+                                    sliding_window=sliding_window)
     for i, (context, q_len) in enumerate(seqs):
         slots = [tables[i, p // 8].item() * 8 + p % 8 for p in range(context + q_len)]
-        k = key_cache.view(-1, 2, 64)[slots].transpose(0, 1).repeat_interleave(2, 0)
-        v = value_cache.view(-1, 2, 64)[slots].transpose(0, 1).repeat_interleave(2, 0)
-        q = query[cu[i]:cu[i + 1]].transpose(0, 1)
+        k = key_cache.view(-1, 2, 64)[slots].transpose(0, 1).repeat_interleave(2, 0).float()
+        v = value_cache.view(-1, 2, 64)[slots].transpose(0, 1).repeat_interleave(2, 0).float()
+        q = query[cu[i]:cu[i + 1]].transpose(0, 1).float()
         scores = (q @ k.transpose(1, 2)) * 0.125
         q_pos = torch.arange(context, context + q_len, device=query.device)[:, None]
-        scores.masked_fill_(torch.arange(context + q_len, device=query.device)[None, :] > q_pos, float("-inf"))
-        expected = (scores.softmax(-1) @ v).transpose(0, 1)
-        torch.testing.assert_close(got[cu[i]:cu[i + 1]], expected, atol=1e-5, rtol=1e-5)
+        k_pos = torch.arange(context + q_len, device=query.device)[None, :]
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= q_pos - k_pos >= sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
+        expected = (scores.softmax(-1) @ v).transpose(0, 1).to(dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got[cu[i]:cu[i + 1]], expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)

@@ -32,6 +32,9 @@ class EngineConfig:
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N
     # Decode steps replay CUDA graphs captured at start-up (cuda_graphs.py); no effect on a CPU.
     cuda_graphs: bool = True
+    # On a CPU, linear layers run through oneDNN with weights packed at start-up (cpu_runtime.py);
+    # no effect on a GPU, under tensor parallelism or with torch_compile (whose inductor packs its own).
+    packed_weights: bool = True
     # torch.compile the model around our attention: fewer, fused kernels per layer; compiles at start-up.
     torch_compile: bool = False
     # Schedule and launch step N+1 before reading step N's tokens, so that the host's work overlaps the
@@ -73,7 +76,7 @@ class EngineConfig:
         positive("num_threads", allow_none=True)
         positive("max_consecutive_failed_steps")
         positive("tensor_parallel_size")
-        for name in ("cuda_graphs", "torch_compile", "enable_prefix_caching", "trust_remote_code"):
+        for name in ("cuda_graphs", "packed_weights", "torch_compile", "enable_prefix_caching", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_gpu_device_ids()

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from . import ops
 from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, AttentionContext
 from .config import EngineConfig
+from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available
 from .cuda_graphs import DecodeGraphs
 from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_step
 from .scheduler import ScheduledBatch
@@ -33,6 +34,8 @@ class ModelRunner:
         self.device = torch.device(config.rank_devices()[rank])
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         hf_config = getattr(hf_config, "text_config", hf_config)
         self.dtype = dtype = self._dtype(getattr(hf_config, "dtype", None))
@@ -61,6 +64,8 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                     -(-self.max_model_len // self.block_size), self.device)
+        if self._use_packed_weights():
+            pack_linear_layers(self.model, config.max_num_seqs)
         self._model_call = self.model
         if config.torch_compile:
             self._compile()
@@ -92,6 +97,15 @@ class ModelRunner:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the KV pool's "
                              f"{capacity} tokens; raise num_kv_blocks or kv_cache_memory")
         return self.config.max_model_len
+
+    def _use_packed_weights(self) -> bool:
+        cfg = self.config
+        if not cfg.packed_weights or self.device.type != "cpu" or self.world_size > 1 or cfg.torch_compile:
+            return False
+        if not packing_available():
+            logger.warning("this torch has no oneDNN weight packing; linear layers run unpacked")
+            return False
+        return True
 
     def _use_cuda_graphs(self) -> bool:
         if not self.config.cuda_graphs or self.device.type != "cuda":

@@ -1,0 +1,75 @@
+"""What the model needs to run fast on a CPU: linear layers through oneDNN with packed weights, and an
+allocator that keeps the memory it frees.
+
+Linear layers: torch's CPU matmul calls MKL, whose fast paths are chosen by processor vendor: on the
+AMD EPYC of our CI machines (2 cores, AVX-512) it read weights at 7-8 GB/s in decode steps, a sixth of
+the memory bandwidth. oneDNN, with each weight reordered into its blocked layout (what inductor's
+`freezing` does for compiled models), reads the weights at memory speed and computes prefill chunks
+twice as fast. Measured there, the 210 linear layers of the default model, float32 (ms per forward):
+
+    tokens in the step         1      4     16     64    256    512
+    nn.Linear (MKL)         25.6   36.6   49.5  100.1  295.7  532.1
+    oneDNN, packed weights   9.7   10.5   16.3   40.2  118.2  229.9
+
+The layers keep their modules, so hooks on them still run; the forward is replaced, and the dense weight
+is released unless another module shares it (tied embeddings).
+
+The allocator: glibc hands large freed blocks back to the system (above a threshold that adapts up to
+32 MB, and the heap's free top above twice that), so the next step's allocation of the same size faults
+its pages in again, one by one. Gathering keys and values for attention allocates such blocks every
+layer: with the defaults, the gathered decode attention of 64 sequences of ~430 tokens took 15.5 ms a
+layer on the CI machine, 4.3-4.8 ms with freed memory kept in the process (as a GPU's caching allocator
+keeps it). The thresholds are process-wide; an engine on a CPU owns its process's hot path.
+"""
+
+import ctypes
+import logging
+from collections import Counter
+from functools import partial
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+_MMAP_THRESHOLD_MAX = 32 << 20  # the largest glibc accepts on 64-bit systems
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory for reuse; False where the C library is not glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    kept = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    if kept:
+        logger.info("allocator: freed memory up to %d MB a block stays in the process", _MMAP_THRESHOLD_MAX >> 20)
+    return kept
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@torch.no_grad()
+def pack_linear_layers(model: torch.nn.Module, tokens_hint: int) -> int:
+    """Pack every CPU nn.Linear of the model for oneDNN; `tokens_hint`, the rows a typical call has,
+    picks the blocked layout. Returns how many layers were packed."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear
+               and m.weight.device.type == "cpu" and m.weight.dtype in _PACKABLE_DTYPES]
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for module in linears:
+        weight = module.weight
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), tokens_hint)
+        bias = None if module.bias is None else module.bias.detach()
+        module.forward = partial(_packed_forward, packed, bias)
+        if uses[id(weight)] == 1:
+            # Same shape and dtype for whoever asks, one element of memory: nothing reads its values.
+            module.weight = torch.nn.Parameter(weight.new_zeros(()).expand(weight.shape), requires_grad=False)
+    logger.info("packed the weights of %d linear layers for oneDNN", len(linears))
+    return len(linears)

@@ -1,0 +1,57 @@
+"""The CPU's fast path: linear layers through oneDNN with packed weights, and the allocator setting."""
+
+import functools
+import platform
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from inflight import LLM
+from inflight.cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
+
+
+def logits(model, ids):
+    with torch.inference_mode():
+        return model(ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("model_name", ["default", "qwen2"])
+def test_packed_layers_compute_what_transformers_does(model_name, default_model, tiny_models):
+    """Same logits within float32 rounding; every linear layer packed; hooks still run; a weight tied to
+    the embedding is kept, the others are released."""
+    path = default_model if model_name == "default" else tiny_models[model_name]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(0))
+    expected = logits(model, ids)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    seen = []
+    linears[0].register_forward_hook(lambda module, args, output: seen.append(output.shape))
+
+    assert pack_linear_layers(model, 64) == len(linears)
+    got = logits(model, ids)
+
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+    assert seen and seen[-1] == expected.shape[:2] + (linears[0].out_features,)
+    torch.testing.assert_close(model.get_input_embeddings().weight, embedding, atol=0, rtol=0)
+    def released(linear):
+        return linear.weight.untyped_storage().nbytes() == linear.weight.element_size()
+
+    assert released(model.lm_head) != model.config.tie_word_embeddings
+    mlp = model.model.layers[0].mlp.down_proj
+    assert released(mlp) and mlp.weight.shape == (mlp.out_features, mlp.in_features)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_engine_packs_on_a_cpu_when_asked(tiny_models, packed):
+    llm = LLM(tiny_models["llama"], device="cpu", num_kv_blocks=64, packed_weights=packed)
+    up_proj = llm.runner.model.model.layers[0].mlp.up_proj
+    assert isinstance(up_proj.forward, functools.partial) == packed
+
+
+def test_the_allocator_keeps_freed_memory_under_glibc():
+    assert keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
