@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inflight import LLM
-from inflight.cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available
+from inflight.cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available, padded_rows
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
 
@@ -31,7 +31,7 @@ def test_packed_layers_compute_what_transformers_does(model_name, default_model,
     seen = []
     linears[0].register_forward_hook(lambda module, args, output: seen.append(output.shape))
 
-    assert pack_linear_layers(model, 64) == len(linears)
+    assert pack_linear_layers(model, 64, 64) == len(linears)
     got = logits(model, ids)
 
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -44,6 +44,21 @@ def test_packed_layers_compute_what_transformers_does(model_name, default_model,
     assert released(model.lm_head) != model.config.tie_word_embeddings
     mlp = model.model.layers[0].mlp.down_proj
     assert released(mlp) and mlp.weight.shape == (mlp.out_features, mlp.in_features)
+
+
+def test_every_row_count_runs_at_its_bucket():
+    """Row counts are padded to a few buckets (one oneDNN kernel each, built at start-up); the padding
+    never shows in the output."""
+    layer = torch.nn.Linear(48, 40)
+    model = torch.nn.Sequential(layer)
+    expected = {rows: layer(torch.randn(3, rows, 48, generator=torch.Generator().manual_seed(rows)))
+                for rows in range(1, 140)}
+    pack_linear_layers(model, 64, 139)
+    for rows, out in expected.items():
+        got = model(torch.randn(3, rows, 48, generator=torch.Generator().manual_seed(rows)))
+        torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
+    assert [padded_rows(n) for n in (1, 16, 17, 24, 25, 64, 65, 96, 97, 512)] == [1, 16, 24, 24, 32, 64, 96, 96,
+                                                                                     128, 512]
 
 
 @pytest.mark.parametrize("packed", [True, False])

@@ -12,7 +12,11 @@ twice as fast. Measured there, the 210 linear layers of the default model, float
     oneDNN, packed weights   9.7   10.5   16.3   40.2  118.2  229.9
 
 The layers keep their modules, so hooks on them still run; the forward is replaced, and the dense weight
-is released unless another module shares it (tied embeddings).
+is released unless another module shares it (tied embeddings). oneDNN builds and caches a kernel for
+each row count it sees, about half a MB each, up to 1,024 of them: left alone, the process grew by
+hundreds of MB over the first minutes of serving (the soak test caught it). So the rows are padded to
+a bucket (exact up to 16, then multiples of 8 up to 64, then of 32), and every bucket is built at
+start-up (about 110 MB and 1 s for the default model).
 
 The allocator: glibc hands large freed blocks back to the system (above a threshold that adapts up to
 32 MB, and the heap's free top above twice that), so the next step's allocation of the same size faults
@@ -28,6 +32,7 @@ from collections import Counter
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +57,29 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def padded_rows(rows: int) -> int:
+    """The bucket a call of `rows` rows runs at."""
+    if rows <= 16:
+        return rows
+    step = 8 if rows <= 64 else 32
+    return -(-rows // step) * step
+
+
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    padded = padded_rows(rows)
+    if padded != rows:
+        flat = F.pad(flat, (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 @torch.no_grad()
-def pack_linear_layers(model: torch.nn.Module, tokens_hint: int) -> int:
-    """Pack every CPU nn.Linear of the model for oneDNN; `tokens_hint`, the rows a typical call has,
-    picks the blocked layout. Returns how many layers were packed."""
+def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int) -> int:
+    """Pack every CPU nn.Linear of the model for oneDNN and build its kernels for every bucket up to
+    `max_rows` rows; `tokens_hint`, the rows a typical call has, picks the blocked layout. Returns how
+    many layers were packed."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear
                and m.weight.device.type == "cpu" and m.weight.dtype in _PACKABLE_DTYPES]
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -71,5 +91,10 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int) -> int:
         if uses[id(weight)] == 1:
             # Same shape and dtype for whoever asks, one element of memory: nothing reads its values.
             module.weight = torch.nn.Parameter(weight.new_zeros(()).expand(weight.shape), requires_grad=False)
+    buckets = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
+    one_per_shape = {(m.in_features, m.out_features, m.bias is None, m.weight.dtype): m for m in linears}
+    for module in one_per_shape.values():
+        for rows in buckets:
+            module(torch.zeros(rows, module.in_features, dtype=module.weight.dtype))
     logger.info("packed the weights of %d linear layers for oneDNN", len(linears))
     return len(linears)

@@ -65,7 +65,7 @@ class ModelRunner:
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                     -(-self.max_model_len // self.block_size), self.device)
         if self._use_packed_weights():
-            pack_linear_layers(self.model, config.max_num_seqs)
+            pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens)
         self._model_call = self.model
         if config.torch_compile:
             self._compile()
