@@ -94,7 +94,7 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int) 
     buckets = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
     one_per_shape = {(m.in_features, m.out_features, m.bias is None, m.weight.dtype): m for m in linears}
     for module in one_per_shape.values():
-        for rows in buckets:
-            module(torch.zeros(rows, module.in_features, dtype=module.weight.dtype))
+        for rows in buckets:  # the packed forward itself: hooks on the module see no warm-up calls
+            module.forward(torch.zeros(rows, module.in_features, dtype=module.weight.dtype))
     logger.info("packed the weights of %d linear layers for oneDNN", len(linears))
     return len(linears)
