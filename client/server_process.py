@@ -91,6 +91,19 @@ class TritonServer:
                 values[m.group(1)] = float(m.group(3))
         return values
 
+    def serving_profile(self) -> dict[str, tuple[float, float, float]]:
+        """The serving process's profile so far (backend/inflight/serving/profile.py): part -> (wall
+        seconds, CPU seconds, times run)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        columns = {"inflight_serving_seconds_total": 0, "inflight_serving_cpu_seconds_total": 1,
+                   "inflight_serving_events_total": 2}
+        profile: dict[str, list[float]] = {}
+        for name, part, value in re.findall(r'^(inflight_serving_\w+)\{[^}]*part="(\w+)"[^}]*\}\s+(\S+)$', text, re.M):
+            if name in columns:
+                profile.setdefault(part, [0.0, 0.0, 0.0])[columns[name]] = float(value)
+        return {part: tuple(values) for part, values in profile.items()}
+
     def wait_for_metric(self, name: str, predicate, timeout: float = 30.0) -> float:
         deadline = time.monotonic() + timeout
         while True:

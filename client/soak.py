@@ -35,11 +35,14 @@ class SoakResult:
     failures: list[str]
 
 
+MODEL_PROCESSES = ("triton_python_backend_stub", "inflight.serving.engine_process")
+
+
 def model_rss(server: TritonServer) -> int:
-    """Resident memory of the Python backend stub that hosts the engine."""
+    """Resident memory of the Python backend stub and of the engine process it started."""
     children = psutil.Process(server.process.pid).children(recursive=True)
     # (process names are cut to 15 characters: match the command line)
-    rss = sum(c.memory_info().rss for c in children if "triton_python_backend_stub" in " ".join(c.cmdline()))
+    rss = sum(c.memory_info().rss for c in children if any(name in " ".join(c.cmdline()) for name in MODEL_PROCESSES))
     if not rss:
         raise RuntimeError("the Python backend stub process was not found")
     return rss
@@ -69,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     with TritonServer() as server:
         result = soak(server, args.minutes * 60, args.concurrency)
-    print(f"| soak | seconds | requests | failed runs | stub RSS growth (MiB) | KV blocks used after |\n"
+    print(f"| soak | seconds | requests | failed runs | model RSS growth (MiB) | KV blocks used after |\n"
           f"|---|---:|---:|---:|---:|---:|\n"
           f"| perf_analyzer, concurrency {args.concurrency} | {result.seconds:.0f} | {result.requests} | "
           f"{result.failed_runs} | {result.rss_growth_mib:.1f} | {result.kv_blocks_used_after:.0f} |")

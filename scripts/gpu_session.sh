@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of one device-machine session, as one script (README "GPU"): the GPU tests (CUDA graphs
 # against eager and HF, the engine's greedy tests on CUDA, the kernels compiled), `make bench-gpu`, `make bench-kernels`
-# and (PARTS naming `sweep`) its --sweep; PARTS chooses the parts. Each part has its own time limit, so one that hangs or fails
+# and (PARTS naming `sweep`) its --sweep, and (PARTS naming `served`) client/bench_served.py through
+# tritonserver; PARTS chooses the parts. Each part has its own time limit, so one that hangs or fails
 # leaves the others their time; logs and tables go to $OUT. Needs no package registry: a newer
 # transformers travels as a wheel under .whl/ (installed to /tmp/site), the default model's tokenizer
 # files under models/.
@@ -32,4 +33,17 @@ want bench-gpu && part bench-gpu "${BENCH_S:-300}" python3 client/bench_gpu.py -
   --skip "${BENCH_SKIP:-}" --out "$OUT/bench-gpu.md"
 want bench-kernels && part bench-kernels "${KERNELS_S:-90}" python3 client/bench_kernels.py
 want sweep && part sweep "${SWEEP_S:-200}" python3 client/bench_kernels.py --sweep
+# The served measurement (issue: serving on a GPU): tritonserver from the bundle of
+# scripts/pack_tritonserver.sh, carried as .serving/.
+if want served; then
+  mkdir -p /tmp/tritonserver /tmp/site && tar -C /tmp/tritonserver -xJf .serving/tritonserver.tar.xz \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tritonserver/stub-numpy .serving/stub/*.whl \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .serving/client/*.whl
+  export PYTHONPATH=/tmp/site:$PYTHONPATH TRITONSERVER_HOME=/tmp/tritonserver
+  libdir=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
+  export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  LD_LIBRARY_PATH=/tmp/tritonserver/lib:$LD_LIBRARY_PATH ldd /tmp/tritonserver/backends/python/triton_python_backend_stub \
+    | grep "not found" && echo "the stub cannot start here: a library above is missing"
+  part served "${SERVED_S:-420}" python3 client/bench_served.py --out "$OUT/served.md" ${SERVED_ARGS:-}
+fi
 want tests-kernels && part tests-kernels "${KERNEL_TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py

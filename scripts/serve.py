@@ -1,8 +1,9 @@
 """Start a real tritonserver on 127.0.0.1 with this project's model repository.
 
-Uses `tritonserver` from PATH when there is one (the NGC image), else the binary inside the
-nvidia-pytriton wheel that `scripts/setup.sh --serving` put under .tools/. Ports come from HTTP_PORT,
-GRPC_PORT and METRICS_PORT (defaults 8000, 8001, 8002).
+Uses the bundle unpacked at TRITONSERVER_HOME when that is set (scripts/pack_tritonserver.sh: a
+machine with no package registry), else `tritonserver` from PATH when there is one (the NGC image),
+else the binary inside the nvidia-pytriton wheel that `scripts/setup.sh --serving` put under .tools/.
+Ports come from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000, 8001, 8002).
 """
 
 import argparse
@@ -21,15 +22,21 @@ def server_command(model_repository: Path, http_port: int, grpc_port: int, metri
     """The tritonserver command line and environment for this project."""
     env = dict(os.environ)
     env["INFLIGHT_ROOT"] = str(ROOT)
-    env["INFLIGHT_PYTHON"] = sys.executable  # tensor-parallel workers run on it (the stub is no Python)
-    site_packages = [sysconfig.get_paths()["purelib"]]
-    stub_numpy = TOOLS / "stub-numpy"
+    env["INFLIGHT_PYTHON"] = sys.executable  # the engine process runs on it (the stub is no Python)
+    # The stub's Python ignores PYTHONPATH: model.py puts these first on its sys.path.
+    site_packages = [*filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), sysconfig.get_paths()["purelib"]]
+    home = Path(env["TRITONSERVER_HOME"]) if env.get("TRITONSERVER_HOME") else None
+    stub_numpy = home / "stub-numpy" if home else TOOLS / "stub-numpy"
     if stub_numpy.exists():
         # The bundled stub's C++ side reads numpy arrays with the numpy 1 ABI: numpy 1.26 must win.
         site_packages.insert(0, str(stub_numpy))
     env["INFLIGHT_SITE_PACKAGES"] = os.pathsep.join(site_packages)
-    bundled = TOOLS / "pytriton" / "pytriton" / "tritonserver" / "bin" / "tritonserver"
-    binary = shutil.which("tritonserver") or str(bundled)
+    if home:  # an unpacked scripts/pack_tritonserver.sh bundle: bin/, backends/, lib/
+        bundled, backends, libs = home / "bin" / "tritonserver", home / "backends", home / "lib"
+    else:  # the nvidia-pytriton wheel of `make setup-serving`
+        bundled = TOOLS / "pytriton" / "pytriton" / "tritonserver" / "bin" / "tritonserver"
+        backends, libs = TOOLS / "backends", TOOLS / "pytriton" / "nvidia_pytriton.libs"
+    binary = str(bundled) if home else shutil.which("tritonserver") or str(bundled)
     if not Path(binary).exists():
         raise SystemExit("tritonserver not found: run `make setup-serving` (or use the Docker image)")
     args = [binary, "--model-repository", str(model_repository),
@@ -41,9 +48,8 @@ def server_command(model_repository: Path, http_port: int, grpc_port: int, metri
             # report not-ready; every model of the repository is still loaded at start.
             "--model-control-mode", "explicit", "--load-model", "*"]
     if binary == str(bundled):
-        args += ["--backend-directory", str(TOOLS / "backends")]
-        libs = str(TOOLS / "pytriton" / "nvidia_pytriton.libs")
-        env["LD_LIBRARY_PATH"] = libs + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        args += ["--backend-directory", str(backends)]
+        env["LD_LIBRARY_PATH"] = str(libs) + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     return args, env
 
 

@@ -1,11 +1,12 @@
 """What runs elsewhere, kept honest here: the Kubernetes manifest in deploy/ agrees with the server it
 deploys (its settings load, its probes are Triton's health endpoints, its ports are the image's, it asks
-for a GPU per rank), and `make bench-gpu` runs its steps (on CPU, tiny shapes)."""
+for a GPU per rank), and `make bench-gpu` and the served benchmark run their steps (on CPU, tiny shapes)."""
 
 import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from inflight.config import EngineConfig
@@ -58,3 +59,23 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
              "| HF continuous batching", "| HF static batching"]
     for row in rows:
         assert row in text, text
+
+
+@pytest.mark.server
+def test_bench_served_runs_through_tritonserver_on_cpu(tmp_path):
+    """client/bench_served.py (the serving path at GPU rates) in its smoke mode: a tiny model offline and
+    through a real tritonserver, both engine placements, the cancellation storm and the profile; every
+    served stream equals offline token for token."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "served.md"
+    result = subprocess.run([sys.executable, str(ROOT / "client" / "bench_served.py"), "--smoke", "--streams", "4",
+                             "--engine-process", "both", "--client-processes", "2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 4 |")]
+    assert len(rows) == 2 and all(row.endswith("| 8/8 |") for row in rows), text  # exact, both placements
+    assert text.count("requests cancelled mid-stream") == 2 and "every KV block free after" in text
+    assert "| send_response |" in text and "| engine_step |" in text

@@ -242,7 +242,7 @@ def test_remote_code_is_refused_unless_enabled(tmp_path, default_model):
 def test_soak_one_minute(server):
     """perf_analyzer at concurrency 32 for a minute: no failure, bounded memory, no leak."""
     result = soak(server, 60, concurrency=32)
-    print(f"soak: {result.requests} requests in {result.seconds:.0f} s, stub RSS growth {result.rss_growth_mib:.1f} MiB")
+    print(f"soak: {result.requests} requests in {result.seconds:.0f} s, RSS growth {result.rss_growth_mib:.1f} MiB")
     assert result.failed_runs == 0, result.failures[0]
     assert result.requests >= 160
     # Measured: +0.1 to +0.3 MiB over such runs; a leak of 26 KiB per request (640 of them) fails it.

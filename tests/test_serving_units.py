@@ -1,6 +1,10 @@
-"""The Triton-free pieces of the serving layer: request parsing and the engine thread."""
+"""The Triton-free pieces of the serving layer: request parsing, the engine thread and process, the
+metrics and the serving profile."""
 
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -8,7 +12,11 @@ import pytest
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
 from inflight.outputs import RequestDelta, coalesce
+from inflight.engine import EngineDeadError
+from inflight.serving.engine_process import EngineProcess
 from inflight.serving.engine_thread import EngineThread
+from inflight.serving.metrics import TritonMetrics
+from inflight.serving.profile import PARTS, ServingProfile
 from inflight.serving.request import parse_request
 from inflight.config import EngineConfig
 from inflight.serving.settings import place_instance, split_settings
@@ -104,9 +112,9 @@ def test_each_gpu_instance_gets_its_own_gpus():
     assert place_instance({"model": "m", "device": "cpu"}, "CPU", 0, 2)["device"] == "cpu"
 
 
-def collect(thread_kwargs, submit, send_delay_s: float = 0.0):
-    """Run an EngineThread; submit(thread) queues work; returns {id: (deltas, errors)} once all finish.
-    Each delta's handling takes `send_delay_s` (a slow send)."""
+def collect(thread_kwargs, submit, send_delay_s: float = 0.0, thread_class=EngineThread):
+    """Run an EngineThread (or EngineProcess); submit(thread) queues work; returns (the engine,
+    {id: (deltas, errors)}) once all finish. Each delta's handling takes `send_delay_s` (a slow send)."""
     results, done = {}, threading.Event()
     expected = []
 
@@ -118,7 +126,7 @@ def collect(thread_kwargs, submit, send_delay_s: float = 0.0):
             if all(r in results and results[r][0][-1].finished for r in expected):
                 done.set()
 
-    thread = EngineThread(on_delta=on_delta, **thread_kwargs)
+    thread = thread_class(on_delta=on_delta, **thread_kwargs)
     engine = thread.start()
     expected.extend(submit(thread))
     assert done.wait(120)
@@ -236,3 +244,134 @@ def test_a_slow_responder_loses_nothing(tiny_models, overlap):
         assert [t for d in deltas for t in d.new_token_ids] == out.token_ids
         assert "".join(d.new_text for d in deltas) == out.text
         assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True] and errors == [None]
+
+
+def test_engine_process_serves_refuses_and_cancels(tiny_models):
+    """The engine in a process of its own: greedy output as offline, a refused request ends with an
+    "invalid" error of its own, a cancelled one with "abort", and every block is free after."""
+    model = tiny_models["llama"]
+    prompts = random_prompts(4, 5, 40, vocab=512, seed=2)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model, num_kv_blocks=64).generate(prompts, params)]
+    seen_long = threading.Event()
+    cancel = {"long"}
+
+    def poll():
+        return [cancel.pop()] if cancel and seen_long.is_set() else []
+
+    def submit(thread):
+        for i, p in enumerate(prompts):
+            thread.submit(str(i), p, params)
+        thread.submit("bad", [10**6], params)  # no such token
+        thread.submit("long", prompts[0], SamplingParams(max_tokens=500, ignore_eos=True))
+        return [*map(str, range(len(prompts))), "bad", "long"]
+
+    settings = dict(model=model, num_kv_blocks=64)
+    engine, results = collect(dict(settings=settings, poll_cancelled=poll, on_step=lambda stats: seen_long.set()
+                                    if stats["num_running"] else None), submit, thread_class=EngineProcess)
+    for i in range(len(prompts)):
+        deltas, errors = results[str(i)]
+        assert [t for d in deltas for t in d.new_token_ids] == expected[i] and errors == [None]
+    bad = results["bad"][0]
+    assert len(bad) == 1 and bad[0].error_kind == "invalid" and "prompt token ids" in bad[0].error
+    long_deltas = results["long"][0]
+    assert long_deltas[-1].finish_reason == "abort" and long_deltas[-1].num_output_tokens < 500
+    deadline = time.monotonic() + 10
+    while engine.stats()["kv_blocks_used"] or engine.stats()["requests_aborted_total"] != 1:
+        assert time.monotonic() < deadline, engine.stats()  # the idle engine reports its final state
+        time.sleep(0.05)
+
+
+def test_the_engine_process_dying_ends_every_request(tiny_models):
+    """Killed mid-stream (as by the out-of-memory killer): on_dead names the exit, nothing hangs, and
+    later requests are refused as unavailable."""
+    dead, first = [], threading.Event()
+    process = EngineProcess(dict(model=tiny_models["llama"], num_kv_blocks=64), None,
+                            on_delta=lambda delta: first.set(), on_dead=dead.append)
+    process.start()
+    process.submit("long", [5, 6, 7], SamplingParams(max_tokens=4000, ignore_eos=True))
+    assert first.wait(60)
+    os.kill(process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not dead:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert dead == ["the engine process was killed by SIGKILL"]
+    with pytest.raises(EngineDeadError):
+        process.submit("later", [5, 6, 7], SamplingParams(max_tokens=4))
+    process.stop()
+
+
+def test_an_engine_process_that_cannot_start_says_why(tmp_path):
+    process = EngineProcess(dict(model=str(tmp_path / "missing")), None, on_delta=lambda delta: None)
+    with pytest.raises(RuntimeError, match="the engine process did not start: .*missing"):
+        process.start()
+
+
+def test_the_serving_profile_sums_threads_and_the_engine_process():
+    profile = ServingProfile()
+    with profile.timing("send_response"):
+        time.sleep(0.01)
+    worker = threading.Thread(target=_time_part, args=(profile, "send_response"))
+    worker.start()
+    worker.join()
+    profile.remote = {part: (1.0, 0.5, 3) if part == "engine_step" else (0.0, 0.0, 0) for part in PARTS}
+    snapshot = profile.snapshot()
+    assert snapshot["send_response"][2] == 2 and snapshot["send_response"][0] >= 0.01
+    assert snapshot["send_response"][1] < snapshot["send_response"][0]  # sleeping is no CPU time
+    assert snapshot["engine_step"] == (1.0, 0.5, 3) and snapshot["poll_cancelled"] == (0.0, 0.0, 0)
+
+
+def _time_part(profile: ServingProfile, part: str) -> None:
+    with profile.timing(part):
+        pass
+
+
+class FakeMetricsApi:
+    """pb_utils' custom-metrics API, recording each message to the server."""
+
+    def __init__(self):
+        self.messages = []
+        api = self
+
+        class Metric:
+            def __init__(self, name, labels):
+                self.name, self.labels = name, labels
+
+            def increment(self, value):
+                api.messages.append(("increment", self.name, self.labels.get("part"), value))
+
+            def set(self, value):
+                api.messages.append(("set", self.name, self.labels.get("part"), value))
+
+        class MetricFamily:
+            COUNTER, GAUGE = "counter", "gauge"
+
+            def __init__(self, name, description, kind):
+                self.name = name
+
+            def Metric(self, labels):
+                return Metric(self.name, labels)
+
+        self.MetricFamily = MetricFamily
+
+
+def test_metrics_send_latencies_in_one_batch_and_only_what_changed():
+    api = FakeMetricsApi()
+    metrics = TritonMetrics(api, {"model": "llm", "version": "1"})
+    for value in (0.01, 0.02, 0.03):
+        metrics.observe_inter_token_latency(value)
+    assert api.messages == []  # recording is local: no message per token
+    stats = {key: 0 for key in ("kv_blocks_used", "kv_blocks_total", "num_running", "num_waiting",
+                                "num_preemptions", "prompt_tokens_total", "generation_tokens_total",
+                                "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "requests_aborted_total",
+                                "requests_failed_total", "failed_steps_total")}
+    profile = {part: (0.0, 0.0, 0) for part in PARTS}
+    metrics.update(stats, {**profile, "send_response": (0.5, 0.1, 7)})
+    itl = [m for m in api.messages if m[1].startswith("inflight_inter_token_latency")]
+    assert sorted((m[1], round(m[3], 6)) for m in itl) == [("inflight_inter_token_latency_seconds_count", 3),
+                                                            ("inflight_inter_token_latency_seconds_sum", 0.06)]
+    assert {m[2] for m in api.messages if m[1].startswith("inflight_serving")} == {"send_response"}
+    api.messages.clear()
+    metrics.update(stats, {**profile, "send_response": (0.5, 0.1, 7)})
+    assert api.messages == []  # nothing changed: nothing sent

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,29 @@ class EngineDeadError(RuntimeError):
     """The engine failed persistently and takes no more requests."""
 
 
+class Encoders:
+    """Tokenizers that encode requests, each used by one thread at a time (a HF fast tokenizer must not
+    be used by two threads at once). The batch call runs in the tokenizers library with the
+    interpreter lock released, so other threads go on while a long prompt is encoded."""
+
+    def __init__(self, load, count: int = ENCODERS):
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(count):
+            self._idle.put(load())
+
+    @contextmanager
+    def borrow(self):
+        tokenizer = self._idle.get()
+        try:
+            yield tokenizer
+        finally:
+            self._idle.put(tokenizer)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self.borrow() as tokenizer:
+            return tokenizer([text], add_special_tokens=add_special_tokens)["input_ids"][0]
+
+
 @dataclass
 class _InFlight:
     """A step launched under async scheduling whose tokens the host has not read yet."""
@@ -68,9 +92,7 @@ class LLMEngine:
         self.tokenizer = load()
         self._decode_lock = threading.Lock()
         self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode through the tokenizer
-        self._encoders: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(ENCODERS):
-            self._encoders.put(load())
+        self._encoders = Encoders(load)
         self.runner = ModelRunner(self.config) if self.config.tensor_parallel_size == 1 else \
             TensorParallelRunner(self.config)
         self.eos_token_ids = self._eos_token_ids(model)
@@ -115,13 +137,7 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # The batch call runs in the tokenizers library with the interpreter lock released, so the
-        # engine's thread keeps stepping while a long prompt is encoded.
-        encoder = self._encoders.get()
-        try:
-            return encoder([text], add_special_tokens=add_special_tokens)["input_ids"][0]
-        finally:
-            self._encoders.put(encoder)
+        return self._encoders.encode(text, add_special_tokens)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0) -> None:
@@ -182,12 +198,9 @@ class LLMEngine:
         """The structured-output compiler (its tokenizer info is built once, on first use)."""
         with self._grammars_lock:
             if self._grammars is None:
-                tokenizer = self._encoders.get()  # read by one thread at a time, like every tokenizer here
-                try:
+                with self._encoders.borrow() as tokenizer:  # one thread at a time, like every tokenizer here
                     self._grammars = StructuredOutputs(tokenizer, self.runner.hf_config.vocab_size,
                                                        self.eos_token_ids)
-                finally:
-                    self._encoders.put(tokenizer)
             return self._grammars
 
     def _check_alive(self) -> None:

@@ -27,6 +27,9 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None  # why the engine ended the request, when finish_reason is "error"
+    # With an error: "invalid" (the request was refused: bad input) or "unavailable" (the engine has
+    # stopped); None: the engine failed while serving it.
+    error_kind: str | None = None
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when logprobs were asked for
     cumulative_logprob: float | None = None  # over every token so far, when logprobs were asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first delta, when asked for
@@ -71,6 +74,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None  # why the engine ended the request, when finish_reason is "error"
+    # With an error: "invalid" (the request was refused: bad input) or "unavailable" (the engine has
+    # stopped); None: the engine failed while serving it.
+    error_kind: str | None = None
 
     # The first completion's, for the common case of one.
     @property

@@ -78,17 +78,31 @@ def _join_group(config: EngineConfig, rank: int, store: dist.Store) -> None:
                             device_id=device if device.type == "cuda" else None)
 
 
-def _python_executable() -> str:
-    """The Python that runs the workers. Inside tritonserver sys.executable is the backend's stub, so the
-    launcher names the interpreter in INFLIGHT_PYTHON. (The workers are plain subprocesses, not
-    multiprocessing's: that would hand them the stub's sys.path, which this interpreter cannot use.)"""
+def python_executable() -> str:
+    """The Python that runs the workers (and the serving engine process). Inside tritonserver
+    sys.executable is the backend's stub, so the launcher names the interpreter in INFLIGHT_PYTHON. (They
+    are plain subprocesses, not multiprocessing's: that would hand them the stub's sys.path, which this
+    interpreter cannot use.)"""
     named = os.environ.get("INFLIGHT_PYTHON")
     if named:
         return named
     if os.path.basename(sys.executable).startswith("python"):
         return sys.executable
-    raise RuntimeError(f"cannot start tensor-parallel workers from {sys.executable!r}: set INFLIGHT_PYTHON "
+    raise RuntimeError(f"cannot start a Python process from {sys.executable!r}: set INFLIGHT_PYTHON "
                        "to the Python interpreter of this environment")
+
+
+def start_python_process(module: str, function: str) -> tuple[subprocess.Popen, multiprocessing.connection.Connection]:
+    """Run `module.function()` in a new Python process, given (in sys.argv) one end of a pipe and this
+    process's pid (see exit_with_parent); returns the process and this end of the pipe, which closes
+    (EOF) when the process exits."""
+    ours, theirs = multiprocessing.Pipe()
+    backend = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `inflight` lives
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [backend, os.environ.get("PYTHONPATH")])))
+    process = subprocess.Popen([python_executable(), "-c", f"from {module} import {function}; {function}()",
+                                str(theirs.fileno()), str(os.getpid())], pass_fds=[theirs.fileno()], env=env)
+    theirs.close()
+    return process, ours
 
 
 @dataclass
@@ -100,14 +114,7 @@ class _Worker:
 
     @classmethod
     def start(cls, config: EngineConfig, rank: int, port: int) -> "_Worker":
-        ours, theirs = multiprocessing.Pipe()
-        backend = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `inflight` lives
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [backend, os.environ.get("PYTHONPATH")])))
-        process = subprocess.Popen(
-            [_python_executable(), "-c", "from inflight.parallel import worker_main; worker_main()",
-             str(theirs.fileno()), str(os.getpid())],
-            pass_fds=[theirs.fileno()], env=env)
-        theirs.close()
+        process, ours = start_python_process("inflight.parallel", "worker_main")
         try:
             ours.send((config, rank, port))
         except OSError:
@@ -254,7 +261,7 @@ class TensorParallelRunner:
             dist.destroy_process_group()
 
 
-def _exit_with(parent_pid: int) -> None:
+def exit_with_parent(parent_pid: int) -> None:
     """Leave when the parent is gone, whatever this process is doing (a collective may block for long)."""
     def watch():
         while os.getppid() == parent_pid:
@@ -276,7 +283,7 @@ def worker_main() -> None:
     """A worker rank (its process runs this, given the pipe's descriptor and the parent's pid): join the
     group, load the shard, then run every step rank 0 sends until told to stop."""
     conn = multiprocessing.connection.Connection(int(sys.argv[1]))
-    _exit_with(int(sys.argv[2]))
+    exit_with_parent(int(sys.argv[2]))
     config, rank, port = conn.recv()
     logging.basicConfig(level=logging.WARNING, format=f"inflight rank {rank}: %(levelname)s %(message)s")
     try:

@@ -11,6 +11,10 @@ The engine is built on its stepping thread, so that every torch operation runs o
 once two threads have both run CPU kernels, each keeps an OpenMP team, and the idle team slows the
 busy one (small matmuls about 1.5x slower, measured here).
 
+The engine's statistics go to `on_step` at most every `report_interval_s` while it steps (each metric
+update is a message to the server) and whenever it falls idle. `profile` times each part of the work
+(profile.py).
+
 A failed step is the engine's own business (it ends the requests it must, with an error delta). When
 the engine stops for good, or the stepping loop itself breaks, `on_dead(reason)` runs on the responder
 thread after every delta before it has been handed on, so the caller can end whatever is left.
@@ -20,12 +24,15 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from ..engine import LLMEngine
 from ..outputs import RequestDelta, coalesce
+from .profile import ServingProfile
 
 logger = logging.getLogger(__name__)
+GPU_SENDERS = 4  # sender threads for an engine on a GPU, when not set
 
 
 class EngineThread:
@@ -34,14 +41,18 @@ class EngineThread:
                  poll_cancelled: Callable[[], list[str]] = lambda: [],
                  on_step: Callable[[dict], None] = lambda stats: None,
                  on_dead: Callable[[str], None] = lambda reason: None,
-                 poll_interval_s: float = 0.0, overlap_sending: bool | None = None):
+                 poll_interval_s: float = 0.0, overlap_sending: bool | None = None,
+                 report_interval_s: float = 0.0, senders: int | None = 1):
         """on_delta(delta) runs on the responder thread for every delta (`delta.error` says why the
         engine ended a request that failed). poll_cancelled() runs on the responder thread and names
         requests to abort. on_step(engine.stats()) runs after every step and when idle. on_dead(reason)
         runs once, on the responder thread, when the engine has stopped for good. Polling can cost a
         message to the server per request, so it runs at most every `poll_interval_s`.
         `overlap_sending`: send a step's responses while the next step runs; None: only when the engine
-        is not on CPU."""
+        is not on CPU. `report_interval_s`: on_step's least interval while the engine steps. `senders`:
+        threads calling on_delta at once for different requests (worth it when on_delta waits, as a
+        Triton response sender does for the server's reply, without holding the interpreter lock); None:
+        GPU_SENDERS when the engine is not on CPU, else 1."""
         self._make_engine = make_engine
         self.engine: LLMEngine | None = None
         self._ready = threading.Event()
@@ -52,6 +63,13 @@ class EngineThread:
         self._overlap_sending = overlap_sending
         self._last_poll = 0.0
         self._on_step = on_step
+        self._report_interval_s = report_interval_s
+        self._last_report = float("-inf")
+        self.profile = ServingProfile()
+        if senders is not None and (not isinstance(senders, int) or isinstance(senders, bool) or senders < 1):
+            raise ValueError(f"senders must be a positive integer, got {senders!r}")
+        self._num_senders = senders
+        self._senders: ThreadPoolExecutor | None = None  # made when the engine is built
         self._on_dead = on_dead
         self._wake = threading.Condition()
         self._stopping = False
@@ -88,26 +106,29 @@ class EngineThread:
         self._outbox.put(None)
         if self._responder.is_alive():
             self._responder.join(timeout)
+        if self._senders is not None:
+            self._senders.shutdown(wait=False)
 
     def _step_loop(self) -> None:
         try:
             self.engine = self._make_engine()
+            self._configure_for(self.engine.config.device_type)
         except BaseException as e:
             self._start_error = e
             return
         finally:
             self._ready.set()
-        if self._overlap_sending is None:
-            self._overlap_sending = self.engine.config.device_type != "cpu"
         while True:
             with self._wake:
                 while not self._stopping and not self.engine.has_unfinished():
-                    self._report_step()
+                    self._report_step(idle=True)
                     self._wake.wait(timeout=0.5)
                 if self._stopping:
                     return
             try:
-                self._put(self.engine.step())  # a failed step ends its own requests with error deltas
+                with self.profile.timing("engine_step"):
+                    deltas = self.engine.step()  # a failed step ends its own requests with error deltas
+                self._put(deltas)
             except BaseException as e:  # the loop itself is broken: end everything, stop stepping
                 logger.exception("the engine loop failed")
                 self._end_dead_engine(f"the engine loop failed: {type(e).__name__}: {e}")
@@ -117,23 +138,42 @@ class EngineThread:
                 return
             self._report_step()
 
+    def _configure_for(self, device_type: str) -> None:
+        """Settings left to the engine's device: overlapped sending and sender threads off a CPU."""
+        on_cpu = device_type == "cpu"
+        if self._overlap_sending is None:
+            self._overlap_sending = not on_cpu
+        if self._num_senders is None:
+            self._num_senders = 1 if on_cpu else GPU_SENDERS
+        if self._num_senders > 1:
+            self._senders = ThreadPoolExecutor(self._num_senders, thread_name_prefix="inflight-sender")
+
     def _end_dead_engine(self, reason: str) -> None:
         try:
             self._put(self.engine.shut_down(reason))  # also requests that slipped in as it died
         except BaseException:
             logger.exception("could not end the requests of the stopped engine")
-        self._report_step()
+        self._report_step(idle=True)
         self._outbox.put(self.engine.dead_reason or reason)
 
     def _put(self, deltas: list[RequestDelta]) -> None:
         if deltas:
             self._outbox.put(deltas)
             if not self._overlap_sending:
-                self._outbox.join()  # until the responder has handed every delta on
+                with self.profile.timing("engine_waits_for_sends"):
+                    self._outbox.join()  # until the responder has handed every delta on
 
-    def _report_step(self) -> None:
+    def _report_step(self, idle: bool = False) -> None:
+        now = time.monotonic()
+        if not idle and now - self._last_report < self._report_interval_s:
+            return
+        self._last_report = now
         try:
-            self._on_step(self.engine.stats())
+            if idle:  # not timed: an idle engine's reports would change the profile they report
+                self._on_step(self.engine.stats())
+            else:
+                with self.profile.timing("report_metrics"):
+                    self._on_step(self.engine.stats())
         except Exception:  # metrics must never stop the engine
             logger.exception("on_step failed")
 
@@ -149,11 +189,7 @@ class EngineThread:
             stopping = None in steps
             # When sending falls behind the engine (fast steps, many requests), the steps waiting here
             # go out as one response per request: fewer messages, and every client catches up at once.
-            for delta in coalesce([deltas for deltas in steps if isinstance(deltas, list)]):
-                try:
-                    self._on_delta(delta)
-                except Exception:
-                    logger.exception("sending the response of %s failed", delta.request_id)
+            self._hand_on(coalesce([deltas for deltas in steps if isinstance(deltas, list)]))
             for reason in (item for item in steps if isinstance(item, str)):
                 try:
                     self._on_dead(reason)
@@ -167,6 +203,25 @@ class EngineThread:
             if stopping:
                 return
 
+    def _hand_on(self, deltas: list[RequestDelta]) -> None:
+        """on_delta for each delta; with several senders, their shares at once (a request's deltas all in
+        one share, in order), returning when every one is handed on."""
+        if self._senders is None or len(deltas) < 2:
+            self._hand_on_share(deltas)
+            return
+        shares = [[] for _ in range(self._num_senders)]
+        for delta in deltas:
+            shares[hash(delta.request_id) % self._num_senders].append(delta)
+        for future in [self._senders.submit(self._hand_on_share, share) for share in shares if share]:
+            future.result()
+
+    def _hand_on_share(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            try:
+                self._on_delta(delta)
+            except Exception:
+                logger.exception("sending the response of %s failed", delta.request_id)
+
     def _drain_outbox(self) -> list:
         steps = []
         while True:
@@ -177,7 +232,8 @@ class EngineThread:
 
     def _poll(self) -> None:
         try:
-            cancelled = self._poll_cancelled()
+            with self.profile.timing("poll_cancelled"):
+                cancelled = self._poll_cancelled()
         except Exception:
             logger.exception("polling for cancelled requests failed")
             return

@@ -1,5 +1,13 @@
 """The engine's Prometheus metrics, through the Python backend's custom-metrics API (`pb_utils`),
-served on Triton's metrics port beside Triton's own."""
+served on Triton's metrics port beside Triton's own.
+
+Every update of a metric is a message to the server and its reply, so updates are batched: the
+responder only records latencies, and `update` (called by the engine thread at most every
+`report_interval_s`, and when the engine falls idle) sends what changed since the last one."""
+
+from collections import deque
+
+from .profile import PARTS
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 
@@ -26,7 +34,7 @@ class TritonMetrics:
     def __init__(self, pb_utils, labels: dict[str, str]):
         self._pb_utils = pb_utils
         self._labels = labels
-        self._families = []  # a family must outlive its metrics, or setting them fails
+        self._families_by_name = {}  # a family must outlive its metrics, or setting them fails
         kinds = pb_utils.MetricFamily
         self._gauges = {key: self._metric(name, desc, kinds.GAUGE) for key, (name, desc) in GAUGES.items()}
         self._counters = {key: self._metric(name, desc, kinds.COUNTER) for key, (name, desc) in COUNTERS.items()}
@@ -39,27 +47,45 @@ class TritonMetrics:
             "itl": self._histogram("inflight_inter_token_latency_seconds", "Time between two tokens of one request"),
         }
         self._last = None
+        # Latencies not yet sent: the responder appends, the engine thread takes (deques: thread-safe).
+        self._pending = {"ttft": deque(), "itl": deque()}
+        self._profile = None  # the serving profile's counters (profile.py), made when first sent
 
-    def _metric(self, name: str, description: str, kind, **options):
-        family = self._pb_utils.MetricFamily(name=name, description=description, kind=kind)
-        self._families.append(family)
-        return family.Metric(labels=self._labels, **options)
+    def _metric(self, name: str, description: str, kind, labels: dict | None = None, **options):
+        family = self._families_by_name.get(name)
+        if family is None:
+            family = self._families_by_name[name] = self._pb_utils.MetricFamily(name=name, description=description,
+                                                                               kind=kind)
+        return family.Metric(labels=labels or self._labels, **options)
 
     def _histogram(self, name: str, description: str):
-        """A histogram where this server version has them, else a _sum and a _count counter."""
+        """A function sending a list of observations: to a histogram where this server version has them
+        (a message each), else to a _sum and a _count counter (two messages for them all)."""
         kinds = self._pb_utils.MetricFamily
         if hasattr(kinds, "HISTOGRAM"):
-            return self._metric(name, description, kinds.HISTOGRAM, buckets=LATENCY_BUCKETS).observe
+            histogram = self._metric(name, description, kinds.HISTOGRAM, buckets=LATENCY_BUCKETS)
+
+            def observe_all(values: list[float]) -> None:
+                for value in values:
+                    histogram.observe(value)
+
+            return observe_all
         total = self._metric(f"{name}_sum", description, kinds.COUNTER)
         count = self._metric(f"{name}_count", description, kinds.COUNTER)
 
-        def observe(value: float) -> None:
-            total.increment(value)
-            count.increment(1)
+        def observe_all(values: list[float]) -> None:
+            if values:
+                total.increment(sum(values))
+                count.increment(len(values))
 
-        return observe
+        return observe_all
 
-    def update(self, stats: dict) -> None:
+    def update(self, stats: dict, profile: dict | None = None) -> None:
+        """Send the engine's `stats`, the latencies recorded since the last call and the serving
+        `profile` (ServingProfile.snapshot()), each only where it changed."""
+        self._send_latencies()
+        if profile is not None:
+            self._send_profile(profile)
         snapshot = tuple(stats[k] for k in (*GAUGES, *COUNTERS))
         if snapshot == self._last:
             return  # each call is a message to the server: skip when nothing changed
@@ -73,8 +99,30 @@ class TritonMetrics:
         queried = stats["prefix_cache_queried_tokens"]
         self._hit_rate.set(stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
 
+    def _send_profile(self, profile: dict) -> None:
+        if self._profile is None:
+            counter = self._pb_utils.MetricFamily.COUNTER
+            self._profile = {
+                what: {part: (self._metric(name, desc, counter, labels={**self._labels, "part": part}), [0.0])
+                       for part in PARTS}
+                for what, name, desc in (
+                    ("wall", "inflight_serving_seconds_total", "Wall time of each part of the serving work"),
+                    ("cpu", "inflight_serving_cpu_seconds_total", "CPU time of the threads doing each part"),
+                    ("count", "inflight_serving_events_total", "Times each part of the serving work ran"))}
+        for i, what in enumerate(("wall", "cpu", "count")):
+            for part, (metric, sent) in self._profile[what].items():
+                value = profile[part][i]
+                if value > sent[0]:
+                    metric.increment(value - sent[0])
+                    sent[0] = value
+
+    def _send_latencies(self) -> None:
+        for key, observe_all in self._latency.items():
+            pending = self._pending[key]
+            observe_all([pending.popleft() for _ in range(len(pending))])
+
     def observe_time_to_first_token(self, seconds: float) -> None:
-        self._latency["ttft"](seconds)
+        self._pending["ttft"].append(seconds)
 
     def observe_inter_token_latency(self, seconds: float) -> None:
-        self._latency["itl"](seconds)
+        self._pending["itl"].append(seconds)

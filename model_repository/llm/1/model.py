@@ -1,7 +1,8 @@
 """Triton Python backend model `llm` (decoupled): a thin adapter between Triton and the inflight engine.
 
-execute() only parses, validates and queues; it never waits for the model. The engine runs on its
-own thread; a responder thread sends each request's new text as it comes, the last response of a
+execute() only parses, validates and queues; it never waits for the model. The engine runs in a
+process of its own (serving/engine_process.py; or on a thread of this one, with `engine_process`
+false); a responder thread sends each request's new text as it comes, the last response of a
 request carrying the FINAL flag, and aborts requests whose clients cancelled. Every admitted request
 gets exactly one FINAL response: its end, its error, or (should the engine stop for good) an
 UNAVAILABLE error, after which the model unloads itself so that it reports not-ready.
@@ -33,6 +34,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from inflight import LLM, faults  # noqa: E402
 from inflight.engine import EngineDeadError  # noqa: E402
+from inflight.serving.engine_process import EngineProcess  # noqa: E402
 from inflight.serving.engine_thread import EngineThread  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
 from inflight.serving.request import ParsedRequest, parse_request  # noqa: E402
@@ -100,13 +102,17 @@ class TritonPythonModel:
         self.active: dict[str, ActiveRequest] = {}
         self.dead_reason: str | None = None
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        options = dict(on_delta=self._respond, poll_cancelled=self._poll_cancelled, on_step=self._report,
+                       on_dead=self._engine_died, poll_interval_s=self.serving.cancel_poll_interval_s,
+                       overlap_sending=self.serving.overlap_sending, report_interval_s=self.serving.metrics_interval_s,
+                       senders=self.serving.sender_threads)
         # INFLIGHT_FAULTS makes engine stages raise at chosen steps: a test-only hook (inflight/faults.py).
-        make_engine = lambda: faults.inject(LLM(**engine_settings), os.environ.get("INFLIGHT_FAULTS"))  # noqa: E731
-        self.thread = EngineThread(make_engine, on_delta=self._respond,
-                                   poll_cancelled=self._poll_cancelled,
-                                   on_step=self.metrics.update, on_dead=self._engine_died,
-                                   poll_interval_s=self.serving.cancel_poll_interval_s,
-                                   overlap_sending=self.serving.overlap_sending)
+        fault_spec = os.environ.get("INFLIGHT_FAULTS")
+        if self.serving.engine_process:
+            self.thread = EngineProcess(engine_settings, fault_spec, **options)
+        else:
+            self.thread = EngineThread(lambda: faults.inject(LLM(**engine_settings), fault_spec), **options)
+        self.profile = self.thread.profile
         self.engine = self.thread.start()
         self.long_prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-tokenize")
 
@@ -157,6 +163,9 @@ class TritonPythonModel:
             raise
         active.admitted = True
 
+    def _report(self, stats: dict) -> None:
+        self.metrics.update(stats, self.profile.snapshot() if self.serving.serving_profile else None)
+
     def _poll_cancelled(self) -> list[str]:
         cancelled = []
         for request_id, active in list(self.active.items()):
@@ -181,17 +190,23 @@ class TritonPythonModel:
     def _send(self, active: ActiveRequest, delta) -> None:
         if delta.error is not None:  # the engine ends every completion of the request: one error is enough
             self.active.pop(delta.request_id, None)
-            active.sender.send(_error(delta.error, "INTERNAL"), flags=FINAL)
+            code = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE"}.get(delta.error_kind, "INTERNAL")
+            active.sender.send(_error(delta.error, code), flags=FINAL)
             return
         if delta.finish_reason == "abort":
             if delta.finished:  # the client cancelled: close the stream (once all completions ended)
                 active.sender.send(flags=FINAL)
             return
-        self._observe_latency(active, len(delta.new_token_ids))
-        outputs = active.responses.add(delta)
-        if outputs is not None:
-            tensors = [pb_utils.Tensor(name, array) for name, array in outputs.items()]
-            active.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if delta.finished else 0)
+        with self.profile.timing("observe_latency"):
+            self._observe_latency(active, len(delta.new_token_ids))
+        with self.profile.timing("build_response"):
+            outputs = active.responses.add(delta)
+            if outputs is None:
+                return
+            response = pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()])
+        with self.profile.timing("send_response"):
+            active.sender.send(response, flags=FINAL if delta.finished else 0)
 
     def _observe_latency(self, active: ActiveRequest, num_new_tokens: int) -> None:
         if not num_new_tokens:

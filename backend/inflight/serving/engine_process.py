@@ -1,0 +1,286 @@
+"""The engine in a process of its own: the Triton model's process parses, encodes and sends; the engine
+process schedules, runs the model, samples and detokenizes (vLLM's EngineCore split, our code).
+
+Why: every response is built and sent from Python, and in one process those sends and the engine's
+host work share one interpreter lock. At GPU rates (a decode step of 128 sequences every few
+milliseconds, each step 128 responses) the two together need more than one core's worth of Python.
+
+`EngineProcess` is an EngineThread (same callbacks, same responder, same coalescing) whose stepping
+thread receives the engine process's steps instead of running them. Messages are pickled tuples on a
+pipe:
+  to the engine:   ("wait_for_sends", bool) once; then ("add", request_id, token_ids, params, priority),
+                   ("abort", request_id), ("sent",) (a step's responses are out: when told to, the
+                   engine waits for it before the next step, see engine_thread.py), ("stop",)
+  from the engine: ("ready", device_type) or ("failed", reason) once; then ("step", deltas, stats),
+                   ("refused", delta), ("stats", stats) when it falls idle, ("dead", reason), ("stopped",)
+A request the engine refuses comes back as a final delta with `error_kind` "invalid" or "unavailable".
+When the engine process dies (killed, out of memory), its pipe closes: every request still held ends
+with an error through `on_dead`, as when the engine stops for good; nothing waits for it.
+"""
+
+import logging
+import multiprocessing.connection
+import signal
+import subprocess
+import sys
+import threading
+
+from transformers import AutoTokenizer
+
+from ..engine import EngineDeadError, Encoders
+from ..outputs import RequestDelta
+from ..parallel import exit_with_parent, start_python_process
+from .engine_thread import EngineThread
+from .profile import ServingProfile
+
+logger = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 30.0
+
+
+class RemoteEngine:
+    """What the Triton model asks of the engine, answered in this process: encoding (its own
+    tokenizers), the engine's last reported statistics, aborts (sent on)."""
+
+    def __init__(self, process: "EngineProcess", settings: dict, device_type: str):
+        self._process = process
+        self.device_type = device_type
+        trust = bool(settings.get("trust_remote_code", False))
+        self._encoders = Encoders(lambda: AutoTokenizer.from_pretrained(settings["model"], trust_remote_code=trust))
+        self.last_stats: dict | None = None
+        self.submitted_since_stats = 0  # requests sent since those statistics: counted as waiting
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._encoders.encode(text, add_special_tokens)
+
+    def stats(self) -> dict:
+        stats = dict(self.last_stats or {"num_waiting": 0})
+        stats["num_waiting"] += self.submitted_since_stats
+        return stats
+
+    def abort(self, request_id: str) -> None:
+        self._process.abort(request_id)
+
+    def close(self) -> None:
+        self._process.stop()
+
+
+class EngineProcess(EngineThread):
+    def __init__(self, settings: dict, faults: str | None = None, **thread_options):
+        """`settings`: the engine's (LLM(**settings)); `faults`: a fault-injection spec (faults.py);
+        the rest as EngineThread's, but make_engine."""
+        super().__init__(make_engine=None, **thread_options)
+        self._settings = dict(settings)
+        self._faults = faults
+        self._process: subprocess.Popen | None = None
+        self._conn: multiprocessing.connection.Connection | None = None
+        self._send_lock = threading.Lock()
+        self._stopped = False
+
+    # -- called by the Triton model ----------------------------------------------------------------
+    def submit(self, request_id: str, prompt, params, priority: int = 0) -> None:
+        """Send a request on; the engine's refusal comes back as its final delta."""
+        self._send(("add", request_id, prompt, params, priority))
+        self.engine.submitted_since_stats += 1
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except EngineDeadError:
+            pass  # its request ends with the engine's death
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._send(("stop",))
+        except EngineDeadError:
+            pass
+        super().stop(timeout)  # the receiving thread ends with the engine process's "stopped" or its exit
+        if self._process is not None:
+            try:
+                self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as e:  # the pipe is closed: the engine process is gone
+            raise EngineDeadError(f"the engine process is gone ({type(e).__name__})") from None
+
+    # -- the receiving thread (EngineThread's stepping thread) -------------------------------------
+    def _step_loop(self) -> None:
+        try:
+            self._process, self._conn = start_python_process("inflight.serving.engine_process", "engine_main")
+            self._conn.send((self._settings, self._faults))
+            kind, detail = self._receive()
+            if kind != "ready":
+                raise RuntimeError(f"the engine process did not start: {detail}")
+            self.engine = RemoteEngine(self, self._settings, detail)
+            self._configure_for(detail)
+            self._conn.send(("wait_for_sends", not self._overlap_sending))
+        except BaseException as e:
+            self._start_error = e
+            if self._process is not None:
+                self._process.kill()
+                self._process.wait()
+            return
+        finally:
+            self._ready.set()
+        while True:
+            kind, *rest = self._receive()
+            if kind == "step":
+                deltas, stats = rest
+                self._take_stats(stats)
+                self._put(deltas)  # on a CPU: returns once they are handed on
+                if deltas and not self._overlap_sending:
+                    self._acknowledge()
+                self._report_step()
+            elif kind == "refused":
+                self._put([rest[0]])
+            elif kind == "stats":
+                self._take_stats(rest[0])
+                self._report_step(idle=True)
+            elif kind == "dead":
+                self._report_step(idle=True)
+                self._outbox.put(rest[0])
+                return
+            elif kind == "stopped":
+                return
+
+    def _take_stats(self, stats: dict) -> None:
+        self.profile.remote = stats.pop("engine_profile")  # the engine process's parts of the profile
+        self.engine.last_stats = stats
+        self.engine.submitted_since_stats = 0
+
+    def _receive(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            code = self._process.wait()
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            return ("dead", f"the engine process {how}")
+
+    def _acknowledge(self) -> None:
+        try:
+            self._send(("sent",))
+        except EngineDeadError:
+            pass  # the next receive reports it
+
+
+# -- the engine process ------------------------------------------------------------------------------
+class _Serve:
+    """The engine process's loop: a thread applies the commands as they come (the engine's add_request
+    and abort are thread-safe); the main thread steps while there is work and reports each step."""
+
+    def __init__(self, engine, conn: multiprocessing.connection.Connection):
+        self.engine = engine
+        self.conn = conn
+        self.wait_for_sends = False  # after each step, until its responses are out (set by the other side)
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.sends_done = threading.Semaphore(0)
+        self.send_lock = threading.Lock()
+        self.profile = ServingProfile()
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), "engine_profile": self.profile.snapshot()}
+
+    def send(self, message: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def read_commands(self) -> None:
+        while True:
+            try:
+                command = self.conn.recv()
+            except (EOFError, OSError):  # the Triton model's process is gone
+                command = ("stop",)
+            kind = command[0]
+            if kind == "add":
+                self.add(*command[1:])
+            elif kind == "abort":
+                self.engine.abort(command[1])
+            elif kind == "sent":
+                self.sends_done.release()
+            elif kind == "wait_for_sends":
+                self.wait_for_sends = command[1]
+            with self.wake:
+                self.stopping = self.stopping or kind == "stop"
+                self.wake.notify()
+            if kind == "stop":
+                self.sends_done.release()  # a step waiting for its sends must not hold up the stop
+                return
+
+    def add(self, request_id: str, prompt: list[int], params, priority: int) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params, priority)
+        except EngineDeadError as e:
+            self.refuse(request_id, str(e), "unavailable")
+        except ValueError as e:
+            self.refuse(request_id, str(e), "invalid")
+        except Exception as e:
+            logger.exception("adding request %s failed", request_id)
+            self.refuse(request_id, f"internal error: {type(e).__name__}: {e}", None)
+
+    def refuse(self, request_id: str, message: str, kind: str | None) -> None:
+        self.send(("refused", RequestDelta(request_id, [], "", True, "error", 0, 0, error=message, error_kind=kind)))
+
+    def run(self) -> None:
+        threading.Thread(target=self.read_commands, name="inflight-commands", daemon=True).start()
+        reported_idle = False
+        while True:
+            with self.wake:
+                while not self.stopping and not self.engine.has_unfinished():
+                    if not reported_idle:  # the final state of a burst, for the metrics
+                        self.send(("stats", self.stats()))
+                        reported_idle = True
+                    self.wake.wait()
+                if self.stopping:
+                    return
+            reported_idle = False
+            try:
+                with self.profile.timing("engine_step"):
+                    deltas = self.engine.step()  # a failed step ends its own requests with error deltas
+            except BaseException as e:  # the loop itself is broken: end everything
+                logger.exception("the engine loop failed")
+                deltas = self.engine.shut_down(f"the engine loop failed: {type(e).__name__}: {e}")
+            if self.engine.dead_reason is not None:
+                self.send(("step", deltas + self.engine.shut_down(self.engine.dead_reason), self.stats()))
+                self.send(("dead", self.engine.dead_reason))
+                return
+            self.send(("step", deltas, self.stats()))
+            if deltas and self.wait_for_sends:  # (timed where the sends are: EngineThread._put)
+                self.sends_done.acquire()
+
+
+def engine_main() -> None:
+    """The engine process (started by EngineProcess with one end of a pipe and the parent's pid)."""
+    from .. import LLM, faults
+
+    conn = multiprocessing.connection.Connection(int(sys.argv[1]))
+    exit_with_parent(int(sys.argv[2]))
+    logging.basicConfig(level=logging.WARNING, format="inflight engine: %(levelname)s %(message)s")
+    settings, fault_spec = conn.recv()
+    try:
+        engine = faults.inject(LLM(**settings), fault_spec)
+    except BaseException as e:
+        logger.exception("the engine could not start")
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", engine.config.device_type))
+    try:
+        _Serve(engine, conn).run()
+    finally:
+        engine.close()
+        try:
+            conn.send(("stopped",))
+        except OSError:
+            pass

@@ -1,0 +1,231 @@
+"""The serving path at the engine's speed: one workload offline and through a real tritonserver (gRPC
+streaming, N streams at once, each sending its next request when one ends), with the time to first
+token and inter-token latency seen by the clients, exactness (greedy, token ids in and out: every
+stream must equal offline), a cancellation storm, the KV blocks free after, and where the serving
+process spent its time (backend/inflight/serving/profile.py).
+
+On a GPU it serves a random-weight model of the 1.2B Llama shape of `make bench-gpu` (throughput does
+not depend on the weights' values); `--smoke` serves a tiny one on CPU with a few requests (the tests
+run it). The clients run in processes of their own, so that their Python does not limit the server.
+
+    python3 client/bench_served.py --out served.md                  # GPU
+    python3 client/bench_served.py --smoke --streams 4,8            # CPU
+"""
+
+import argparse
+import multiprocessing
+import queue
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "backend"), str(ROOT / "client")]
+
+from bench import make_workload  # noqa: E402
+from bench_gpu import SHAPES, SMOKE_SHAPE, Report, build_model, release  # noqa: E402
+
+CANCEL_EVERY = 4  # in the cancellation storm, every 4th request is cancelled after its 2nd response
+
+
+def run_streams(url: str, jobs: list[tuple[int, list[int], int, bool]], streams: int, results) -> None:
+    """A client process: `streams` gRPC streams, each sending its next job (index, prompt ids, max
+    tokens, cancel) when its request ends; puts one record per job on `results`."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from grpc_stream import make_inputs
+
+    pending = queue.SimpleQueue()
+    for job in jobs:
+        pending.put(job)
+
+    def stream_loop() -> None:
+        while True:
+            try:
+                index, prompt, max_tokens, cancel = pending.get_nowait()
+            except queue.Empty:
+                return
+            client = grpcclient.InferenceServerClient(url)
+            events: queue.SimpleQueue = queue.SimpleQueue()
+            client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
+            inputs = make_inputs(None, input_ids=np.array(prompt, dtype=np.int32), max_tokens=max_tokens,
+                                 temperature=0.0, ignore_eos=True)
+            record = {"index": index, "sent": time.perf_counter(), "times": [], "counts": [], "ids": [],
+                      "error": None, "cancelled": False}
+            client.async_stream_infer("llm", inputs, request_id=str(index), enable_empty_final_response=True)
+            while True:
+                at, result, error = events.get(timeout=600)
+                if error is not None:
+                    record["error"] = str(error)
+                    break
+                ids = result.as_numpy("output_ids")
+                if ids is not None and ids.size:
+                    record["times"].append(at)
+                    record["counts"].append(int(ids.size))
+                    record["ids"].extend(int(t) for t in ids.reshape(-1))
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+                if cancel and len(record["times"]) >= 2:
+                    client.stop_stream(cancel_requests=True)
+                    record["cancelled"] = True
+                    break
+            client.stop_stream()
+            client.close()
+            results.put(record)
+
+    import threading
+
+    threads = [threading.Thread(target=stream_loop) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def serve_workload(url: str, prompts, lengths, streams: int, processes: int, cancel: bool) -> tuple[list, float]:
+    """Every request through `streams` streams at once, spread over client processes; the records and
+    the wall time from the first send to the last final response."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    jobs = [(i, p, n, cancel and i % CANCEL_EVERY == CANCEL_EVERY - 1)
+            for i, (p, n) in enumerate(zip(prompts, lengths))]
+    processes = max(1, min(processes, streams))
+    workers = [context.Process(target=run_streams, args=(url, jobs[k::processes], len(range(k, streams, processes)),
+                                                         results)) for k in range(processes)]
+    for w in workers:
+        w.start()
+    records = [results.get(timeout=1800) for _ in jobs]
+    for w in workers:
+        w.join()
+    start = min(r["sent"] for r in records)
+    end = max(r["times"][-1] if r["times"] else r["sent"] for r in records)
+    return records, end - start
+
+
+def percentiles(values: list[float]) -> str:
+    if not values:
+        return "-"
+    values = sorted(values)
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return f"{1000 * pick(0.5):.1f} / {1000 * pick(0.99):.1f}"
+
+
+def latencies(records: list[dict]) -> tuple[list[float], list[float]]:
+    """Time to first token of each request; inter-token latency of each later token (a response's gap
+    spread over the tokens it brought)."""
+    ttft, itl = [], []
+    for r in records:
+        if not r["times"]:
+            continue
+        ttft.append(r["times"][0] - r["sent"])
+        for before, after, count in zip(r["times"], r["times"][1:], r["counts"][1:]):
+            itl.extend([(after - before) / count] * count)
+    return ttft, itl
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few requests")
+    parser.add_argument("--streams", default=None, help="concurrent streams to measure, comma-separated")
+    parser.add_argument("--requests", type=int, default=None, help="requests per measurement")
+    parser.add_argument("--client-processes", type=int, default=8)
+    parser.add_argument("--sender-threads", default=None, help="the server's sender_threads to compare, e.g. 1,4")
+    parser.add_argument("--engine-process", default="true", choices=("true", "false", "both"),
+                        help="the server's engine_process setting (both: compare)")
+    parser.add_argument("--prompt-range", default=None, help="prompt lengths, e.g. 100,1024")
+    parser.add_argument("--output-range", default=None, help="output lengths, e.g. 100,512")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from server_process import TritonServer
+
+    from inflight import LLM, SamplingParams
+    from inflight.serving.profile import profile_table
+
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_served.py needs a CUDA GPU (--smoke runs it on CPU)")
+    streams = [int(s) for s in (args.streams or ("4" if args.smoke else "64,128,256")).split(",")]
+    senders = [None] if args.sender_threads is None else [int(s) for s in args.sender_threads.split(",")]
+    count = args.requests or (8 if args.smoke else 512)
+    defaults = ((8, 40), (8, 24)) if args.smoke else ((100, 1024), (100, 512))
+    ranges = [tuple(map(int, given.split(","))) if given else default
+              for given, default in zip((args.prompt_range, args.output_range), defaults)]
+    work = make_workload(count, 1, *ranges)
+    engine_processes = {"true": [True], "false": [False], "both": [True, False]}[args.engine_process]
+    variants = [(engine_process, threads) for engine_process in engine_processes for threads in senders]
+    if args.smoke:
+        settings = dict(dtype="float32", num_kv_blocks=1024, kv_cache_memory=None, max_num_seqs=max(streams))
+    else:
+        settings = dict(dtype="bfloat16", kv_cache_memory=40 << 30, max_num_seqs=256, max_num_batched_tokens=4096)
+    report = Report(args.out)
+    shape_name = "tiny (smoke)" if args.smoke else "1.2B Llama"
+    report.add(f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}; "
+               f"{shape_name} shape, random weights; {count} requests, prompts {min(map(len, work.prompts))}-"
+               f"{max(map(len, work.prompts))} tokens, outputs {min(work.output_lens)}-{max(work.output_lens)} "
+               f"({work.output_tokens} tokens), greedy, EOS ignored")
+    with tempfile.TemporaryDirectory(prefix="inflight-served-") as tmp:
+        model_dir = build_model(SMOKE_SHAPE if args.smoke else SHAPES["1.2B Llama"], Path(tmp) / "model",
+                                torch.float32 if args.smoke else torch.bfloat16, device)
+        llm = LLM(model_dir, device=device, **settings)
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+        llm.generate(work.prompts[:8], params[:8])  # warm-up
+        start = time.perf_counter()
+        expected = [o.token_ids for o in llm.generate(work.prompts, params)]
+        offline = work.output_tokens / (time.perf_counter() - start)
+        llm.close()
+        del llm
+        release()
+        report.add("", f"offline: {offline:,.0f} output tok/s", "",
+                   "| streams | engine | sender threads | output tok/s | share of offline | TTFT p50 / p99 (ms) | "
+                   "ITL p50 / p99 (ms) | mean engine step (ms) | ITL p50 / step | responses per token | exact |",
+                   "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        profiles, storms = [], []
+        for engine_process, sender_threads in variants:
+            where = "own process" if engine_process else "thread"
+            with TritonServer(model=model_dir, serving_profile=True, metrics_interval_s=1.0,
+                              engine_process=engine_process, sender_threads=sender_threads, **settings) as server:
+                serve_workload(server.grpc_url, work.prompts[:8], [4] * 8, 8, 1, False)  # warm-up
+                for n in streams:
+                    before = server.serving_profile()
+                    records, seconds = serve_workload(server.grpc_url, work.prompts, work.output_lens, n,
+                                                      args.client_processes, False)
+                    time.sleep(2 * server.settings["metrics_interval_s"])  # the profile's last report
+                    after = server.serving_profile()
+                    records.sort(key=lambda r: r["index"])
+                    exact = sum(r["ids"] == e and r["error"] is None for r, e in zip(records, expected))
+                    tokens = sum(len(r["ids"]) for r in records)
+                    ttft, itl = latencies(records)
+                    step_wall, _, step_count = (a - b for a, b in zip(after["engine_step"], before["engine_step"]))
+                    step = step_wall / max(step_count, 1)
+                    itl_ratio = f"{statistics.median(itl) / step:.2f}" if itl and step else "-"
+                    responses = sum(len(r["times"]) for r in records)
+                    report.add(f"| {n} | {where} | {sender_threads or 'default'} | {tokens / seconds:,.0f} | "
+                               f"{tokens / seconds / offline:.1%} | {percentiles(ttft)} | {percentiles(itl)} | "
+                               f"{1000 * step:.2f} | {itl_ratio} | {responses / tokens:.2f} | {exact}/{len(records)} |")
+                    profiles.append((f"{n} streams, engine: {where}, sender threads {sender_threads or 'default'}",
+                                     profile_table(before, after, seconds)))
+                # The cancellation storm: every 4th request cancelled after its 2nd response, at the most streams.
+                records, _ = serve_workload(server.grpc_url, work.prompts, work.output_lens, max(streams),
+                                            args.client_processes, True)
+                records.sort(key=lambda r: r["index"])
+                server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=60)
+                server.wait_for_metric("inflight_num_requests_running", lambda v: v == 0, timeout=60)
+                finished = [r for r, e in zip(records, expected) if not r["cancelled"]]
+                exact = sum(r["ids"] == expected[r["index"]] and r["error"] is None for r in finished)
+                storms.append(f"cancellation storm ({max(streams)} streams, engine: {where}, sender threads "
+                              f"{sender_threads or 'default'}): {sum(r['cancelled'] for r in records)} of "
+                              f"{len(records)} requests cancelled mid-stream; the other {len(finished)}: "
+                              f"{exact} exact; every KV block free after")
+        report.add("", *storms)
+        for what, table in profiles:
+            report.add("", f"serving profile, {what} (wall seconds summed over threads and the engine process):",
+                       "", table)
+
+
+if __name__ == "__main__":
+    main()

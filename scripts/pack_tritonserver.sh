@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# What serving needs on a machine that reaches no package registry (a lent GPU machine), packed under
+# .serving/ (ignored by git; carry it): tritonserver 2.51 from the nvidia-pytriton wheel with its Python
+# backend and the stub for one Python version, only the shared libraries those load (about 105 MB
+# unpacked, xz-compressed), numpy 1.26 for the stub, and the wheels of the gRPC client. There:
+#   mkdir -p /tmp/tritonserver && tar -C /tmp/tritonserver -xJf .serving/tritonserver.tar.xz
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/tritonserver/stub-numpy .serving/stub/*.whl
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .serving/client/*.whl
+#   TRITONSERVER_HOME=/tmp/tritonserver PYTHONPATH=/tmp/site python3 client/bench_served.py
+# (scripts/gpu_session.sh does this.) The stub links the system's libpython of that version.
+#   bash scripts/pack_tritonserver.sh [PYTHON_VERSION, default 3.12] [OUTPUT FOLDER, default .serving]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYV=${1:-3.12}
+bash scripts/setup.sh --serving >/dev/null
+SRC=.tools/pytriton/pytriton/tritonserver
+LIBS=.tools/pytriton/nvidia_pytriton.libs
+OUT=${2:-.serving}
+rm -rf "$OUT" && mkdir -p "$OUT/stub" "$OUT/client"
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/bin" "$stage/backends/python" "$stage/lib"
+cp "$SRC/bin/tritonserver" "$stage/bin/"
+cp "$SRC/backends/python/libtriton_python.so" "$SRC/backends/python/triton_python_backend_utils.py" \
+   "$stage/backends/python/"
+cp "$SRC/python_backend_stubs/$PYV/triton_python_backend_stub" "$stage/backends/python/"
+# The wheel's libraries that these load (directly or through each other), and no others.
+for binary in "$stage/bin/tritonserver" "$stage/backends/python/libtriton_python.so" \
+              "$stage/backends/python/triton_python_backend_stub"; do
+  LD_LIBRARY_PATH=$LIBS ldd "$binary" | awk '$3 ~ /nvidia_pytriton.libs/ {print $3}'
+done | sort -u | xargs -I{} cp {} "$stage/lib/"
+tar -C "$stage" -cf - . | xz -9 -T2 >"$OUT/tritonserver.tar.xz"
+wheels=(--no-deps --only-binary=:all: --python-version "$PYV" --implementation cp
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64
+        --platform manylinux_2_24_x86_64)
+.venv/bin/python -m pip download -q "${wheels[@]}" -d "$OUT/stub" numpy==1.26.4
+.venv/bin/python -m pip download -q "${wheels[@]}" -d "$OUT/client" \
+  "$(grep -i '^tritonclient==' requirements.txt)" "$(grep -i '^python-rapidjson==' requirements.txt)"
+du -sh "$OUT"/* | sed 's/^/[pack] /'
