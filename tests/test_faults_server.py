@@ -1,6 +1,6 @@
 """Faults and hostile input against a real tritonserver: every stream gets exactly one final response,
-no KV block is lost, a persistent fault makes the model not-ready, and oversized inputs are refused
-quickly without stalling good streams."""
+no KV block is lost, a persistent fault (or the engine process's death) makes the model not-ready,
+and oversized inputs are refused quickly without stalling good streams."""
 
 import http.client
 import json
@@ -100,6 +100,34 @@ def test_a_persistent_fault_makes_the_model_not_ready():
         results = [stream_to_the_end(server.grpc_url, PROMPTS[0], quiet_s=0.3, **greedy(8)) for _ in range(4)]
         assert results[0]["error"] is not None and "injected forward fault" in results[0]["error"]
         assert all(r["finals"] == 1 and r["after_final"] == 0 for r in results)
+        assert_not_ready(server)
+        start = time.monotonic()
+        refused = stream_to_the_end(server.grpc_url, PROMPTS[1], quiet_s=0.3, **greedy(8))
+        assert refused["error"] and refused["finals"] == 1 and time.monotonic() - start < 5
+        assert server.alive()
+
+
+def test_the_engine_process_killed_mid_stream_ends_every_stream():
+    """The engine process dies (as by the out-of-memory killer) while 6 streams run: each gets exactly
+    one final response, an UNAVAILABLE error naming the death, none hangs; the model then reports
+    not-ready and refuses at once, and tritonserver itself lives on."""
+    import psutil
+
+    with TritonServer(**SETTINGS) as server:
+        results = {}
+
+        def run(i):
+            results[i] = stream_to_the_end(server.grpc_url, PROMPTS[i % len(PROMPTS)], quiet_s=0.3,
+                                           max_tokens=400, ignore_eos=True)
+
+        with concurrently([lambda i=i: run(i) for i in range(6)], timeout=300):
+            server.wait_for_metric("inflight_num_requests_running", lambda v: v >= 4, timeout=60)
+            engine = [p for p in psutil.Process(server.process.pid).children(recursive=True)
+                      if "inflight.serving.engine_process" in " ".join(p.cmdline())]
+            assert len(engine) == 1
+            engine[0].kill()
+        assert all(r["finals"] == 1 and r["after_final"] == 0 for r in results.values()), results
+        assert all("the engine process was killed by SIGKILL" in (r["error"] or "") for r in results.values())
         assert_not_ready(server)
         start = time.monotonic()
         refused = stream_to_the_end(server.grpc_url, PROMPTS[1], quiet_s=0.3, **greedy(8))
