@@ -38,7 +38,8 @@ want sweep && part sweep "${SWEEP_S:-200}" python3 client/bench_kernels.py --swe
 if want served; then
   mkdir -p /tmp/tritonserver /tmp/site && tar -C /tmp/tritonserver -xJf .serving/tritonserver.tar.xz \
     && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tritonserver/stub-numpy .serving/stub/*.whl \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .serving/client/*.whl
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .serving/client/*.whl \
+    && tar -C /tmp/site -xJf .serving/client/tritonclient-2.51.0.tar.xz
   export PYTHONPATH=/tmp/site:$PYTHONPATH TRITONSERVER_HOME=/tmp/tritonserver
   libdir=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
   export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

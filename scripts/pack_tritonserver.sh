@@ -6,11 +6,13 @@
 #   mkdir -p /tmp/tritonserver && tar -C /tmp/tritonserver -xJf .serving/tritonserver.tar.xz
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/tritonserver/stub-numpy .serving/stub/*.whl
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .serving/client/*.whl
+#   tar -C /tmp/site -xJf .serving/client/tritonclient-2.51.0.tar.xz
 #   TRITONSERVER_HOME=/tmp/tritonserver PYTHONPATH=/tmp/site python3 client/bench_served.py
 # (scripts/gpu_session.sh does this.) The stub links the system's libpython of that version.
 #   bash scripts/pack_tritonserver.sh [PYTHON_VERSION, default 3.12] [OUTPUT FOLDER, default .serving]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 PYV=${1:-3.12}
 bash scripts/setup.sh --serving >/dev/null
 SRC=.tools/pytriton/pytriton/tritonserver
@@ -34,6 +36,11 @@ wheels=(--no-deps --only-binary=:all: --python-version "$PYV" --implementation c
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64
         --platform manylinux_2_24_x86_64)
 .venv/bin/python -m pip download -q "${wheels[@]}" -d "$OUT/stub" numpy==1.26.4
-.venv/bin/python -m pip download -q "${wheels[@]}" -d "$OUT/client" \
-  "$(grep -i '^tritonclient==' requirements.txt)" "$(grep -i '^python-rapidjson==' requirements.txt)"
+# The gRPC client of the server's own release, its Python alone (its wheel also holds 40 MB of
+# perf_analyzer): newer clients' generated code needs newer grpcio and protobuf than a machine may have.
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d "$stage" \
+  tritonclient==2.51.0
+(cd "$stage" && "$ROOT/.venv/bin/python" -m zipfile -e tritonclient-2.51.0-*.whl client)
+tar -C "$stage/client/tritonclient-2.51.0.data/purelib" -cJf "$OUT/client/tritonclient-2.51.0.tar.xz" tritonclient
+.venv/bin/python -m pip download -q "${wheels[@]}" -d "$OUT/client" "$(grep -i '^python-rapidjson==' requirements.txt)"
 du -sh "$OUT"/* | sed 's/^/[pack] /'

@@ -2,8 +2,9 @@
 served on Triton's metrics port beside Triton's own.
 
 Every update of a metric is a message to the server and its reply, so updates are batched: the
-responder only records latencies, and `update` (called by the engine thread at most every
-`report_interval_s`, and when the engine falls idle) sends what changed since the last one."""
+responder only records latencies, and `update` (called by the thread that steps the engine, or
+receives its steps, at most every `report_interval_s` and when the engine falls idle) sends what
+changed since the last one."""
 
 from collections import deque
 
