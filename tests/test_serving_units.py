@@ -320,6 +320,9 @@ def test_the_serving_profile_sums_threads_and_the_engine_process():
     assert snapshot["send_response"][2] == 2 and snapshot["send_response"][0] >= 0.01
     assert snapshot["send_response"][1] < snapshot["send_response"][0]  # sleeping is no CPU time
     assert snapshot["engine_step"] == (1.0, 0.5, 3) and snapshot["poll_cancelled"] == (0.0, 0.0, 0)
+    off = ServingProfile(enabled=False)  # the default in the Triton model: timing costs nothing
+    _time_part(off, "send_response")
+    assert off.snapshot()["send_response"] == (0, 0, 0)
 
 
 def _time_part(profile: ServingProfile, part: str) -> None:

@@ -42,7 +42,7 @@ class EngineThread:
                  on_step: Callable[[dict], None] = lambda stats: None,
                  on_dead: Callable[[str], None] = lambda reason: None,
                  poll_interval_s: float = 0.0, overlap_sending: bool | None = None,
-                 report_interval_s: float = 0.0, senders: int | None = 1):
+                 report_interval_s: float = 0.0, senders: int | None = 1, profiling: bool = True):
         """on_delta(delta) runs on the responder thread for every delta (`delta.error` says why the
         engine ended a request that failed). poll_cancelled() runs on the responder thread and names
         requests to abort. on_step(engine.stats()) runs after every step and when idle. on_dead(reason)
@@ -52,7 +52,8 @@ class EngineThread:
         is not on CPU. `report_interval_s`: on_step's least interval while the engine steps. `senders`:
         threads calling on_delta at once for different requests (worth it when on_delta waits, as a
         Triton response sender does for the server's reply, without holding the interpreter lock); None:
-        GPU_SENDERS when the engine is not on CPU, else 1."""
+        GPU_SENDERS when the engine is not on CPU, else 1. `profiling`: time the parts of the work in
+        `profile` (profile.py)."""
         self._make_engine = make_engine
         self.engine: LLMEngine | None = None
         self._ready = threading.Event()
@@ -65,7 +66,7 @@ class EngineThread:
         self._on_step = on_step
         self._report_interval_s = report_interval_s
         self._last_report = float("-inf")
-        self.profile = ServingProfile()
+        self.profile = ServingProfile(profiling)
         if senders is not None and (not isinstance(senders, int) or isinstance(senders, bool) or senders < 1):
             raise ValueError(f"senders must be a positive integer, got {senders!r}")
         self._num_senders = senders

@@ -12,14 +12,17 @@ their clients cancelled). Each thread keeps its own totals; a snapshot sums them
 
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
+_UNTIMED = nullcontext()
 PARTS = ("engine_step", "engine_waits_for_sends", "report_metrics", "build_response", "send_response",
          "observe_latency", "poll_cancelled")
 
 
 class ServingProfile:
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
+        """Disabled, `timing` costs nothing (timed, a part costs about 2 µs: two thread-CPU clock reads)."""
+        self.enabled = enabled
         self._local = threading.local()
         self._threads: list[dict[str, list]] = []  # each thread's totals: part -> [wall, cpu, count]
         self.remote: dict | None = None  # another process's snapshot, added to this one's (engine_process.py)
@@ -31,8 +34,11 @@ class ServingProfile:
             self._threads.append(totals)
         return totals
 
-    @contextmanager
     def timing(self, part: str):
+        return self._timed(part) if self.enabled else _UNTIMED
+
+    @contextmanager
+    def _timed(self, part: str):
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
             yield

@@ -105,7 +105,7 @@ class TritonPythonModel:
         options = dict(on_delta=self._respond, poll_cancelled=self._poll_cancelled, on_step=self._report,
                        on_dead=self._engine_died, poll_interval_s=self.serving.cancel_poll_interval_s,
                        overlap_sending=self.serving.overlap_sending, report_interval_s=self.serving.metrics_interval_s,
-                       senders=self.serving.sender_threads)
+                       senders=self.serving.sender_threads, profiling=self.serving.serving_profile)
         # INFLIGHT_FAULTS makes engine stages raise at chosen steps: a test-only hook (inflight/faults.py).
         fault_spec = os.environ.get("INFLIGHT_FAULTS")
         if self.serving.engine_process:
