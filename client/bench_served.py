@@ -18,6 +18,7 @@ import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -77,8 +78,6 @@ def run_streams(url: str, jobs: list[tuple[int, list[int], int, bool]], streams:
             client.stop_stream()
             client.close()
             results.put(record)
-
-    import threading
 
     threads = [threading.Thread(target=stream_loop) for _ in range(streams)]
     for t in threads:

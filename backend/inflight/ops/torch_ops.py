@@ -86,9 +86,9 @@ _GROUP_SPREAD = 1.5
 _GROUP_BYTES = 16 << 20
 
 
-def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slot of each position; `positions` is [rows, n] and `block_tables` has one row per row."""
-    blocks = torch.gather(block_tables, 1, torch.div(positions, block_size, rounding_mode="floor"))
+def _slots(block_tables: torch.Tensor, seqs, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of each position of sequence `seqs` (an index or a tensor broadcast with `positions`)."""
+    blocks = block_tables[seqs, torch.div(positions, block_size, rounding_mode="floor")]
     return blocks * block_size + positions % block_size
 
 
@@ -103,8 +103,7 @@ def _ragged_decodes(seqs, cu_seqlens_q, seq_lens, block_tables, block_size, num_
     within = torch.arange(len(row_of), device=seqs.device) - offsets[row_of]
     seq = row_of // num_heads
     positions = within + (lens - visible)[seq]
-    slots = block_tables[seqs[seq], torch.div(positions, block_size, rounding_mode="floor")] * block_size \
-        + positions % block_size
+    slots = _slots(block_tables, seqs[seq], positions, block_size)
     kv_head = (row_of % num_heads) // (num_heads // num_kv_heads)
     cache_rows = slots * num_kv_heads + kv_head
     pattern = torch.sparse_csr_tensor(offsets, cache_rows, torch.zeros(len(cache_rows), device=seqs.device),
@@ -141,7 +140,7 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
         if sliding_window is not None:
             valid &= (group_lens[:, None] - 1) - positions < sliding_window
         # Padding reads slot 0 of a real block; its scores are masked out.
-        slots = _slots(block_tables[seqs], torch.where(valid, positions, 0), block_size)
+        slots = _slots(block_tables, seqs[:, None], torch.where(valid, positions, 0), block_size)
         heads = torch.arange(num_kv_heads, device=device)[None, :, None]
         cache_rows = (slots[:, None, :] * num_kv_heads + heads).reshape(-1)
         groups.append(_DecodeGroup(cu_seqlens_q[seqs], cache_rows, valid[:, None, None, :], max_len))
@@ -152,7 +151,7 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
         if q_len <= 1:
             continue
         positions = torch.arange(seq_len, device=device)
-        slots = _slots(block_tables[i:i + 1], positions[None], block_size)[0]
+        slots = _slots(block_tables, i, positions, block_size)
         context = seq_len - q_len
         mask = None
         if context or sliding_window is not None:

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Callable
 
 from ..engine import LLMEngine
@@ -169,12 +170,9 @@ class EngineThread:
         if not idle and now - self._last_report < self._report_interval_s:
             return
         self._last_report = now
-        try:
-            if idle:  # not timed: an idle engine's reports would change the profile they report
+        try:  # an idle engine's reports are not timed: they would change the profile they report
+            with nullcontext() if idle else self.profile.timing("report_metrics"):
                 self._on_step(self.engine.stats())
-            else:
-                with self.profile.timing("report_metrics"):
-                    self._on_step(self.engine.stats())
         except Exception:  # metrics must never stop the engine
             logger.exception("on_step failed")
 

@@ -31,23 +31,40 @@ COUNTERS = {
 }
 
 
+class _Sent:
+    """A metric and the value the server holds for it (0 at first), so that only changes are sent."""
+
+    def __init__(self, metric):
+        self.metric = metric
+        self.value = 0
+
+    def set(self, value) -> None:  # a gauge
+        if value != self.value:
+            self.metric.set(value)
+            self.value = value
+
+    def advance(self, total) -> None:  # a counter, to a running total
+        if total > self.value:
+            self.metric.increment(total - self.value)
+            self.value = total
+
+
 class TritonMetrics:
     def __init__(self, pb_utils, labels: dict[str, str]):
         self._pb_utils = pb_utils
         self._labels = labels
         self._families_by_name = {}  # a family must outlive its metrics, or setting them fails
         kinds = pb_utils.MetricFamily
-        self._gauges = {key: self._metric(name, desc, kinds.GAUGE) for key, (name, desc) in GAUGES.items()}
-        self._counters = {key: self._metric(name, desc, kinds.COUNTER) for key, (name, desc) in COUNTERS.items()}
-        self._counted = {key: 0 for key in COUNTERS}
-        self._hit_rate = self._metric("inflight_prefix_cache_hit_rate",
-                                      "Share of looked-up prompt tokens found in the prefix cache", kinds.GAUGE)
+        self._gauges = {key: _Sent(self._metric(name, desc, kinds.GAUGE)) for key, (name, desc) in GAUGES.items()}
+        self._counters = {key: _Sent(self._metric(name, desc, kinds.COUNTER))
+                          for key, (name, desc) in COUNTERS.items()}
+        self._hit_rate = _Sent(self._metric("inflight_prefix_cache_hit_rate",
+                                            "Share of looked-up prompt tokens found in the prefix cache", kinds.GAUGE))
         self._latency = {
             "ttft": self._histogram("inflight_time_to_first_token_seconds",
                                     "Time from request arrival to its first token"),
             "itl": self._histogram("inflight_inter_token_latency_seconds", "Time between two tokens of one request"),
         }
-        self._last = None
         # Latencies not yet sent: the responder appends, the engine thread takes (deques: thread-safe).
         self._pending = {"ttft": deque(), "itl": deque()}
         self._profile = None  # the serving profile's counters (profile.py), made when first sent
@@ -83,20 +100,14 @@ class TritonMetrics:
 
     def update(self, stats: dict, profile: dict | None = None) -> None:
         """Send the engine's `stats`, the latencies recorded since the last call and the serving
-        `profile` (ServingProfile.snapshot()), each only where it changed."""
+        `profile` (ServingProfile.snapshot()), each only where it changed (each change is a message)."""
         self._send_latencies()
         if profile is not None:
             self._send_profile(profile)
-        snapshot = tuple(stats[k] for k in (*GAUGES, *COUNTERS))
-        if snapshot == self._last:
-            return  # each call is a message to the server: skip when nothing changed
-        self._last = snapshot
-        for key, metric in self._gauges.items():
-            metric.set(stats[key])
-        for key, metric in self._counters.items():
-            if stats[key] > self._counted[key]:
-                metric.increment(stats[key] - self._counted[key])
-                self._counted[key] = stats[key]
+        for key, gauge in self._gauges.items():
+            gauge.set(stats[key])
+        for key, counter in self._counters.items():
+            counter.advance(stats[key])
         queried = stats["prefix_cache_queried_tokens"]
         self._hit_rate.set(stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
 
@@ -104,18 +115,15 @@ class TritonMetrics:
         if self._profile is None:
             counter = self._pb_utils.MetricFamily.COUNTER
             self._profile = {
-                what: {part: (self._metric(name, desc, counter, labels={**self._labels, "part": part}), [0.0])
+                what: {part: _Sent(self._metric(name, desc, counter, labels={**self._labels, "part": part}))
                        for part in PARTS}
                 for what, name, desc in (
                     ("wall", "inflight_serving_seconds_total", "Wall time of each part of the serving work"),
                     ("cpu", "inflight_serving_cpu_seconds_total", "CPU time of the threads doing each part"),
                     ("count", "inflight_serving_events_total", "Times each part of the serving work ran"))}
         for i, what in enumerate(("wall", "cpu", "count")):
-            for part, (metric, sent) in self._profile[what].items():
-                value = profile[part][i]
-                if value > sent[0]:
-                    metric.increment(value - sent[0])
-                    sent[0] = value
+            for part, sent in self._profile[what].items():
+                sent.advance(profile[part][i])
 
     def _send_latencies(self) -> None:
         for key, observe_all in self._latency.items():

@@ -164,7 +164,7 @@ class TritonPythonModel:
         active.admitted = True
 
     def _report(self, stats: dict) -> None:
-        self.metrics.update(stats, self.profile.snapshot() if self.serving.serving_profile else None)
+        self.metrics.update(stats, self.profile.snapshot() if self.profile.enabled else None)
 
     def _poll_cancelled(self) -> list[str]:
         cancelled = []
