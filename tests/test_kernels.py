@@ -106,21 +106,33 @@ def test_decode_splits_fill_the_gpu():
     assert decode_splits(64, 1, 132) == 8  # 64 x 4 = 256 is still short of 264
 
 
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["c-kernel", "gathered"])
 @pytest.mark.parametrize("sliding_window", [None, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_reference_matches_dense_attention(dtype, sliding_window):
+def test_reference_matches_dense_attention(dtype, sliding_window, cpu_kernel, monkeypatch):
     """The torch reference itself against plain causal SDPA over each sequence's full context. On a CPU,
-    float32 decodes take the ragged sparse path and float16 ones the gathered groups."""
+    float32 decodes take the C kernel, float16 ones (and float32 ones without it) the gathered groups;
+    head_dim 64 and 128 are the kernel's unrolled cases, 80 its general one."""
+    if not cpu_kernel:
+        monkeypatch.setattr(torch_ops.cpu_kernels, "decode_attention", lambda: None)
+    elif DEVICE != "cpu" or dtype != torch.float32:
+        pytest.skip("the C kernel serves float32 on a CPU")
+    for head_dim in (64, 128, 80):
+        check_reference_matches_dense_attention(dtype, sliding_window, head_dim)
+
+
+def check_reference_matches_dense_attention(dtype, sliding_window, head_dim):
     seqs = [(0, 9), (12, 1), (20, 6), (37, 1), (4, 1), (30, 1)]
-    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, 8, 2, 2, 64, dtype)
-    got = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125,
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, 8, 2, 2, head_dim, dtype)
+    scale = head_dim ** -0.5
+    got = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale,
                                     sliding_window=sliding_window)
     for i, (context, q_len) in enumerate(seqs):
         slots = [tables[i, p // 8].item() * 8 + p % 8 for p in range(context + q_len)]
-        k = key_cache.view(-1, 2, 64)[slots].transpose(0, 1).repeat_interleave(2, 0).float()
-        v = value_cache.view(-1, 2, 64)[slots].transpose(0, 1).repeat_interleave(2, 0).float()
+        k = key_cache.view(-1, 2, head_dim)[slots].transpose(0, 1).repeat_interleave(2, 0).float()
+        v = value_cache.view(-1, 2, head_dim)[slots].transpose(0, 1).repeat_interleave(2, 0).float()
         q = query[cu[i]:cu[i + 1]].transpose(0, 1).float()
-        scores = (q @ k.transpose(1, 2)) * 0.125
+        scores = (q @ k.transpose(1, 2)) * scale
         q_pos = torch.arange(context, context + q_len, device=query.device)[:, None]
         k_pos = torch.arange(context + q_len, device=query.device)[None, :]
         hidden = k_pos > q_pos
@@ -130,6 +142,48 @@ def test_reference_matches_dense_attention(dtype, sliding_window):
         expected = (scores.softmax(-1) @ v).transpose(0, 1).to(dtype)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-3
         torch.testing.assert_close(got[cu[i]:cu[i + 1]], expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_decode_kernel_builds_and_serves_float32_decodes(threads, monkeypatch):
+    """The CI machines have a C compiler: the kernel must build there, and float32 decodes must take it
+    (a silent fall-back to the gathered path would pass the tests above and lose the speed). Two decodes
+    on two threads are split by KV head, on one thread not: both equal the gathered path."""
+    from inflight.ops import cpu_kernels
+
+    assert cpu_kernels.decode_attention() is not None
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch([(30, 1), (5, 1)], 8, 2, 3, 64, torch.float32)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch_ops._last_plan.kernel_decodes is not None and not torch_ops._last_plan.decode_groups
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda: None)
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125)
+    assert torch_ops._last_plan.kernel_decodes is None
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_decode_kernel_falls_back_where_no_compiler_works(tmp_path):
+    """A compiler that fails: a warning naming it, and attention through torch operations, correct."""
+    script = (
+        "import logging, torch\n"
+        "logging.basicConfig()\n"
+        "from inflight.ops import cpu_kernels, torch_ops\n"
+        "assert cpu_kernels.decode_attention() is None\n"
+        "q, k, v = torch.randn(2, 4, 64), torch.randn(4, 8, 2, 64), torch.randn(4, 8, 2, 64)\n"
+        "tables = torch.tensor([[2, 0], [1, 3]])\n"
+        "out = torch_ops.paged_attention(q, k, v, torch.tensor([0, 1, 2]), torch.tensor([9, 4]), tables, 0.125)\n"
+        "assert torch_ops._last_plan.kernel_decodes is None and out.isfinite().all()\n"
+    )
+    env = {**os.environ, "CC": "/bin/false", "INFLIGHT_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": str(ROOT / "backend")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "CPU decode attention kernel unavailable" in result.stderr and "/bin/false failed" in result.stderr
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)

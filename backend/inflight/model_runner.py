@@ -56,6 +56,7 @@ class ModelRunner:
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.block_size = config.block_size
         self.attention_impl = ops.resolve_impl(None, self.device.type)
+        ops.prepare(self.attention_impl, self.device.type, dtype)
         self.num_blocks = self._pool_size()
         # One tensor for the whole pool: [layer, key/value, block, slot, kv head, head dim].
         self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,

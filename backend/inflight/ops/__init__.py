@@ -7,7 +7,9 @@ kernels on CPU tensors).
 
 import os
 
-from . import torch_ops
+import torch
+
+from . import cpu_kernels, torch_ops
 
 IMPLS = ("triton", "torch")
 
@@ -19,6 +21,13 @@ def resolve_impl(impl: str | None, device_type: str) -> str:
     if impl == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 on CPU")
     return impl
+
+
+def prepare(impl: str, device_type: str, dtype) -> None:
+    """Build now, at start-up rather than in a request's first step, what the implementation compiles
+    for this device and dtype: on a CPU in float32, the C decode kernel (a second or two)."""
+    if impl == "torch" and device_type == "cpu" and dtype == torch.float32:
+        cpu_kernels.decode_attention()
 
 
 def _module(impl: str | None, device_type: str):

@@ -6,20 +6,19 @@ Shapes: query [T, Hq, D] ragged over sequences by cu_seqlens_q [S+1]; key_cache/
 block_tables [S, max_blocks].
 
 One-token queries (decodes) are computed together: on a CPU in float32 all at once straight from the
-cache (sparse sampled matmul for the scores, embedding_bag for the weighted sum of values: nothing is
-gathered), elsewhere in groups of similar context length whose keys and values are gathered first.
+cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read once), elsewhere (other
+dtypes, CUDA tensors, no C compiler) in groups of similar context length whose keys and values are
+gathered first.
 Longer queries (prefill chunks) run one sequence at a time through SDPA. Which cache rows each of them reads is
 planned once per step: every layer gets the same metadata tensors, so the plan is reused until they change.
 """
 
 from dataclasses import dataclass
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+from . import cpu_kernels
 
 
 _last_kept: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (slot_mapping, its rows to write or None)
@@ -48,15 +47,15 @@ class _DecodeGroup:
 
 
 @dataclass
-class _RaggedDecodes:
-    """Every decode of the step as one sparse pattern: row (token, query head) lists the cache rows
-    (slot * Hkv + KV head, of the cache viewed as [slots * Hkv, D]) of the keys that query sees."""
+class _KernelDecodes:
+    """Every decode of the step for the C kernel: decode i is query row token_rows[i], block-table row
+    table_rows[i], visible positions [starts[i], ends[i])."""
 
-    token_rows: torch.Tensor  # [n] rows of the query
-    pattern: torch.Tensor  # sparse CSR [n * Hq, slots * Hkv], zero values
-    offsets: torch.Tensor  # [n * Hq] where each row's entries start
-    cache_rows: torch.Tensor  # [E] every row's entries, in order
-    padded_at: torch.Tensor  # [E] each entry's place in a dense [n * Hq, max_len] score matrix
+    token_rows: torch.Tensor
+    table_rows: torch.Tensor
+    starts: torch.Tensor
+    ends: torch.Tensor
+    block_tables: torch.Tensor  # int64, unit column stride
     max_len: int
 
 
@@ -72,7 +71,7 @@ class _Prefill:
 class _Plan:
     inputs: tuple  # the metadata tensors it was made from; held so that their ids stay unique
     decode_groups: list[_DecodeGroup]
-    ragged_decodes: _RaggedDecodes | None
+    kernel_decodes: _KernelDecodes | None
     prefills: list[_Prefill]
 
 
@@ -92,37 +91,25 @@ def _slots(block_tables: torch.Tensor, seqs, positions: torch.Tensor, block_size
     return blocks * block_size + positions % block_size
 
 
-def _ragged_decodes(seqs, cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads,
-                    cache_rows_total, sliding_window) -> _RaggedDecodes:
+def _kernel_decodes(seqs, cu_seqlens_q, seq_lens, block_tables, sliding_window) -> _KernelDecodes:
     seqs = torch.tensor(seqs, device=seq_lens.device)
-    lens = seq_lens[seqs]
-    visible = lens if sliding_window is None else lens.clamp(max=sliding_window)
-    row_lens = visible.repeat_interleave(num_heads)  # rows are (sequence, query head)
-    offsets = F.pad(torch.cumsum(row_lens, 0), (1, 0))
-    row_of = torch.arange(len(row_lens), device=seqs.device).repeat_interleave(row_lens)
-    within = torch.arange(len(row_of), device=seqs.device) - offsets[row_of]
-    seq = row_of // num_heads
-    positions = within + (lens - visible)[seq]
-    slots = _slots(block_tables, seqs[seq], positions, block_size)
-    kv_head = (row_of % num_heads) // (num_heads // num_kv_heads)
-    cache_rows = slots * num_kv_heads + kv_head
-    pattern = torch.sparse_csr_tensor(offsets, cache_rows, torch.zeros(len(cache_rows), device=seqs.device),
-                                      size=(len(row_lens), cache_rows_total), check_invariants=False)
-    max_len = int(visible.max())
-    return _RaggedDecodes(cu_seqlens_q[seqs], pattern, offsets[:-1], cache_rows, row_of * max_len + within, max_len)
+    ends = seq_lens[seqs].long()
+    visible = ends if sliding_window is None else ends.clamp(max=sliding_window)
+    if block_tables.dtype != torch.int64 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int64).contiguous()
+    return _KernelDecodes(cu_seqlens_q[seqs].long(), seqs, ends - visible, ends, block_tables, int(visible.max()))
 
 
-def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads, token_bytes,
-               cache_rows_total, ragged, sliding_window) -> _Plan:
-    """`token_bytes`: the key bytes of one token, all its KV heads; `ragged`: decodes as one sparse pattern."""
+def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads, token_bytes, kernel,
+               sliding_window) -> _Plan:
+    """`token_bytes`: the key bytes of one token, all its KV heads; `kernel`: decodes through the C kernel."""
     device = seq_lens.device
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     decodes = sorted((lens[i], i) for i in range(len(lens)) if cu[i + 1] - cu[i] == 1)
-    ragged_decodes = None
-    if ragged and decodes:
-        ragged_decodes = _ragged_decodes([i for _, i in decodes], cu_seqlens_q, seq_lens, block_tables, block_size,
-                                         num_heads, num_kv_heads, cache_rows_total, sliding_window)
+    kernel_decodes = None
+    if kernel and decodes:
+        kernel_decodes = _kernel_decodes([i for _, i in decodes], cu_seqlens_q, seq_lens, block_tables, sliding_window)
         decodes = []
     groups = []
     start = 0
@@ -160,34 +147,22 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
             if sliding_window is not None:
                 mask &= q_pos - positions[None, :] < sliding_window
         prefills.append(_Prefill(cu[i], q_len, slots, mask))
-    return _Plan((cu_seqlens_q, seq_lens, block_tables, sliding_window, ragged), groups, ragged_decodes, prefills)
+    return _Plan((cu_seqlens_q, seq_lens, block_tables, sliding_window, kernel), groups, kernel_decodes, prefills)
 
 
 def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window) -> _Plan:
     global _last_plan
-    # sampled_addmm takes float32 and float64 only; elsewhere the keys are gathered and upcast.
-    ragged = query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
+    kernel = (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
+              and cpu_kernels.decode_attention() is not None)
     plan = _last_plan
     if plan is None or not (plan.inputs[0] is cu_seqlens_q and plan.inputs[1] is seq_lens
-                            and plan.inputs[2] is block_tables and plan.inputs[3:] == (sliding_window, ragged)):
+                            and plan.inputs[2] is block_tables and plan.inputs[3:] == (sliding_window, kernel)):
         num_heads, head_dim = query.shape[1:]
-        num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+        block_size, num_kv_heads = key_cache.shape[1:3]
         token_bytes = num_kv_heads * head_dim * key_cache.element_size()
         plan = _last_plan = _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads,
-                                       token_bytes, num_blocks * block_size * num_kv_heads, ragged, sliding_window)
+                                       token_bytes, kernel, sliding_window)
     return plan
-
-
-def _attend_ragged(d: _RaggedDecodes, query, flat_k, flat_v, scale, out) -> None:
-    rows, head_dim = d.pattern.shape[0], query.shape[-1]
-    q = query[d.token_rows].reshape(rows, head_dim)
-    scores = torch.sparse.sampled_addmm(d.pattern, q, flat_k.t(), beta=0.0, alpha=scale).values()
-    # Softmax per row over a dense padded copy of the scores (a few MB): faster than segment reductions.
-    padded = torch.full((rows * d.max_len,), float("-inf"), device=q.device)
-    padded[d.padded_at] = scores
-    probs = torch.softmax(padded.view(rows, d.max_len), dim=-1).view(-1)[d.padded_at]
-    weighted = F.embedding_bag(d.cache_rows, flat_v, d.offsets, mode="sum", per_sample_weights=probs)
-    out[d.token_rows] = weighted.view(len(d.token_rows), -1, head_dim).to(out.dtype)
 
 
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
@@ -200,8 +175,11 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     plan = _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window)
 
     flat_k, flat_v = key_cache.view(-1, head_dim), value_cache.view(-1, head_dim)
-    if plan.ragged_decodes is not None:
-        _attend_ragged(plan.ragged_decodes, query, flat_k, flat_v, scale, out)
+    if plan.kernel_decodes is not None:
+        d = plan.kernel_decodes
+        cpu_kernels.run_decode_attention(cpu_kernels.decode_attention(), query.contiguous(), d.token_rows,
+                                         key_cache.contiguous(), value_cache.contiguous(), d.block_tables,
+                                         d.table_rows, d.starts, d.ends, d.max_len, scale, out)
     for g in plan.decode_groups:
         n = len(g.token_rows)
         k = flat_k.index_select(0, g.cache_rows).view(n * num_kv_heads, g.max_len, head_dim).float()
@@ -215,10 +193,12 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     slot_k = key_cache.view(-1, num_kv_heads, head_dim)
     slot_v = value_cache.view(-1, num_kv_heads, head_dim)
     for p in plan.prefills:
-        k = slot_k[p.slots].transpose(0, 1).float()  # [Hkv, L, D]
-        v = slot_v[p.slots].transpose(0, 1).float()
-        q = query[p.start:p.start + p.q_len].transpose(0, 1).float()  # [Hq, q_len, D]
+        # Batched 4-D inputs: on a CPU, SDPA takes its fused (flash) kernel only for those; 3-D ones go to
+        # the math path, which materializes every score (2-3x slower for a 512-token chunk).
+        k = slot_k[p.slots].transpose(0, 1)[None].float()  # [1, Hkv, L, D]
+        v = slot_v[p.slots].transpose(0, 1)[None].float()
+        q = query[p.start:p.start + p.q_len].transpose(0, 1)[None].float()  # [1, Hq, q_len, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)
-        out[p.start:p.start + p.q_len] = o.transpose(0, 1).to(out.dtype)
+        out[p.start:p.start + p.q_len] = o[0].transpose(0, 1).to(out.dtype)
     return out
