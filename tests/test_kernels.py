@@ -167,6 +167,22 @@ def test_cpu_decode_kernel_builds_and_serves_float32_decodes(threads, monkeypatc
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
+def test_cpu_decode_kernel_leaves_subnormals_alone(tmp_path):
+    """Built afresh and loaded, the library must not switch on flush-to-zero for the process (what
+    -ffast-math in a shared library does with GCC before 13): subnormal floats still compute."""
+    script = (
+        "from inflight.ops import cpu_kernels\n"
+        "assert 5e-324 * 1.0 != 0.0\n"
+        "assert cpu_kernels.decode_attention() is not None\n"
+        "assert 5e-324 * 1.0 != 0.0, 'loading the kernel turned on flush-to-zero'\n"
+    )
+    env = {**os.environ, "INFLIGHT_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT / "backend")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / "cpu_kernels").glob("*.so")), "the kernel was not built afresh"
+
+
 def test_cpu_decode_kernel_falls_back_where_no_compiler_works(tmp_path):
     """A compiler that fails: a warning naming it, and attention through torch operations, correct."""
     script = (

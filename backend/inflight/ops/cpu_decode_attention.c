@@ -11,6 +11,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#if defined(__x86_64__) && defined(__GLIBC__)
+/* glibc's vector expf (libmvec), which <math.h> declares only under -ffast-math. That flag is not used:
+   in a shared library, GCC before 13 links a constructor that turns on flush-to-zero for the thread
+   that loads it, which would change every later float operation of the engine. */
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE float dot(const float *a, const float *b, const int64_t n) {
@@ -61,6 +69,7 @@ ALWAYS_INLINE void attend(const float *q, const int64_t *table, const float *k_c
     })
     for (int64_t r = 0; r < rows; r++) {
         float *sr = scores + r * len, top = sr[0], total = 0.0f;
+#pragma omp simd reduction(max : top)
         for (int64_t j = 1; j < len; j++) top = sr[j] > top ? sr[j] : top;
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < len; j++) {
