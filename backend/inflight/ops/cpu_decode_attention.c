@@ -1,11 +1,12 @@
 /* Decode attention on a CPU, float32, straight from the paged cache: one query token per sequence.
 
-   Built and loaded by cpu_kernels.py. Work item: (decode i, KV head h), whose G = Hq / Hkv query heads
-   share the rows it reads. For each of those heads in turn: its scores against every visible key, block
-   by block of the block table; their softmax (float32, max subtracted); the weighted sum of the value
-   rows. The first head's walks bring the rows from memory (prefetched a block ahead); the others find
-   them in the core's cache, so each row of the context is read from memory once. Items run in parallel
-   on the OpenMP runtime torch has already loaded (same soname), with torch's thread count passed in. */
+   Built and loaded by cpu_kernels.py. Work item: a decode with all its KV heads, or one KV head of it
+   while decodes are too few to keep the threads busy. Pass 1 walks its key rows in block-table order,
+   whole (every KV head of the item: contiguous memory), the next block prefetched, and scores each row
+   against the query heads it serves; pass 2 takes the softmax per query head (float32, max subtracted);
+   pass 3 walks the value rows the same way into per-head sums. Each row of the context is read from
+   memory once. Items run in parallel on the OpenMP runtime torch has already loaded (same soname), with
+   torch's thread count passed in. */
 
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +34,7 @@ ALWAYS_INLINE void add_scaled(float *acc, const float *row, float weight, const 
     for (int64_t d = 0; d < n; d++) acc[d] += weight * row[d];
 }
 
-/* The rows of one (sequence, KV head), through its block table: BODY for each (POSITION, ROW) in order,
+/* The rows of one decode, through its block table: BODY for each (POSITION, ROW) in order,
    while the same position of the next block is prefetched: the blocks of a table lie anywhere in the
    cache, where the hardware's prefetcher cannot follow. */
 #define FOR_EACH_ROW(CACHE, POSITION, ROW, BODY)                                                       \
