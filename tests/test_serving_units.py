@@ -96,6 +96,22 @@ def test_settings_split_and_unknown_keys():
     assert split_settings({"model": "m", "overlap_sending": False})[1].overlap_sending is False
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_sends_overlap_the_next_step_unless_a_cpu_engine_shares_the_process(device):
+    """Left to the device (null): a CPU engine on a thread of the model's process waits for its step's
+    sends (they would preempt its torch threads); in a process of its own, or on a GPU, it steps on."""
+    on_delta = lambda delta: None  # noqa: E731
+    here = EngineThread(make_engine=lambda: None, on_delta=on_delta, senders=1)
+    apart = EngineProcess({"model": "m"}, on_delta=on_delta, senders=1)
+    for engine_thread in (here, apart):
+        engine_thread._configure_for(device)
+    assert here._overlap_sending is (device != "cpu")
+    assert apart._overlap_sending is True
+    forced = EngineProcess({"model": "m"}, on_delta=on_delta, senders=1, overlap_sending=False)
+    forced._configure_for(device)
+    assert forced._overlap_sending is False
+
+
 def test_each_gpu_instance_gets_its_own_gpus():
     # KIND_GPU, instance_group gpus [0, 2] with tensor parallelism 2: instances on GPUs 0-1 and 2-3.
     settings = {"model": "m", "device": "cuda", "tensor_parallel_size": 2}

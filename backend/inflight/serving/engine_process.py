@@ -65,6 +65,8 @@ class RemoteEngine:
 
 
 class EngineProcess(EngineThread):
+    ENGINE_IN_THIS_PROCESS = False
+
     def __init__(self, settings: dict, faults: str | None = None, **thread_options):
         """`settings`: the engine's (LLM(**settings)); `faults`: a fault-injection spec (faults.py);
         the rest as EngineThread's, but make_engine."""

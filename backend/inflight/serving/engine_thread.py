@@ -37,6 +37,9 @@ GPU_SENDERS = 4  # sender threads for an engine on a GPU, when not set
 
 
 class EngineThread:
+    # The model runs in this process, on the cores its sends would use (EngineProcess: in its own).
+    ENGINE_IN_THIS_PROCESS = True
+
     def __init__(self, make_engine: Callable[[], LLMEngine],
                  on_delta: Callable[[RequestDelta], None],
                  poll_cancelled: Callable[[], list[str]] = lambda: [],
@@ -49,8 +52,8 @@ class EngineThread:
         requests to abort. on_step(engine.stats()) runs after every step and when idle. on_dead(reason)
         runs once, on the responder thread, when the engine has stopped for good. Polling can cost a
         message to the server per request, so it runs at most every `poll_interval_s`.
-        `overlap_sending`: send a step's responses while the next step runs; None: only when the engine
-        is not on CPU. `report_interval_s`: on_step's least interval while the engine steps. `senders`:
+        `overlap_sending`: send a step's responses while the next step runs; None: unless the engine
+        runs on CPU in this process. `report_interval_s`: on_step's least interval while the engine steps. `senders`:
         threads calling on_delta at once for different requests (worth it when on_delta waits, as a
         Triton response sender does for the server's reply, without holding the interpreter lock); None:
         GPU_SENDERS when the engine is not on CPU, else 1. `profiling`: time the parts of the work in
@@ -141,10 +144,11 @@ class EngineThread:
             self._report_step()
 
     def _configure_for(self, device_type: str) -> None:
-        """Settings left to the engine's device: overlapped sending and sender threads off a CPU."""
+        """Settings left to the engine's device: sender threads off a CPU; overlapped sending, except
+        for a CPU engine in this process, whose torch threads the sends would preempt."""
         on_cpu = device_type == "cpu"
         if self._overlap_sending is None:
-            self._overlap_sending = not on_cpu
+            self._overlap_sending = not (on_cpu and self.ENGINE_IN_THIS_PROCESS)
         if self._num_senders is None:
             self._num_senders = 1 if on_cpu else GPU_SENDERS
         if self._num_senders > 1:
