@@ -80,12 +80,14 @@ class TritonServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def _metrics_text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
     def metrics(self) -> dict[str, float]:
         """The inflight_* samples on the metrics port, by name (labels dropped; histograms by suffix)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
         values = {}
-        for line in text.splitlines():
+        for line in self._metrics_text().splitlines():
             m = re.match(r"^(inflight_\w+?)(\{[^}]*\})?\s+(\S+)$", line)
             if m and 'le="' not in (m.group(2) or ""):
                 values[m.group(1)] = float(m.group(3))
@@ -94,8 +96,7 @@ class TritonServer:
     def serving_profile(self) -> dict[str, tuple[float, float, float]]:
         """The serving process's profile so far (backend/inflight/serving/profile.py): part -> (wall
         seconds, CPU seconds, times run)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
+        text = self._metrics_text()
         columns = {"inflight_serving_seconds_total": 0, "inflight_serving_cpu_seconds_total": 1,
                    "inflight_serving_events_total": 2}
         profile: dict[str, list[float]] = {}

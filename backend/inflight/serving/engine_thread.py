@@ -53,11 +53,11 @@ class EngineThread:
         runs once, on the responder thread, when the engine has stopped for good. Polling can cost a
         message to the server per request, so it runs at most every `poll_interval_s`.
         `overlap_sending`: send a step's responses while the next step runs; None: unless the engine
-        runs on CPU in this process. `report_interval_s`: on_step's least interval while the engine steps. `senders`:
-        threads calling on_delta at once for different requests (worth it when on_delta waits, as a
-        Triton response sender does for the server's reply, without holding the interpreter lock); None:
-        GPU_SENDERS when the engine is not on CPU, else 1. `profiling`: time the parts of the work in
-        `profile` (profile.py)."""
+        runs on CPU in this process. `report_interval_s`: on_step's least interval while the engine
+        steps. `senders`: threads calling on_delta at once for different requests (worth it when
+        on_delta waits, as a Triton response sender does for the server's reply, without holding the
+        interpreter lock); None: GPU_SENDERS when the engine is not on CPU, else 1. `profiling`: time
+        the parts of the work in `profile` (profile.py)."""
         self._make_engine = make_engine
         self.engine: LLMEngine | None = None
         self._ready = threading.Event()

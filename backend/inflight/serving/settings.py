@@ -26,7 +26,8 @@ class ServingSettings:
     # Also export where the serving process spends its time (serving/profile.py), as
     # inflight_serving_*_total{part=...} counters: about 20 more messages each metrics_interval_s.
     serving_profile: bool = False
-    # Send a step's responses while the next step runs (null: only off CPU; see engine_thread.py).
+    # Send a step's responses while the next step runs (null: unless the engine runs on CPU on a thread
+    # of the model's process; see engine_thread.py).
     overlap_sending: bool | None = None
     # Run the engine in a process of its own (engine_process.py), so that building and sending responses
     # here never waits for the engine's host work; false: on a thread of the Triton model's process.
