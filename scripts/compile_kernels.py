@@ -66,7 +66,8 @@ def multiples_of_16(kernel, heads: int, head_dim: int) -> set[str]:
     """The integer arguments that are multiples of 16 at every launch for this shape: the strides of
     query, output, new keys and values and the caches are multiples of head_dim (attention.py passes
     views of transformers' [1, heads, T, D] tensors), `num_heads` is the model's. Token and sequence
-    counts and the block table's width vary: the generic variant is compiled for them."""
+    counts are never specialized (triton_ops), and the block table's width depends on max_model_len: the
+    generic variant is compiled for them."""
     names = {name for name in kernel.arg_names if name.startswith("stride_") and name != "stride_bt"}
     if head_dim % 16:
         names = set()

@@ -123,6 +123,50 @@ def test_decode_splits_fill_the_gpu():
     assert decode_splits(64, 1, 132) == 8  # 64 x 4 = 256 is still short of 264
 
 
+def test_start_up_compiles_every_attention_variant_without_writing_kv(tiny_models, hf_reference, monkeypatch):
+    """The start-up warm-up (kernel_warmup.py, run on a GPU) launches the kernels as a prefill step and a
+    decode step of each split count would, writes nothing into the KV cache, and leaves the engine's
+    output as it was; here through the interpreter, with a made-up SM count."""
+    from conftest import random_prompts
+    from inflight import LLM, SamplingParams
+    from inflight.kernel_warmup import compile_attention_kernels, decode_batch_per_split_count
+    from inflight.ops import triton_ops
+
+    assert decode_batch_per_split_count(128, 3, 132) == {16: 1, 8: 11, 4: 22, 2: 44, 1: 88}
+    assert all(triton_ops.decode_splits(seqs, 8, 132) == splits
+               for splits, seqs in decode_batch_per_split_count(256, 8, 132).items())
+    monkeypatch.setenv("INFLIGHT_ATTENTION", "triton")
+    model = tiny_models["mistral"]  # sliding-window layers
+    llm = LLM(model, num_kv_blocks=32, max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=False,
+              device="cpu", dtype="float32")
+    runner = llm.runner
+    launches = []
+    meta = triton_ops.attention_meta
+
+    def record(num_tokens, num_seqs, *args, **kwargs):
+        grid, constants = meta(num_tokens, num_seqs, *args, **kwargs)
+        launches.append((num_tokens, constants["NUM_SPLITS"]))
+        return grid, constants
+
+    monkeypatch.setattr(triton_ops, "attention_meta", record)
+    # As on a GPU of 2 SMs (on a CPU, decodes are never split).
+    monkeypatch.setattr(triton_ops, "_default_splits", lambda query, seqs, kv_heads: (
+        triton_ops.decode_splits(seqs, kv_heads, 2) if query.shape[0] == seqs else 1))
+    runner.kv_cache.fill_(7.0)
+    compile_attention_kernels(runner._forward, runner.buffers, 4, 32, runner.num_kv_heads, runner.block_size, 2)
+    assert bool((runner.kv_cache == 7.0).all()), "the warm-up wrote into the KV cache"
+    # A prefill of 16 tokens, then decodes of 1 and 2 sequences: 1 x 2 KV heads needs 2 splits to give each
+    # of 2 SMs 2 programs, 2 x 2 needs none; those are all the split counts batches up to 4 can have.
+    per_layer = sorted(set(launches))
+    assert per_layer == [(1, 2), (2, 1), (16, 1)], per_layer
+    assert {splits for tokens, splits in per_layer if tokens < 16} == {
+        triton_ops.decode_splits(seqs, runner.num_kv_heads, 2) for seqs in range(1, 5)}
+    runner.kv_cache.zero_()
+    prompts = random_prompts(3, 5, 40, vocab=512, seed=3)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert [out.token_ids for out in outs] == [hf_reference(model, prompt, 6) for prompt in prompts]
+
+
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["c-kernel", "gathered"])
 @pytest.mark.parametrize("sliding_window", [None, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

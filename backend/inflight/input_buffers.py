@@ -89,6 +89,14 @@ def empty_step() -> StepInputs:
     return StepInputs(none, none, none, np.zeros(1, dtype=np.int64), none, np.zeros((0, 0), dtype=np.int64), none)
 
 
+def empty_prefill(tokens: int, block_size: int) -> StepInputs:
+    """A prefill step of `tokens` tokens of one sequence that writes no KV (slot -1) and reads whatever
+    block 0 holds: for compiling, its output is thrown away."""
+    ints = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
+    return StepInputs(ints([0] * tokens), ints(range(tokens)), ints([-1] * tokens), ints([0, tokens]), ints([tokens]),
+                      np.zeros((1, -(-tokens // block_size)), dtype=np.int64), ints([tokens - 1]))
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks

@@ -18,7 +18,8 @@ from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, Attent
 from .config import EngineConfig
 from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available
 from .cuda_graphs import DecodeGraphs
-from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_step
+from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill, empty_step
+from .kernel_warmup import compile_attention_kernels
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,10 @@ class ModelRunner:
         self._model_call = self.model
         if config.torch_compile:
             self._compile()
+        if self.device.type == "cuda" and self.attention_impl == "triton":
+            compile_attention_kernels(self._forward, self.buffers, config.max_num_seqs, config.max_num_batched_tokens,
+                                      self.num_kv_heads, self.block_size,
+                                      torch.cuda.get_device_properties(self.device).multi_processor_count)
         self.graphs = None
         if self._use_cuda_graphs():
             self.graphs = DecodeGraphs(self._forward, self.buffers, config.max_num_seqs)
@@ -80,10 +85,7 @@ class ModelRunner:
         and compile now on a prefill and a decode step of nothing (no KV written) rather than in a request."""
         started = time.perf_counter()
         self._model_call = torch.compile(self.model, dynamic=True)
-        n = min(16, self.config.max_num_batched_tokens)
-        ints = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
-        prefill = StepInputs(ints([0] * n), ints(range(n)), ints([-1] * n), ints([0, n]), ints([n]),
-                             np.zeros((1, -(-n // self.block_size)), dtype=np.int64), ints([n - 1]))
+        prefill = empty_prefill(min(16, self.config.max_num_batched_tokens), self.block_size)
         with torch.inference_mode():
             self._forward(self.buffers.load(prefill))
             self._forward(self.buffers.load(empty_step(), pad_seqs=min(2, self.config.max_num_seqs)))

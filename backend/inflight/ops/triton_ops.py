@@ -31,7 +31,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2_E = 1.4426950408889634  # folded into the scale: the softmax runs on exp2
 
 
-@triton.jit
+# Counts that change from step to step are not specialized: Triton's JIT would otherwise compile a
+# variant of a kernel for a count of 1, one for multiples of 16 and one for the rest, each the first
+# time a step has one, in the middle of a request. The strides stay specialized (fixed per model).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -133,7 +136,7 @@ def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
