@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -142,7 +143,7 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int, **setti
         llm.step()
         sync()
         walls.append(time.perf_counter() - start)
-    result = {"wall_ms": 1000 * statistics.median(walls), "gpu_ms": None, "launches": None}
+    result = {"wall_ms": 1000 * statistics.median(walls), "gpu_ms": None, "launches": None, "top": []}
     if device == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -154,6 +155,7 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int, **setti
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             result["gpu_ms"] = sum(e.time_range.elapsed_us() for e in kernels) / 1000 / steps
             result["launches"] = len(kernels) / steps
+            result["top"] = top_kernels(kernels, steps)
         except Exception as e:  # noqa: BLE001 - the profiler's event API moves between torch versions
             print(f"could not read the profile: {type(e).__name__}: {e}", file=sys.stderr)
     for request_id in llm.unfinished_request_ids():
@@ -162,6 +164,17 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int, **setti
     del llm
     release()
     return result
+
+
+def top_kernels(kernels, steps: int, count: int = 8) -> list[str]:
+    """Where a step's GPU time goes: the `count` kernels of most time, per step, with their launches."""
+    time_us, launches = Counter(), Counter()
+    for event in kernels:
+        time_us[event.name] += event.time_range.elapsed_us()
+        launches[event.name] += 1
+    total = sum(time_us.values()) or 1
+    return [f"{us / 1000 / steps:.3f} ms ({us / total:.0%}), {launches[name] / steps:.0f} launches: {name[:100]}"
+            for name, us in time_us.most_common(count)]
 
 
 def offline(model_dir: str, device: str, work: Workload, static_batch: int, skip: set[str]):
@@ -281,6 +294,7 @@ def main() -> None:
         report.add("", f"| decode step, {sequences} sequences sampling at temperature 1 | wall (ms) | GPU busy (ms) "
                        "| kernel launches |",
                    "|---|---:|---:|---:|")
+        top = []
         for (name, model_dir), (key, (mode, settings)) in itertools.product(built.items(), MODES.items()):
             if key in skip:
                 continue
@@ -288,6 +302,9 @@ def main() -> None:
             gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
             launches = "-" if r["launches"] is None else f"{r['launches']:.0f}"
             report.add(f"| {name}, {mode} | {r['wall_ms']:.2f} | {gpu} | {launches} |")
+            top += [f"{name}, {mode}:"] + [f"  {line}" for line in r["top"]] if r["top"] else []
+        if top:
+            report.add("", "GPU time of a decode step by kernel (the most costly):", "```", *top, "```")
         name, model_dir = list(built.items())[-1]
         report.add("", f"| offline, {name}: {len(work.prompts)} requests, inputs and outputs "
                        f"{min(map(len, work.prompts))}-{max(map(len, work.prompts))} / "
