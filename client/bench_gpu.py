@@ -178,44 +178,67 @@ def top_kernels(kernels, steps: int, count: int = 8) -> list[str]:
 
 
 def offline(model_dir: str, device: str, work: Workload, static_batch: int, skip: set[str]):
-    """(system, output tok/s) of each system on `work`, EOS ignored, as each finishes."""
+    """(system, output tok/s or the error that stopped it) of each system on `work`, EOS ignored, as
+    each finishes: the engine's default mode first, then the HF peers, then the engine's other modes (a
+    run cut short by its time limit keeps the comparison that matters)."""
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    keys = [key for key, (_, settings) in MODES.items() if key not in skip and settings["cuda_graphs"]]
+    for key in keys[:1]:
+        yield attempt(f"inflight, {MODES[key][0]}", lambda: run_engine(model_dir, device, dtype, work, key))
+    if not {"hf-cb", "hf-static"} <= skip:
+        model = load_hf(model_dir, getattr(torch, dtype), device)
+        best = dict(use_cuda_graph=True, use_async_batching=True) if device == "cuda" else {}
+        if "hf-cb" not in skip:
+            yield attempt(f"HF continuous batching (budget 2048{', CUDA graphs, async' if best else ''})",
+                          lambda: ("", work.output_tokens / run_hf_continuous(model, work, 2048, **best)))
+        if "hf-static" not in skip:  # it pads every batch to its longest output: one batch gives its rate
+            part = Workload(work.prompts[:static_batch], work.output_lens[:static_batch])
+            yield attempt(f"HF static batching (one batch of {static_batch} of these requests)",
+                          lambda: ("", part.output_tokens / run_hf_static(model, part, static_batch)))
+        del model
+        release()
+    for key in keys[1:]:
+        yield attempt(f"inflight, {MODES[key][0]}", lambda: run_engine(model_dir, device, dtype, work, key))
+
+
+def attempt(system: str, run) -> tuple[str, str]:
+    """(system and what run() says of its run, its output tok/s), or the error that stopped it: one
+    failing system leaves the others their measurement."""
+    try:
+        details, tps = run()
+        return f"{system}{details}", f"{tps:,.0f}"
+    except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+        message = failure(e)
+    release()  # once the traceback, which holds the failed run's engine, is gone
+    return system, message
+
+
+def failure(error: Exception) -> str:
+    """A table cell for a measurement that raised."""
+    return f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+
+def run_engine(model_dir: str, device: str, dtype: str, work: Workload, mode: str) -> tuple[str, float]:
     from inflight import SamplingParams
 
-    dtype = "bfloat16" if device == "cuda" else "float32"
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
-    for key, (mode, settings) in MODES.items():
-        if key in skip or not settings["cuda_graphs"]:
-            continue
-        llm = engine(model_dir, device, dtype, max_num_seqs=256, max_num_batched_tokens=4096, **settings)
-        llm.generate(work.prompts[:8], params[:8])  # warm-up
-        steps, replays, overlapped = llm.num_steps, getattr(llm.runner.graphs, "replays", 0), llm.num_pipelined_steps
-        start = time.perf_counter()
-        outs = llm.generate(work.prompts, params)
-        sync()
-        seconds = time.perf_counter() - start
-        done = sum(len(o.token_ids) for o in outs if o.finish_reason == "length")
-        if done != work.output_tokens:
-            raise RuntimeError(f"inflight produced {done} of {work.output_tokens} output tokens: "
-                               f"{[o.finish_reason for o in outs if o.finish_reason != 'length'][:3]}")
-        steps, replays = llm.num_steps - steps, getattr(llm.runner.graphs, "replays", 0) - replays
-        overlapped = llm.num_pipelined_steps - overlapped
-        yield (f"inflight, {mode} (max_num_seqs 256, budget 4096; {steps} steps, {replays} from CUDA graphs, "
-               f"{overlapped} overlapped, mean {1000 * seconds / steps:.2f} ms)"), work.output_tokens / seconds
-        del llm
-        release()
-    if {"hf-cb", "hf-static"} <= skip:
-        return
-    model = load_hf(model_dir, getattr(torch, dtype), device)
-    best = dict(use_cuda_graph=True, use_async_batching=True) if device == "cuda" else {}
-    if "hf-cb" not in skip:
-        yield (f"HF continuous batching (budget 2048{', CUDA graphs, async' if best else ''})",
-               work.output_tokens / run_hf_continuous(model, work, 2048, **best))
-    if "hf-static" not in skip:  # it pads every batch to its longest output: one batch gives its rate
-        part = Workload(work.prompts[:static_batch], work.output_lens[:static_batch])
-        yield (f"HF static batching (one batch of {static_batch} of these requests)",
-               part.output_tokens / run_hf_static(model, part, static_batch))
-    del model
+    llm = engine(model_dir, device, dtype, max_num_seqs=256, max_num_batched_tokens=4096, **MODES[mode][1])
+    llm.generate(work.prompts[:8], params[:8])  # warm-up
+    steps, replays, overlapped = llm.num_steps, getattr(llm.runner.graphs, "replays", 0), llm.num_pipelined_steps
+    start = time.perf_counter()
+    outs = llm.generate(work.prompts, params)
+    sync()
+    seconds = time.perf_counter() - start
+    done = sum(len(o.token_ids) for o in outs if o.finish_reason == "length")
+    if done != work.output_tokens:
+        raise RuntimeError(f"inflight produced {done} of {work.output_tokens} output tokens: "
+                           f"{[o.finish_reason for o in outs if o.finish_reason != 'length'][:3]}")
+    steps, replays = llm.num_steps - steps, getattr(llm.runner.graphs, "replays", 0) - replays
+    overlapped = llm.num_pipelined_steps - overlapped
+    del llm
     release()
+    return (f" (max_num_seqs 256, budget 4096; {steps} steps, {replays} from CUDA graphs, {overlapped} overlapped, "
+            f"mean {1000 * seconds / steps:.2f} ms)"), work.output_tokens / seconds
 
 
 def host_profile(model_dir: str, sequences: int, steps: int) -> str:
@@ -295,10 +318,18 @@ def main() -> None:
                        "| kernel launches |",
                    "|---|---:|---:|---:|")
         top = []
-        for (name, model_dir), (key, (mode, settings)) in itertools.product(built.items(), MODES.items()):
+        # Mode by mode, the default first: a run cut short keeps both shapes' figures of what matters.
+        for (key, (mode, settings)), (name, model_dir) in itertools.product(MODES.items(), built.items()):
             if key in skip:
                 continue
-            r = decode_step(model_dir, device, sequences, steps, **settings)
+            try:
+                r = decode_step(model_dir, device, sequences, steps, **settings)
+            except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+                r = failure(e)
+            if isinstance(r, str):
+                release()  # once the traceback, which holds the failed step's engine, is gone
+                report.add(f"| {name}, {mode} | {r} | | |")
+                continue
             gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
             launches = "-" if r["launches"] is None else f"{r['launches']:.0f}"
             report.add(f"| {name}, {mode} | {r['wall_ms']:.2f} | {gpu} | {launches} |")
@@ -311,7 +342,7 @@ def main() -> None:
                        f"{min(work.output_lens)}-{max(work.output_lens)} tokens, {work.output_tokens} output tokens "
                        "| output tok/s |", "|---|---:|")
         for system, tps in offline(model_dir, device, work, 64, skip):
-            report.add(f"| {system} | {tps:,.0f} |")
+            report.add(f"| {system} | {tps} |")
         if args.host_profile and device == "cuda":
             report.add("", f"host profile, {name}, decode steps of {sequences} sequences:", "```",
                        host_profile(model_dir, sequences, 20), "```")
