@@ -102,18 +102,25 @@ def sdpa_backend(call) -> str:
     return "?"
 
 
-def sweep(run, grid: dict) -> tuple[float, dict]:
-    """The fastest launch parameters of `run(**params)` over `grid`; variants that fail to compile or
-    launch (too much shared memory) are skipped."""
-    best = (float("inf"), {})
+def sweep(run, grid: dict, by: tuple[str, ...]) -> str:
+    """The fastest launch parameters of `run(**params)` over `grid`, and the fastest time for each value
+    of the parameters `by` (what a rule for the engine's defaults is chosen from); variants that fail to
+    compile or launch (too much shared memory) are skipped."""
+    times = []
     for values in itertools.product(*grid.values()):
         params = dict(zip(grid, values))
         try:
-            seconds = timed(lambda: run(**params), iters=10)
+            times.append((timed(lambda: run(**params), iters=10), params))
         except Exception:  # noqa: BLE001 - an impossible variant on this GPU
             continue
-        best = min(best, (seconds, params), key=lambda item: item[0])
-    return best
+    if not times:
+        return "no variant ran"
+    seconds, params = min(times, key=lambda item: item[0])
+    per_value = {}
+    for t, p in sorted(times, key=lambda item: item[0]):
+        per_value.setdefault(tuple(p[key] for key in by), t)
+    return (f"{seconds * 1e3:.3f} ms: {params}; fastest by {'/'.join(by)}: "
+            + ", ".join(f"{'/'.join(map(str, value))} {t * 1e3:.3f}" for value, t in sorted(per_value.items())))
 
 
 def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: bool) -> None:
@@ -155,8 +162,8 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         row = (f"| {name} | {ours * 1e3:.3f} | {theirs * 1e3:.3f}, {sdpa_backend(sdpa)} | {ours / theirs:.2f}x "
                f"| {rate} |")
         if do_sweep:
-            seconds, params = sweep(ours_with, SWEEP_DECODE if decode else SWEEP_PREFILL)
-            row += f" {seconds * 1e3:.3f} ms: {params} |"
+            grid, by = (SWEEP_DECODE, ("tile_n",)) if decode else (SWEEP_PREFILL, ("block_m", "tile_n"))
+            row += f" {sweep(ours_with, grid, by)} |"
         print(row, flush=True)
 
 
