@@ -72,9 +72,10 @@ class ModelRunner:
         if config.torch_compile:
             self._compile()
         if self.device.type == "cuda" and self.attention_impl == "triton":
+            # Every rank must run the same warm-up steps (their forwards meet in collectives).
+            num_sms = self._smallest_over_ranks(torch.cuda.get_device_properties(self.device).multi_processor_count)
             compile_attention_kernels(self._forward, self.buffers, config.max_num_seqs, config.max_num_batched_tokens,
-                                      self.num_kv_heads, self.block_size,
-                                      torch.cuda.get_device_properties(self.device).multi_processor_count)
+                                      self.num_kv_heads, self.block_size, num_sms)
         self.graphs = None
         if self._use_cuda_graphs():
             self.graphs = DecodeGraphs(self._forward, self.buffers, config.max_num_seqs)
@@ -146,16 +147,20 @@ class ModelRunner:
             else:
                 free = psutil.virtual_memory().available
             budget = int(free * fraction)
-        blocks = budget // self.bytes_per_block
-        if self.world_size > 1:  # every rank holds the same block ids: the smallest pool wins
-            smallest = torch.tensor([blocks], device=self.device)
-            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-            blocks = int(smallest.item())
+        blocks = self._smallest_over_ranks(budget // self.bytes_per_block)  # every rank holds the same block ids
         if blocks < 1:
             raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, self.block_size,
                     blocks * self.bytes_per_block / 2**30)
         return blocks
+
+    def _smallest_over_ranks(self, value: int) -> int:
+        """`value` on one rank; under tensor parallelism, the smallest of every rank's."""
+        if self.world_size == 1:
+            return value
+        smallest = torch.tensor([value], device=self.device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        return int(smallest.item())
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
