@@ -126,7 +126,7 @@ def test_decode_splits_fill_the_gpu():
 def test_start_up_compiles_every_attention_variant_without_writing_kv(tiny_models, hf_reference, monkeypatch):
     """The start-up warm-up (kernel_warmup.py, run on a GPU) launches the kernels as a prefill step and a
     decode step of each split count would, writes nothing into the KV cache, and leaves the engine's
-    output as it was; here through the interpreter, with a made-up SM count."""
+    output as it was; with a made-up SM count (and through the interpreter on a CPU)."""
     from conftest import random_prompts
     from inflight import LLM, SamplingParams
     from inflight.kernel_warmup import compile_attention_kernels, decode_batch_per_split_count
@@ -138,7 +138,7 @@ def test_start_up_compiles_every_attention_variant_without_writing_kv(tiny_model
     monkeypatch.setenv("INFLIGHT_ATTENTION", "triton")
     model = tiny_models["mistral"]  # sliding-window layers
     llm = LLM(model, num_kv_blocks=32, max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=False,
-              device="cpu", dtype="float32")
+              device=DEVICE, dtype="float32")
     runner = llm.runner
     launches = []
     meta = triton_ops.attention_meta
@@ -149,7 +149,7 @@ def test_start_up_compiles_every_attention_variant_without_writing_kv(tiny_model
         return grid, constants
 
     monkeypatch.setattr(triton_ops, "attention_meta", record)
-    # As on a GPU of 2 SMs (on a CPU, decodes are never split).
+    # As on a GPU of 2 SMs (on a CPU the kernels never split decodes).
     monkeypatch.setattr(triton_ops, "_default_splits", lambda query, seqs, kv_heads: (
         triton_ops.decode_splits(seqs, kv_heads, 2) if query.shape[0] == seqs else 1))
     runner.kv_cache.fill_(7.0)
