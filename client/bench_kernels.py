@@ -38,7 +38,8 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
     "llama3-8b": (32, 8, 128),
     "smollm2": (9, 3, 64),
 }
-SWEEP_DECODE = {"num_splits": [1, 4, 16], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+# 64 splits: beyond the engine's cap of 16 (triton_ops.MAX_SPLITS), to learn whether few long contexts want more.
+SWEEP_DECODE = {"num_splits": [1, 4, 16, 64], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
@@ -102,10 +103,10 @@ def sdpa_backend(call) -> str:
     return "?"
 
 
-def sweep(run, grid: dict, by: tuple[str, ...]) -> str:
-    """The fastest launch parameters of `run(**params)` over `grid`, and the fastest time for each value
-    of the parameters `by` (what a rule for the engine's defaults is chosen from); variants that fail to
-    compile or launch (too much shared memory) are skipped."""
+def sweep(run, grid: dict, groupings: list[tuple[str, ...]]) -> str:
+    """The fastest launch parameters of `run(**params)` over `grid`, and for each grouping the fastest
+    time at each value of its parameters (what a rule for the engine's defaults is chosen from);
+    variants that fail to compile or launch (too much shared memory) are skipped."""
     times = []
     for values in itertools.product(*grid.values()):
         params = dict(zip(grid, values))
@@ -116,11 +117,14 @@ def sweep(run, grid: dict, by: tuple[str, ...]) -> str:
     if not times:
         return "no variant ran"
     seconds, params = min(times, key=lambda item: item[0])
-    per_value = {}
-    for t, p in sorted(times, key=lambda item: item[0]):
-        per_value.setdefault(tuple(p[key] for key in by), t)
-    return (f"{seconds * 1e3:.3f} ms: {params}; fastest by {'/'.join(by)}: "
-            + ", ".join(f"{'/'.join(map(str, value))} {t * 1e3:.3f}" for value, t in sorted(per_value.items())))
+    summary = f"{seconds * 1e3:.3f} ms: {params}"
+    for by in groupings:
+        per_value = {}
+        for t, p in sorted(times, key=lambda item: item[0]):
+            per_value.setdefault(tuple(p[key] for key in by), t)
+        summary += f"; fastest by {'/'.join(by)}: " + ", ".join(
+            f"{'/'.join(map(str, value))} {t * 1e3:.3f}" for value, t in sorted(per_value.items()))
+    return summary
 
 
 def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: bool) -> None:
@@ -162,8 +166,9 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         row = (f"| {name} | {ours * 1e3:.3f} | {theirs * 1e3:.3f}, {sdpa_backend(sdpa)} | {ours / theirs:.2f}x "
                f"| {rate} |")
         if do_sweep:
-            grid, by = (SWEEP_DECODE, ("tile_n",)) if decode else (SWEEP_PREFILL, ("block_m", "tile_n"))
-            row += f" {sweep(ours_with, grid, by)} |"
+            grid, groupings = ((SWEEP_DECODE, [("tile_n",), ("num_splits",)]) if decode
+                               else (SWEEP_PREFILL, [("block_m", "tile_n")]))
+            row += f" {sweep(ours_with, grid, groupings)} |"
         print(row, flush=True)
 
 
