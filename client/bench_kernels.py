@@ -117,11 +117,12 @@ def sweep(run, grid: dict, groupings: list[tuple[str, ...]]) -> str:
             continue
     if not times:
         return "no variant ran"
-    seconds, params = min(times, key=lambda item: item[0])
+    ranked = sorted(times, key=lambda item: item[0])
+    seconds, params = ranked[0]
     summary = f"{seconds * 1e3:.3f} ms: {params}"
     for by in groupings:
         per_value = {}
-        for t, p in sorted(times, key=lambda item: item[0]):
+        for t, p in ranked:
             per_value.setdefault(tuple(p[key] for key in by), t)
         summary += f"; fastest by {'/'.join(by)}: " + ", ".join(
             f"{'/'.join(map(str, value))} {t * 1e3:.3f}" for value, t in sorted(per_value.items()))

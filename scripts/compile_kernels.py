@@ -88,8 +88,8 @@ def compile_variant(kernel, constants: dict, dtype: torch.dtype, arch: int, hint
 
 
 def resource_usage(ptx: str) -> dict[str, int]:
-    """Registers, stack frame and spill stores per thread, from Triton's own ptxas run verbosely on the
-    kernel's PTX (spill stores mean ptxas ran out of registers)."""
+    """Registers and spill stores per thread, from Triton's own ptxas run verbosely on the kernel's PTX
+    (spill stores mean ptxas ran out of registers)."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
@@ -97,10 +97,8 @@ def resource_usage(ptx: str) -> dict[str, int]:
         target = re.search(r"^\.target (\w+)", ptx, re.MULTILINE).group(1)  # sm_90a on Hopper
         report = subprocess.run([str(ptxas), "-v", f"--gpu-name={target}", f.name, "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr
-    usage = {"registers": int(re.search(r"Used (\d+) registers", report).group(1))}
-    usage["stack"] = int(re.search(r"(\d+) bytes stack frame", report).group(1))
-    usage["spills"] = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    return usage
+    return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+            "spills": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
 
 
 def variants(dtypes: list[torch.dtype], block_size: int = 16):
