@@ -71,3 +71,23 @@ def test_torch_compile_matches_hf(tiny_models, hf_reference, device):
                     torch_compile=True, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
     assert counters["stats"]["unique_graphs"] > graphs_before, "the model was meant to run compiled"
 
+
+
+def test_torch_compile_compiles_every_step_shape_at_start_up(tiny_models):
+    """Under torch_compile no request waits for a compile: start-up compiles a step of each shape class
+    (compile_warmup.py), and then a lone one-token prompt and lone decodes, prompt chunks that sample
+    nothing, mixed steps sampling several rows and prompt logprobs all run what it compiled."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", torch_compile=True, num_kv_blocks=64,
+              max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=False)
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0, "the model was meant to run compiled"
+    prompts = random_prompts(5, 2, 100, vocab=512, seed=5)
+    llm.generate([[7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    llm.generate([prompts[1]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    llm.generate(prompts, GREEDY)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert llm.num_steps > 0
+    assert counters["stats"]["unique_graphs"] == compiled, "a step compiled a graph after start-up"
+    llm.block_manager.check_all_free()

@@ -89,12 +89,17 @@ def empty_step() -> StepInputs:
     return StepInputs(none, none, none, np.zeros(1, dtype=np.int64), none, np.zeros((0, 0), dtype=np.int64), none)
 
 
-def empty_prefill(tokens: int, block_size: int) -> StepInputs:
-    """A prefill step of `tokens` tokens of one sequence that writes no KV (slot -1) and reads whatever
-    block 0 holds: for compiling, its output is thrown away."""
+def empty_prefill(tokens: int, block_size: int, seqs: int = 1, sampled: bool = True) -> StepInputs:
+    """A prefill step of `tokens` tokens, split evenly over `seqs` sequences, that writes no KV (slot -1)
+    and reads whatever block 0 holds; logits at each sequence's last token where `sampled`, else none.
+    For compiling: its output is thrown away."""
     ints = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
-    return StepInputs(ints([0] * tokens), ints(range(tokens)), ints([-1] * tokens), ints([0, tokens]), ints([tokens]),
-                      np.zeros((1, -(-tokens // block_size)), dtype=np.int64), ints([tokens - 1]))
+    each = tokens // seqs
+    assert each * seqs == tokens, "the tokens must split evenly over the sequences"
+    cu_seqlens = ints(range(0, tokens + 1, each))
+    return StepInputs(ints([0] * tokens), ints(list(range(each)) * seqs), ints([-1] * tokens), cu_seqlens,
+                      ints([each] * seqs), np.zeros((seqs, -(-each // block_size)), dtype=np.int64),
+                      cu_seqlens[1:] - 1 if sampled else ints([]))
 
 
 class InputBuffers:

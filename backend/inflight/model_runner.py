@@ -17,8 +17,9 @@ from . import ops
 from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, AttentionContext
 from .config import EngineConfig
 from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available
+from .compile_warmup import compile_shape_classes
 from .cuda_graphs import DecodeGraphs
-from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill, empty_step
+from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs
 from .kernel_warmup import compile_attention_kernels
 from .scheduler import ScheduledBatch
 
@@ -83,13 +84,11 @@ class ModelRunner:
 
     def _compile(self) -> None:
         """torch.compile the model (our attention stays a graph break: attention.py), with dynamic shapes,
-        and compile now on a prefill and a decode step of nothing (no KV written) rather than in a request."""
+        and compile now, on a step of each shape class that writes no KV, rather than in a request."""
         started = time.perf_counter()
         self._model_call = torch.compile(self.model, dynamic=True)
-        prefill = empty_prefill(min(16, self.config.max_num_batched_tokens), self.block_size)
-        with torch.inference_mode():
-            self._forward(self.buffers.load(prefill))
-            self._forward(self.buffers.load(empty_step(), pad_seqs=min(2, self.config.max_num_seqs)))
+        compile_shape_classes(self._forward, self.buffers, self.config.max_num_batched_tokens,
+                              self.config.max_num_seqs, self.block_size)
         logger.info("torch.compile: compiled in %.1f s", time.perf_counter() - started)
 
     def _max_model_len(self) -> int:
