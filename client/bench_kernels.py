@@ -2,6 +2,7 @@
 
     make bench-kernels                       # needs a CUDA GPU: both shapes, the engine's launch parameters
     .venv/bin/python client/bench_kernels.py --sweep   # also every tile / split / warps / stages variant
+    .venv/bin/python client/bench_kernels.py --sweep --shapes smollm2 --mixes prefill   # a part of it
 
 For each mix it times: our kernel over the paged cache (one launch for the whole ragged batch, split-KV
 where the engine would split), and torch SDPA over the same sequences laid out contiguously and padded
@@ -41,7 +42,7 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
 # 64 splits: beyond the engine's cap of 16 (triton_ops.MAX_SPLITS), to learn whether few long contexts want more.
 # Decode keeps 4 warps: the 2026-11-30 sweep found 4 fastest on every decode mix (each variant compiles once).
 SWEEP_DECODE = {"num_splits": [1, 4, 16, 64], "tile_n": [32, 64, 128], "num_warps": [4], "num_stages": [2, 3, 4]}
-SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64], "num_warps": [4, 8], "num_stages": [2, 3]}
+SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
 def timed(fn, iters: int = 20) -> float:
@@ -129,7 +130,7 @@ def sweep(run, grid: dict, groupings: list[tuple[str, ...]]) -> str:
     return summary
 
 
-def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: bool) -> None:
+def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: bool, mixes: list[str]) -> None:
     from inflight.ops import triton_ops
 
     heads, kv_heads, head_dim = SHAPES[shape]
@@ -138,7 +139,8 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
           "(ours, SDPA) |" + (" fastest sweep variant |" if do_sweep else "")
           + "\n|---|---:|---:|---:|---:|" + ("---|" if do_sweep else ""))
     scale = head_dim ** -0.5
-    for name, seqs in MIXES.items():
+    for name in mixes:
+        seqs = MIXES[name]
         query, kc, vc, cu, seq_lens, tables = build(seqs, heads, kv_heads, head_dim, block_size, dtype)
         out = torch.empty_like(query)
 
@@ -180,7 +182,13 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--sweep", action="store_true", help="also try every launch-parameter variant")
+    parser.add_argument("--mixes", default="", help="only the mixes whose names contain one of these "
+                        "comma-separated words (e.g. prefill,32k), to fit a sweep into a GPU session's time")
     args = parser.parse_args()
+    words = list(filter(None, args.mixes.split(",")))
+    mixes = [name for name in MIXES if not words or any(word in name for word in words)]
+    if not mixes:
+        sys.exit(f"--mixes {args.mixes!r} names none of: {', '.join(MIXES)}")
     if not torch.cuda.is_available():
         sys.exit("bench-kernels needs a CUDA GPU; on CPU the kernels are tested under TRITON_INTERPRET=1")
     dtype = getattr(torch, args.dtype)
@@ -188,7 +196,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}; "
           f"device copy {bandwidth / 1e12:.2f} TB/s")
     for shape in args.shapes.split(","):
-        bench_shape(shape, dtype, args.block_size, bandwidth, args.sweep)
+        bench_shape(shape, dtype, args.block_size, bandwidth, args.sweep, mixes)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ want tests-engine && part tests-engine "${TESTS_S:-90}" python3 -m pytest -q -p 
 want bench-gpu && part bench-gpu "${BENCH_S:-300}" python3 client/bench_gpu.py --host-profile \
   --skip "${BENCH_SKIP:-}" --out "$OUT/bench-gpu.md"
 want bench-kernels && part bench-kernels "${KERNELS_S:-90}" python3 client/bench_kernels.py
-want sweep && part sweep "${SWEEP_S:-300}" python3 client/bench_kernels.py --sweep
+# SWEEP_ARGS: a part of the sweep, e.g. "--shapes smollm2 --mixes prefill" (bench_kernels.py --help).
+want sweep && part sweep "${SWEEP_S:-300}" python3 client/bench_kernels.py --sweep ${SWEEP_ARGS:-}
 # The served measurement (issue: serving on a GPU): tritonserver from the bundle of
 # scripts/pack_tritonserver.sh, carried as .serving/.
 if want served; then
