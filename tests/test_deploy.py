@@ -43,7 +43,8 @@ def test_kubernetes_manifest_matches_the_server():
 
 def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     """`make bench-gpu` runs on a GPU machine when one is at hand: its smoke mode (the same steps on CPU,
-    tiny shapes) keeps it working in between, and its tables carry every row, none of them failed."""
+    tiny shapes) keeps it working in between, and its tables carry every row, none of them failed, and
+    the targets' verdicts."""
     import subprocess
     import sys
 
@@ -60,6 +61,11 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     for row in rows:
         assert row in text, text
     assert "failed:" not in text, text  # a failing measurement is reported in its row, and the run goes on
+    # The issue's targets, checked on the defaults and with torch_compile: both shapes' decode step (one
+    # here), output tok/s and the ratio to HF continuous batching, each with its verdict.
+    verdicts = [line for line in text.splitlines() if line.endswith((" | yes |", " | no |"))]
+    assert len(verdicts) == 6, text
+    assert any(line.startswith("| offline, CUDA graphs, async scheduling: at least 6x") for line in verdicts), text
 
 
 @pytest.mark.server
