@@ -58,7 +58,9 @@ def run_streams(url: str, jobs: list[tuple[int, list[int], int, bool]], streams:
                                  temperature=0.0, ignore_eos=True)
             record = {"index": index, "sent": time.perf_counter(), "times": [], "counts": [], "ids": [],
                       "error": None, "cancelled": False}
-            client.async_stream_infer("llm", inputs, request_id=str(index), enable_empty_final_response=True)
+            # Only the token ids, as a client of token ids asks: the server then builds no text output.
+            client.async_stream_infer("llm", inputs, request_id=str(index), enable_empty_final_response=True,
+                                      outputs=[grpcclient.InferRequestedOutput("output_ids")])
             while True:
                 at, result, error = events.get(timeout=600)
                 if error is not None:

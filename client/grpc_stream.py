@@ -69,9 +69,9 @@ class StreamResult:
 
 
 def generate(url: str, prompt: str, timeout: float = 300.0, on_text=None, model: str = "llm",
-             cancel_after: int | None = None, **inputs) -> StreamResult:
+             cancel_after: int | None = None, outputs: list[str] | None = None, **inputs) -> StreamResult:
     """Send one request on its own gRPC stream and collect its responses. With `cancel_after`, the
-    stream is cancelled after that many responses."""
+    stream is cancelled after that many responses; `outputs` names the outputs wanted (default: all)."""
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -79,7 +79,8 @@ def generate(url: str, prompt: str, timeout: float = 300.0, on_text=None, model:
     start = time.perf_counter()
     try:
         client.async_stream_infer(model, make_inputs(prompt, **inputs), request_id=uuid.uuid4().hex,
-                                  enable_empty_final_response=True)
+                                  enable_empty_final_response=True,
+                                  outputs=outputs and [grpcclient.InferRequestedOutput(name) for name in outputs])
         while True:
             response, error = responses.get(timeout=timeout)
             if error is not None:

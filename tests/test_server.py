@@ -205,7 +205,8 @@ def test_structured_outputs_in_both_conventions(server):
 
 
 def test_token_ids_in_and_out_with_tensorrt_llm_logprobs(server, offline):
-    """input_ids instead of text_input; output_ids and output_log_probs / cum_log_probs back, streamed."""
+    """input_ids instead of text_input; output_ids and output_log_probs / cum_log_probs back, streamed;
+    only the outputs a client names, when it names some."""
     from inflight import SamplingParams
 
     prompt_ids = offline.encode(PROMPTS[5])
@@ -220,6 +221,11 @@ def test_token_ids_in_and_out_with_tensorrt_llm_logprobs(server, offline):
     reference = [e[t].logprob for t, e in zip(expected.token_ids, expected.outputs[0].logprobs)]
     assert np.allclose(logprobs, reference, atol=1e-4)
     assert abs(float(result.responses[-1]["cum_log_probs"][0]) - sum(reference)) < 1e-3
+    # A client that names the outputs it wants gets those alone (the others are not even built).
+    named = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), max_tokens=12,
+                     temperature=0.0, ignore_eos=True, outputs=["output_ids"])
+    assert named.error is None and {name for r in named.responses for name in r} == {"output_ids"}
+    assert [int(t) for r in named.responses for t in r["output_ids"]] == expected.token_ids
     for bad, name in ((dict(beam_width=4), "beam_width"), (dict(num_return_sequences=0), "num_return_sequences")):
         error = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), **bad).error
         assert error and name in error, error

@@ -44,6 +44,18 @@ def test_parse_tensorrtllm_style():
     assert p.seed == 42
 
 
+def test_responses_carry_only_the_outputs_the_client_named():
+    from inflight.serving.response import RequestResponses
+
+    parsed = parse_request({"input_ids": np.array([5, 6], np.int32), "stream": np.array([True]),
+                            "return_finish_reason": np.array([True])})
+    delta = RequestDelta("r", [7], "x", False, None, 2, 1)
+    everything = RequestResponses(parsed).add(delta)
+    assert set(everything) == {"text_output", "output_ids", "finish_reason"}
+    named = RequestResponses(parsed, frozenset({"output_ids", "finish_reason"})).add(delta)
+    assert set(named) == {"output_ids", "finish_reason"} and named["output_ids"].tolist() == [7]
+
+
 @pytest.mark.parametrize("inputs, words", [
     ({}, "text_input"),
     ({"text_input": text(b"\xff")}, "UTF-8"),

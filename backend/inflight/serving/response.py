@@ -25,8 +25,11 @@ class RequestResponses:
     end. Responses carry either one completion (n = 1, or TensorRT-LLM's num_return_sequences) or all
     n of them (vllm_backend's n: every output has one entry per completion)."""
 
-    def __init__(self, parsed: ParsedRequest):
+    def __init__(self, parsed: ParsedRequest, requested_outputs: frozenset[str] | None = None):
         self.parsed = parsed
+        # The outputs the client named (Triton returns only those): the others are not built, a cost of
+        # every response (a BYTES tensor's most of all). None: the client named none, so all of them.
+        self._requested = requested_outputs or None
         self._n = parsed.params.n
         self._all_completions = self._n > 1 and not parsed.per_completion_responses
         self._pending: dict[int, RequestDelta] = {}  # by completion index
@@ -89,5 +92,7 @@ class RequestResponses:
             sampled = [entry[token].logprob for entry, token in zip(delta.new_logprobs or [], delta.new_token_ids)]
             outputs["output_log_probs"] = np.array(sampled, dtype=np.float32)
             outputs["cum_log_probs"] = np.array([delta.cumulative_logprob], dtype=np.float32)
+        if self._requested:
+            outputs = {name: array for name, array in outputs.items() if name in self._requested}
         return outputs
 

@@ -70,6 +70,7 @@ class ActiveRequest:
     sender: object
     parsed: ParsedRequest
     arrival: float
+    requested_outputs: frozenset[str] = frozenset()  # the outputs the client named; none: every output
     last_token_time: float | None = None
     responses: RequestResponses = field(init=False)  # turns each delta into what is sent
     cancelled: bool = False
@@ -79,7 +80,7 @@ class ActiveRequest:
     admitted: bool = False
 
     def __post_init__(self) -> None:
-        self.responses = RequestResponses(self.parsed)
+        self.responses = RequestResponses(self.parsed, self.requested_outputs)
 
 
 class TritonPythonModel:
@@ -155,7 +156,8 @@ class TritonPythonModel:
         if cap is not None and len(token_ids) > cap:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
         request_id = uuid.uuid4().hex
-        active = self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic())
+        active = self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(),
+                                                         frozenset(request.requested_output_names()))
         try:
             self.thread.submit(request_id, token_ids, parsed.params, parsed.priority)
         except Exception:
