@@ -93,6 +93,20 @@ def test_padded_decode_step_reads_harmless_rows():
 def test_auto_device_and_dtype(tiny_models):
     llm = LLM(tiny_models["llama"], num_kv_blocks=8)  # the tests' "auto" is the CPU (conftest)
     assert (llm.config.device, llm.runner.dtype) == ("cpu", torch.float32)
+    assert (llm.config.max_num_seqs, llm.config.max_num_batched_tokens) == (64, 512)
+
+
+def test_batch_limits_default_per_device():
+    """Unset, the batch limits suit the device: a GPU's step costs about the same for 64 or 256 decodes."""
+    from inflight.config import EngineConfig
+
+    gpu = EngineConfig("m", device="cuda:1")
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (256, 8192)
+    assert EngineConfig("m", device="cpu", max_num_seqs=1000).max_num_batched_tokens == 1000
+    set_budget = EngineConfig("m", device="cuda", max_num_batched_tokens=300)
+    assert (set_budget.max_num_seqs, set_budget.max_num_batched_tokens) == (256, 300)
+    with pytest.raises(ValueError, match="at least max_num_seqs"):
+        EngineConfig("m", device="cuda", max_num_batched_tokens=100)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -25,8 +25,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # pool size as a block count ...
     kv_cache_memory: int | None = None  # ... or as bytes ...
     kv_cache_memory_fraction: float | None = None  # ... or as a share of free device memory
-    max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
+    # Sequences running at once, and the token budget of one step (decodes + prefill chunks). None: the
+    # device's default (DEFAULT_BATCH_LIMITS), the budget at least max_num_seqs.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # prompt + output; default: the model's limit, capped by the pool
     enable_prefix_caching: bool = True
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N
@@ -53,6 +55,10 @@ class EngineConfig:
     # Share of free memory given to the KV pool when neither a block count nor bytes are set.
     # A GPU holds little else; on a CPU host the rest of the machine needs its memory.
     DEFAULT_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.2}
+    # (max_num_seqs, max_num_batched_tokens) when not set. A GPU's step costs about the same for 64 or 256
+    # decodes and fills up with thousands of prefill tokens (64 / 512 ran the GPU engine issue's workload at
+    # half the rate of 256 / 4096); a CPU's step grows with every row.
+    DEFAULT_BATCH_LIMITS = {"cuda": (256, 8192), "cpu": (64, 512)}
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -63,6 +69,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         self.device = resolve_device(self.device)
+        if not isinstance(self.device, str) or self.device_type not in self.DEFAULT_MEMORY_FRACTION:
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        default_seqs, default_tokens = self.DEFAULT_BATCH_LIMITS[self.device_type]
+        if self.max_num_seqs is None:
+            self.max_num_seqs = default_seqs
+        if self.max_num_batched_tokens is None and isinstance(self.max_num_seqs, int):
+            self.max_num_batched_tokens = max(default_tokens, self.max_num_seqs)
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
         positive("block_size")
@@ -101,8 +114,6 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
-        if self.device_type not in self.DEFAULT_MEMORY_FRACTION:
-            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
 
     def _check_gpu_device_ids(self) -> None:
         ids = self.gpu_device_ids
