@@ -370,18 +370,21 @@ class FakeMetricsApi:
                 self.name, self.labels = name, labels
 
             def increment(self, value):
-                api.messages.append(("increment", self.name, self.labels.get("part"), value))
+                api.messages.append(("increment", self.name, self.labels.get("part", self.labels.get("le")), value))
 
             def set(self, value):
                 api.messages.append(("set", self.name, self.labels.get("part"), value))
 
+            def observe(self, value):  # a message per observation, as tritonserver 2.51's histograms
+                api.messages.append(("observe", self.name, None, value))
+
         class MetricFamily:
-            COUNTER, GAUGE = "counter", "gauge"
+            COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
             def __init__(self, name, description, kind):
                 self.name = name
 
-            def Metric(self, labels):
+            def Metric(self, labels, buckets=None):
                 return Metric(self.name, labels)
 
         self.MetricFamily = MetricFamily
@@ -399,10 +402,18 @@ def test_metrics_send_latencies_in_one_batch_and_only_what_changed():
                                 "requests_failed_total", "failed_steps_total")}
     profile = {part: (0.0, 0.0, 0) for part in PARTS}
     metrics.update(stats, {**profile, "send_response": (0.5, 0.1, 7)})
-    itl = [m for m in api.messages if m[1].startswith("inflight_inter_token_latency")]
-    assert sorted((m[1], round(m[3], 6)) for m in itl) == [("inflight_inter_token_latency_seconds_count", 3),
-                                                            ("inflight_inter_token_latency_seconds_sum", 0.06)]
+    itl = {(m[1].removeprefix("inflight_inter_token_latency_seconds"), m[2]): round(m[3], 6)
+           for m in api.messages if m[1].startswith("inflight_inter_token_latency")}
+    # A histogram's series, cumulative by bucket: 0.01 <= 0.01, 0.02 <= 0.02, all three <= 0.05 and above.
+    assert itl == {("_count", None): 3, ("_sum", None): 0.06, ("_bucket", "0.01"): 1, ("_bucket", "0.02"): 2,
+                   **{("_bucket", le): 3 for le in ("0.05", "0.1", "0.2", "0.5", "1", "2", "5", "10", "30", "+Inf")}}
     assert {m[2] for m in api.messages if m[1].startswith("inflight_serving")} == {"send_response"}
     api.messages.clear()
     metrics.update(stats, {**profile, "send_response": (0.5, 0.1, 7)})
     assert api.messages == []  # nothing changed: nothing sent
+    # However many latencies a report carries, a histogram is at most one message a series (15).
+    for i in range(10_000):
+        metrics.observe_inter_token_latency(0.001 * (i % 100))
+    metrics.update(stats, {**profile, "send_response": (0.5, 0.1, 7)})
+    assert 0 < len(api.messages) <= 15
+    assert ("increment", "inflight_inter_token_latency_seconds_count", None, 10_000) in api.messages

@@ -6,6 +6,9 @@ responder only records latencies, and `update` (called by the thread that steps 
 receives its steps, at most every `report_interval_s` and when the engine falls idle) sends what
 changed since the last one."""
 
+import bisect
+import itertools
+import math
 from collections import deque
 
 from .profile import PARTS
@@ -77,24 +80,28 @@ class TritonMetrics:
         return family.Metric(labels=labels or self._labels, **options)
 
     def _histogram(self, name: str, description: str):
-        """A function sending a list of observations: to a histogram where this server version has them
-        (a message each), else to a _sum and a _count counter (two messages for them all)."""
-        kinds = self._pb_utils.MetricFamily
-        if hasattr(kinds, "HISTOGRAM"):
-            histogram = self._metric(name, description, kinds.HISTOGRAM, buckets=LATENCY_BUCKETS)
-
-            def observe_all(values: list[float]) -> None:
-                for value in values:
-                    histogram.observe(value)
-
-            return observe_all
-        total = self._metric(f"{name}_sum", description, kinds.COUNTER)
-        count = self._metric(f"{name}_count", description, kinds.COUNTER)
+        """A function sending a list of observations as a Prometheus histogram's series: `_bucket`
+        (cumulative, by `le`), `_sum` and `_count`, counted here and sent as counter increments, one
+        message a series that changed, however many observations. (The Python backend's HISTOGRAM
+        takes a message per observation, with the interpreter lock held: at a GPU's rate, tens of
+        thousands a second, more than the model's process can send.)"""
+        counter = self._pb_utils.MetricFamily.COUNTER
+        bounds = [*LATENCY_BUCKETS, math.inf]
+        series = [_Sent(self._metric(f"{name}_bucket", description, counter,
+                                     labels={**self._labels, "le": "+Inf" if b == math.inf else f"{b:g}"}))
+                  for b in bounds]
+        total, count = (_Sent(self._metric(f"{name}_{suffix}", description, counter)) for suffix in ("sum", "count"))
+        counts = [0] * len(bounds)  # observations in each bucket, not cumulative
+        sums = [0.0]
 
         def observe_all(values: list[float]) -> None:
-            if values:
-                total.increment(sum(values))
-                count.increment(len(values))
+            for value in values:
+                counts[bisect.bisect_left(bounds, value)] += 1
+            sums[0] += sum(values)
+            for sent, cumulative in zip(series, itertools.accumulate(counts)):
+                sent.advance(cumulative)
+            total.advance(sums[0])
+            count.advance(sum(counts))
 
         return observe_all
 
