@@ -105,6 +105,15 @@ class TritonServer:
                 profile.setdefault(part, [0.0, 0.0, 0.0])[columns[name]] = float(value)
         return {part: tuple(values) for part, values in profile.items()}
 
+    def histogram(self, name: str) -> dict[str, float]:
+        """The `le` buckets of histogram `name` on the metrics port: {"0.005": count, ..., "+Inf": count}."""
+        buckets = {}
+        for line in self._metrics_text().splitlines():
+            m = re.match(rf'^{name}_bucket\{{.*le="([^"]+)".*\}}\s+(\S+)$', line)
+            if m:
+                buckets[m.group(1)] = float(m.group(2))
+        return buckets
+
     def wait_for_metric(self, name: str, predicate, timeout: float = 30.0) -> float:
         deadline = time.monotonic() + timeout
         while True:

@@ -1,6 +1,7 @@
 """The `llm` model on a real tritonserver, through real tritonclient calls."""
 
 import json
+import time
 import sys
 import urllib.request
 from pathlib import Path
@@ -86,6 +87,22 @@ def test_32_concurrent_streams(server, offline_texts):
         assert result.error is None
         assert result.text == offline_texts[prompt]
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0)
+
+
+def test_latency_histograms_on_the_metrics_port(server):
+    """Time to first token and inter-token latency as Prometheus histograms: buckets by `le`, cumulative,
+    the +Inf one equal to the count (counted in the model's process, sent at most once a second)."""
+    generate(server.grpc_url, PROMPTS[0], max_tokens=8, temperature=0.0, ignore_eos=True)
+    for name in ("inflight_time_to_first_token_seconds", "inflight_inter_token_latency_seconds"):
+        count = server.wait_for_metric(f"{name}_count", lambda v: v > 0)
+        deadline = time.monotonic() + 10
+        while (buckets := server.histogram(name)).get("+Inf") != count and time.monotonic() < deadline:
+            time.sleep(0.2)  # a scrape between the buckets' and the count's updates
+            count = server.metrics()[f"{name}_count"]
+        bounds = sorted(buckets, key=float)
+        assert bounds[-1] == "+Inf" and len(bounds) == 13 and buckets["+Inf"] == count, buckets
+        assert all(buckets[a] <= buckets[b] for a, b in zip(bounds, bounds[1:])), buckets
+        assert server.metrics()[f"{name}_sum"] > 0
 
 
 def http_generate_stream(server, body: dict) -> list[dict]:
