@@ -44,6 +44,31 @@ def test_parse_tensorrtllm_style():
     assert p.seed == 42
 
 
+def test_cancellation_polls_spread_over_the_interval():
+    """Each request is asked about once an interval, a share of them each call (the thread that asks
+    sends no token meanwhile); a cancelled or ended request is not asked about again."""
+    from inflight.serving.cancellation import CancellationPoller
+
+    poller = CancellationPoller(interval_s=1.0)
+    for i in range(100):
+        poller.add(str(i))
+    asked = []
+
+    def is_cancelled(request_id):
+        asked.append(request_id)
+        return None if request_id == "7" else request_id in ("3", "50")
+
+    assert poller.poll(is_cancelled, now=0.0) == ["3", "50"]  # the first call asks about every request
+    assert len(asked) == 100
+    asked.clear()
+    found = [poller.poll(is_cancelled, now=0.1 * k) for k in range(1, 11)]  # one interval in 10 calls
+    assert found == [[]] * 10 and sorted(asked, key=int) == [str(i) for i in range(100) if i not in (3, 7, 50)]
+    assert max(len(asked[i:i + 10]) for i in range(0, len(asked), 10)) <= 10  # about a tenth each call
+    asked.clear()
+    poller.poll(is_cancelled, now=1.05)
+    assert 3 <= len(asked) <= 6  # half of a tenth of the 97 left
+
+
 def test_responses_carry_only_the_outputs_the_client_named():
     from inflight.serving.response import RequestResponses
 

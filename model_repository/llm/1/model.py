@@ -34,6 +34,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from inflight import LLM, faults  # noqa: E402
 from inflight.engine import EngineDeadError  # noqa: E402
+from inflight.serving.cancellation import POLL_TICK_S, CancellationPoller  # noqa: E402
 from inflight.serving.engine_process import EngineProcess  # noqa: E402
 from inflight.serving.engine_thread import EngineThread  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
@@ -74,10 +75,6 @@ class ActiveRequest:
     last_token_time: float | None = None
     responses: RequestResponses = field(init=False)  # turns each delta into what is sent
     cancelled: bool = False
-    # Set once the engine took the request. Until then it is never polled: a refusal's FINAL may be
-    # sent from another thread, and asking Triton about a request while its FINAL goes out crashes
-    # tritonserver (a segfault in TRITONBACKEND_ResponseFactoryIsCancelled, seen here).
-    admitted: bool = False
 
     def __post_init__(self) -> None:
         self.responses = RequestResponses(self.parsed, self.requested_outputs)
@@ -103,8 +100,9 @@ class TritonPythonModel:
         self.active: dict[str, ActiveRequest] = {}
         self.dead_reason: str | None = None
         self.metrics = TritonMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        self.cancellations = CancellationPoller(self.serving.cancel_poll_interval_s)
         options = dict(on_delta=self._respond, poll_cancelled=self._poll_cancelled, on_step=self._report,
-                       on_dead=self._engine_died, poll_interval_s=self.serving.cancel_poll_interval_s,
+                       on_dead=self._engine_died, poll_interval_s=min(POLL_TICK_S, self.serving.cancel_poll_interval_s),
                        overlap_sending=self.serving.overlap_sending, report_interval_s=self.serving.metrics_interval_s,
                        senders=self.serving.sender_threads, profiling=self.serving.serving_profile)
         # INFLIGHT_FAULTS makes engine stages raise at chosen steps: a test-only hook (inflight/faults.py).
@@ -156,25 +154,30 @@ class TritonPythonModel:
         if cap is not None and len(token_ids) > cap:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
         request_id = uuid.uuid4().hex
-        active = self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(),
-                                                         frozenset(request.requested_output_names()))
+        self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(),
+                                                frozenset(request.requested_output_names()))
         try:
             self.thread.submit(request_id, token_ids, parsed.params, parsed.priority)
         except Exception:
             del self.active[request_id]
             raise
-        active.admitted = True
+        # Asked about only once the engine took it: a refusal's FINAL may be sent from another thread,
+        # and asking Triton about a request while its FINAL goes out crashes tritonserver (a segfault
+        # in TRITONBACKEND_ResponseFactoryIsCancelled, seen here).
+        self.cancellations.add(request_id)
 
     def _report(self, stats: dict) -> None:
         self.metrics.update(stats, self.profile.snapshot() if self.profile.enabled else None)
 
     def _poll_cancelled(self) -> list[str]:
-        cancelled = []
-        for request_id, active in list(self.active.items()):
-            if active.admitted and not active.cancelled and active.request.is_cancelled():
-                active.cancelled = True
-                cancelled.append(request_id)
-        return cancelled
+        return self.cancellations.poll(self._is_cancelled)
+
+    def _is_cancelled(self, request_id: str) -> bool | None:
+        active = self.active.get(request_id)
+        if active is None or active.cancelled:
+            return None  # ended (its last response is out: never ask about it again), or already aborted
+        active.cancelled = active.request.is_cancelled()
+        return active.cancelled
 
     def _respond(self, delta) -> None:
         active = self.active.pop(delta.request_id, None) if delta.finished else self.active.get(delta.request_id)
