@@ -98,10 +98,11 @@ class TritonMetrics:
             for value in values:
                 counts[bisect.bisect_left(bounds, value)] += 1
             sums[0] += sum(values)
-            for sent, cumulative in zip(series, itertools.accumulate(counts)):
+            count.advance(sum(counts))
+            # The largest bucket first: a scrape in the middle of a report still sees cumulative buckets.
+            for sent, cumulative in reversed(list(zip(series, itertools.accumulate(counts)))):
                 sent.advance(cumulative)
             total.advance(sums[0])
-            count.advance(sum(counts))
 
         return observe_all
 
