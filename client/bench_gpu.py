@@ -204,12 +204,12 @@ def offline(model_dir: str, device: str, work: Workload, static_batch: int, skip
         yield attempt(f"inflight, {MODES[key][0]}", lambda: run_engine(model_dir, device, dtype, work, key))
 
 
-def attempt(system: str, run) -> tuple[str, str]:
-    """(system and what run() says of its run, its output tok/s), or the error that stopped it: one
-    failing system leaves the others their measurement."""
+def attempt(system: str, run) -> tuple[str, float | str]:
+    """(system and what run() says of its run, its output tok/s), or (system, the error that stopped it):
+    one failing system leaves the others their measurement."""
     try:
         details, tps = run()
-        return f"{system}{details}", f"{tps:,.0f}"
+        return f"{system}{details}", tps
     except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
         message = failure(e)
     release()  # once the traceback, which holds the failed run's engine, is gone
@@ -349,9 +349,9 @@ def main() -> None:
                        f"{min(work.output_lens)}-{max(work.output_lens)} tokens, {work.output_tokens} output tokens "
                        "| output tok/s |", "|---|---:|")
         rates = {}
-        for system, tps in offline(model_dir, device, work, 64, skip):
-            report.add(f"| {system} | {tps} |")
-            rates[system] = None if tps.startswith("failed") else float(tps.replace(",", ""))
+        for system, tps in offline(model_dir, device, work, 64, skip):  # tps: a rate, or why it failed
+            report.add(f"| {system} | {tps if isinstance(tps, str) else f'{tps:,.0f}'} |")
+            rates[system] = None if isinstance(tps, str) else tps
         hf = next((t for s, t in rates.items() if s.startswith("HF continuous batching")), None)
         for key in TARGET_MODES:
             mode = MODES[key][0]
