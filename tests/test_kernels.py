@@ -79,12 +79,9 @@ def test_paged_attention_matches_torch(case, dtype):
     assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
 
 
-@pytest.mark.parametrize("num_splits", [2, 4, 16, 64])
-@pytest.mark.parametrize("case", ["decode-only", "mixed", "sliding-window", "mqa", "head-dim-128"])
-def test_split_kv_matches_torch(case, num_splits):
-    """Contexts split across programs and merged (flash-decoding), split counts the engine may pick and
-    64, which the kernel sweep tries: some splits get no keys at all; float32 (what the interpreter
-    computes)."""
+def float32_error(case: str, **launch) -> float:
+    """Max abs error of the Triton kernel, launched with `launch` parameters, against the torch reference
+    on `case` in float32 (what the interpreter computes)."""
     from inflight.ops import triton_ops
 
     seqs, block_size, kv_heads, group, head_dim, window = CASES[case]
@@ -92,9 +89,17 @@ def test_split_kv_matches_torch(case, num_splits):
                                                                      head_dim, torch.float32)
     scale = head_dim ** -0.5
     expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
-    got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window,
-                                     num_splits=num_splits)
-    err = (got - expected).abs().max().item()
+    got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window, **launch)
+    return (got - expected).abs().max().item()
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 16, 64])
+@pytest.mark.parametrize("case", ["decode-only", "mixed", "sliding-window", "mqa", "head-dim-128"])
+def test_split_kv_matches_torch(case, num_splits):
+    """Contexts split across programs and merged (flash-decoding), split counts the engine may pick and
+    64, which the kernel sweep tries: some splits get no keys at all; float32 (what the interpreter
+    computes)."""
+    err = float32_error(case, num_splits=num_splits)
     assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
 
 
@@ -103,15 +108,7 @@ def test_split_kv_matches_torch(case, num_splits):
 def test_sixteen_key_tiles_match_torch(case):
     """Tiles of 16 keys (one page of 16 slots, two of 8), what compiled float32 prefill with head_dim
     128 launches; float32 (what the interpreter computes)."""
-    from inflight.ops import triton_ops
-
-    seqs, block_size, kv_heads, group, head_dim, window = CASES[case]
-    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group,
-                                                                     head_dim, torch.float32)
-    scale = head_dim ** -0.5
-    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
-    got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window, tile_n=16)
-    err = (got - expected).abs().max().item()
+    err = float32_error(case, tile_n=16)
     assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
 
 
