@@ -3,9 +3,10 @@ files under models/): random-weight models built from the default model's shape 
 (throughput does not depend on the weights' values), then
 
 1. greedy agreement with HF `generate` (one request at a time) on the default shape, float32 and bfloat16;
-2. the decode step of 128 running sequences, both shapes, with CUDA graphs, with graphs and
-   torch_compile, and eager: wall time, GPU-busy time and kernel launches per step (torch profiler);
-3. offline output tok/s on the 1.2B shape for inflight (graphs; graphs and torch_compile), HF continuous
+2. the decode step of 128 running sequences, both shapes, with CUDA graphs (and fused layers), with graphs
+   and torch_compile, with graphs and transformers' own layers, one step at a time, and eager: wall time,
+   GPU-busy time and kernel launches per step (torch profiler);
+3. offline output tok/s on the 1.2B shape for inflight (each graphed mode), HF continuous
    batching at its best (CUDA graphs and async batching) and HF static batching (one batch), on a
    workload shaped like nano-vllm's benchmark (inputs and outputs of 100 to 1024 tokens), scaled down.
 
@@ -13,7 +14,7 @@ It prints markdown tables and writes them to --out. `--smoke` runs the same step
 and a few requests (the test suite does, so that the script works when a GPU is at hand).
 
     make bench-gpu
-    python3 client/bench_gpu.py --skip eager,hf-static     # leave parts out to fit a GPU session's time
+    python3 client/bench_gpu.py --skip eager,sync,hf-static     # leave parts out to fit a GPU session's time
     python3 client/bench_gpu.py --smoke --out /tmp/bench-gpu.md
 """
 
@@ -47,11 +48,13 @@ SHAPES = {  # Llama configurations; the default model's is SmolLM2-135M's
 # The targets are checked on the engine's defaults on a GPU, and with torch_compile (off by default until
 # measured here).
 TARGET_MODES = ("graphs", "compile")
-MODES = {  # engine settings compared, by the name --skip takes (async scheduling is on by default on a GPU)
-    "graphs": ("CUDA graphs, async scheduling", dict(cuda_graphs=True)),
-    "sync": ("CUDA graphs, one step at a time", dict(cuda_graphs=True, async_scheduling=False)),
+MODES = {  # engine settings compared, by the name --skip takes, in the order they run (async scheduling and
+    # fused layers are on by default on a GPU; named here so that the smoke run on CPU takes the same path)
+    "graphs": ("CUDA graphs, async scheduling", dict(cuda_graphs=True, fused_layers=True)),
     "compile": ("CUDA graphs + torch_compile, async", dict(cuda_graphs=True, torch_compile=True)),
-    "eager": ("eager, one step at a time", dict(cuda_graphs=False, async_scheduling=False)),
+    "unfused": ("CUDA graphs, async, transformers' own layers", dict(cuda_graphs=True, fused_layers=False)),
+    "sync": ("CUDA graphs, one step at a time", dict(cuda_graphs=True, async_scheduling=False, fused_layers=True)),
+    "eager": ("eager, one step at a time", dict(cuda_graphs=False, async_scheduling=False, fused_layers=True)),
 }
 PARTS = (*MODES, "greedy", "hf-cb", "hf-static")  # what --skip can leave out, to fit a GPU session's time
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

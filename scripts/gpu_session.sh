@@ -26,9 +26,10 @@ part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 want() { [[ " ${PARTS:-tests-engine bench-gpu bench-kernels tests-kernels} " == *" $1 "* ]]; }
-want tests-engine && part tests-engine "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider \
-  tests/test_cuda_graphs.py tests/test_engine_greedy.py -k "cuda or graphs or auto or padded or bucket or step_inputs"
-# BENCH_SKIP: bench-gpu's parts to leave out (its --skip), e.g. "eager,hf-static" for a short session.
+want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
+  tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py \
+  -k "cuda or graphs or auto or padded or bucket or step_inputs or gpu"
+# BENCH_SKIP: bench-gpu's parts to leave out (its --skip), e.g. "eager,sync,hf-static" for a short session.
 want bench-gpu && part bench-gpu "${BENCH_S:-300}" python3 client/bench_gpu.py --host-profile \
   --skip "${BENCH_SKIP:-}" --out "$OUT/bench-gpu.md"
 want bench-kernels && part bench-kernels "${KERNELS_S:-90}" python3 client/bench_kernels.py

@@ -75,12 +75,17 @@ def test_torch_compile_matches_hf(tiny_models, hf_reference, device):
 
 def test_torch_compile_compiles_every_step_shape_at_start_up(tiny_models):
     """Under torch_compile no request waits for a compile: start-up compiles a step of each shape class
-    (compile_warmup.py), and then a lone one-token prompt and lone decodes, prompt chunks that sample
-    nothing, mixed steps sampling several rows and prompt logprobs all run what it compiled."""
-    from torch._dynamo.utils import counters
-
+    (compile_warmup.py)."""
     llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", torch_compile=True, num_kv_blocks=64,
               max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=False)
+    assert_nothing_compiles_after_start_up(llm)
+
+
+def assert_nothing_compiles_after_start_up(llm):
+    """A lone one-token prompt and lone decodes, prompt chunks that sample nothing, mixed steps sampling
+    several rows and prompt logprobs all run what start-up compiled."""
+    from torch._dynamo.utils import counters
+
     compiled = counters["stats"]["unique_graphs"]
     assert compiled > 0, "the model was meant to run compiled"
     prompts = random_prompts(5, 2, 100, vocab=512, seed=5)

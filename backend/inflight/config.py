@@ -39,6 +39,9 @@ class EngineConfig:
     packed_weights: bool = True
     # torch.compile the model around our attention: fewer, fused kernels per layer; compiles at start-up.
     torch_compile: bool = False
+    # The decoder layers' norms, rotary embedding and SiLU-and-multiply as fused kernels (fused_layers.py)
+    # for Llama-family models. None: on for a GPU (unless torch_compile), off on a CPU.
+    fused_layers: bool | None = None
     # Schedule and launch step N+1 before reading step N's tokens, so that the host's work overlaps the
     # GPU's (engine.py). None: on for one CUDA device, off on a CPU (where nothing runs asynchronously).
     async_scheduling: bool | None = None
@@ -93,6 +96,10 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_gpu_device_ids()
+        if self.fused_layers is not None and not isinstance(self.fused_layers, bool):
+            raise ValueError(f"fused_layers must be true, false or null, got {self.fused_layers!r}")
+        if self.fused_layers and self.torch_compile:
+            raise ValueError("fused_layers and torch_compile: set one (torch_compile fuses these layers itself)")
         if self.async_scheduling is None:
             self.async_scheduling = self.device_type == "cuda" and self.tensor_parallel_size == 1
         if not isinstance(self.async_scheduling, bool):

@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available
 from .compile_warmup import compile_shape_classes
 from .cuda_graphs import DecodeGraphs
+from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
 from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs
 from .kernel_warmup import compile_attention_kernels
 from .scheduler import ScheduledBatch
@@ -70,8 +71,11 @@ class ModelRunner:
         if self._use_packed_weights():
             pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens)
         self._model_call = self.model
+        self.fused_layers = None
         if config.torch_compile:
             self._compile()
+        elif self._use_fused_layers():
+            self._fuse_layers()
         if self.device.type == "cuda" and self.attention_impl == "triton":
             # Every rank must run the same warm-up steps (their forwards meet in collectives).
             num_sms = self._smallest_over_ranks(torch.cuda.get_device_properties(self.device).multi_processor_count)
@@ -91,6 +95,21 @@ class ModelRunner:
                               self.config.max_num_seqs, self.block_size)
         logger.info("torch.compile: compiled in %.1f s", time.perf_counter() - started)
 
+    def _fuse_layers(self) -> None:
+        """Swap in the fused functions and compile them now. Where the setting is unset and they fail to
+        compile, the model keeps transformers' own layers (a warning says why)."""
+        hf_config = self.hf_config
+        self.fused_layers = FusedLayers(self.model, hf_config.model_type, getattr(hf_config, "hidden_act", None))
+        self._model_call = self.fused_layers.wrap(self.model)
+        try:
+            warm_up_fused_layers(self._forward, self.buffers, self.config.max_num_batched_tokens, self.block_size)
+        except Exception as e:
+            if self.config.fused_layers:
+                raise
+            logger.warning("fused layers failed to compile, so transformers' own layers run: %s", e)
+            self.fused_layers.remove()
+            self.fused_layers, self._model_call = None, self.model
+
     def _max_model_len(self) -> int:
         """Prompt plus output of one sequence: the setting, or the model's limit capped by the pool."""
         capacity = self.num_blocks * self.block_size
@@ -109,6 +128,12 @@ class ModelRunner:
             logger.warning("this torch has no oneDNN weight packing; linear layers run unpacked")
             return False
         return True
+
+    def _use_fused_layers(self) -> bool:
+        """The setting; unset: on a GPU, for the model types the fused functions cover."""
+        if self.config.fused_layers is not None:
+            return self.config.fused_layers
+        return self.device.type == "cuda" and self.hf_config.model_type in FUSED_MODEL_TYPES
 
     def _use_cuda_graphs(self) -> bool:
         if not self.config.cuda_graphs or self.device.type != "cuda":

@@ -1,0 +1,136 @@
+"""Fused kernels for the small operations of transformers' decoder layers.
+
+Eager, a layer of a Llama-family model launches some forty kernels, and most of them are tiny: an
+RMSNorm is six to eight (casts, square, mean, add, rsqrt, two multiplies), the rotary embedding of
+queries and keys ten (multiplies, slices, negation, concatenations, adds), the MLP's SiLU and multiply
+two, beside the seven matmuls and our attention's two or three. On a GPU each launch costs a few
+microseconds of GPU time however little it computes: on the H200, a graphed decode step of the default
+model was 1,718 launches and 5.1 ms, some 1,300 of them these modules'.
+
+Here each of those three is one small function compiled by torch.compile (inductor fuses each into one
+kernel, two for the rotary embedding's queries and keys), swapped into the model's own modules: the
+norm's and the MLP's forward on each instance, and the modeling module's `apply_rotary_pos_emb` only
+while the engine's forward runs (`active()`), so that other models in the process keep transformers'
+code. Only what the functions are known to equal: the model types of `FUSED_MODEL_TYPES`, whose norm,
+rotary embedding and MLP are Llama's. The matmuls, residual adds and our attention launch as before.
+
+Compiling the three functions takes seconds, not the minutes of the whole model (`torch_compile`).
+Each compiles a graph the first time it meets a token count, one more when the count changes (the
+count then becomes dynamic), and one for a single token (torch.compile specializes 1): `warm_up_fused_layers` runs
+those steps at start-up, so that no request compiles and no graph capture does.
+"""
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+
+from .input_buffers import InputBuffers, StepTensors, empty_prefill
+
+logger = logging.getLogger(__name__)
+
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: the statistics in float32, the scaling in the input's dtype."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's `apply_rotary_pos_emb`."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+_compiled_rms_norm = torch.compile(_rms_norm)
+_compiled_rotary = torch.compile(_rotary)
+_compiled_silu_mul = torch.compile(_silu_mul)
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return _compiled_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(_compiled_silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class FusedLayers:
+    """The model's norms and MLPs run the compiled functions from construction on; the rotary
+    embedding while `active()`."""
+
+    def __init__(self, model: torch.nn.Module, model_type: str, hidden_act: str):
+        if model_type not in FUSED_MODEL_TYPES:
+            raise ValueError(f"fused layers cover the model types {', '.join(FUSED_MODEL_TYPES)}, not {model_type!r}")
+        self.norms = self.mlps = 0
+        self._swapped: list[torch.nn.Module] = []
+        modeling_modules = set()
+        for module in model.modules():
+            name = type(module).__name__
+            if name.endswith("RMSNorm"):
+                module.forward = MethodType(_norm_forward, module)
+                self.norms += 1
+            elif name.endswith("MLP") and hidden_act == "silu":
+                module.forward = MethodType(_mlp_forward, module)
+                self.mlps += 1
+            else:
+                if name.endswith("Attention"):
+                    modeling_modules.add(sys.modules[type(module).__module__])
+                continue
+            self._swapped.append(module)
+        self._modeling_modules = [m for m in modeling_modules if hasattr(m, "apply_rotary_pos_emb")]
+
+    def remove(self) -> None:
+        """Give the modules back their own forward."""
+        for module in self._swapped:
+            del module.forward
+        self._swapped.clear()
+
+    def wrap(self, model_call: Callable) -> Callable:
+        """`model_call` with the compiled rotary embedding in place while it runs."""
+        def call(*args, **kwargs):
+            with self.active():
+                return model_call(*args, **kwargs)
+        return call
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The modeling modules' rotary embedding is the compiled one until the block ends."""
+        originals = [m.apply_rotary_pos_emb for m in self._modeling_modules]
+        for m in self._modeling_modules:
+            m.apply_rotary_pos_emb = _compiled_rotary
+        try:
+            yield
+        finally:
+            for m, original in zip(self._modeling_modules, originals):
+                m.apply_rotary_pos_emb = original
+
+
+@torch.inference_mode()
+def warm_up_fused_layers(forward: Callable[[StepTensors], torch.Tensor], buffers: InputBuffers, max_tokens: int,
+            block_size: int) -> None:
+    """Compile each function for the token counts a step can have: one of 16 tokens, then of 2 (the
+    count becomes dynamic), then of 1. The steps write no KV."""
+    started = time.perf_counter()
+    for tokens in sorted({min(16, max_tokens), min(2, max_tokens), 1}, reverse=True):
+        forward(buffers.load(empty_prefill(tokens, block_size)))
+    logger.info("fused layers compiled in %.1f s", time.perf_counter() - started)

@@ -1,0 +1,101 @@
+"""Fused layers (fused_layers.py): the norms, rotary embedding and SiLU-and-multiply of transformers'
+Llama-family modules as compiled functions. On by default on a GPU; tested here on CPU, where inductor
+compiles the same functions to C++."""
+
+import pytest
+from conftest import random_prompts
+from test_engine_greedy import DEVICES, assert_nothing_compiles_after_start_up, run_and_compare
+
+from inflight import LLM, SamplingParams
+from inflight.config import EngineConfig
+from inflight.fused_layers import _mlp_forward, _norm_forward
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fused_layers_match_hf(tiny_models, hf_reference, family, device):
+    """Greedy output with the fused functions equals HF's, token for token, through chunked prefill and
+    decodes of every batch size (on a GPU, in CUDA graphs too); each norm and MLP runs the fused function."""
+    prompts = random_prompts(8, 1, 120, vocab=512, seed=17)
+    llm = run_and_compare(tiny_models[family], prompts, hf_reference, device=device, dtype="float32",
+                          fused_layers=True, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+    fused = llm.runner.fused_layers
+    layers = llm.runner.num_layers
+    # Qwen3 normalizes queries and keys per head besides the two norms a layer and the final one.
+    assert fused.norms == (4 if family == "qwen3" else 2) * layers + 1
+    assert fused.mlps == layers
+    model = llm.runner.model.model
+    assert model.norm.forward.__func__ is _norm_forward and model.layers[0].mlp.forward.__func__ is _mlp_forward
+
+
+def test_fused_layers_compile_at_start_up(tiny_models):
+    """No request waits for a compile: start-up compiles each function for the token counts a step can
+    have."""
+    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=64,
+              max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=False)
+    assert llm.runner.fused_layers is not None
+    assert_nothing_compiles_after_start_up(llm)
+
+
+def test_fused_rotary_embedding_only_inside_the_engines_forward(tiny_models):
+    """The modeling module's rotary embedding is swapped only while the engine's forward runs: another
+    model of the same family in the process runs transformers' own code."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=32,
+              max_num_seqs=2, max_num_batched_tokens=32)
+    seen = []
+    llm.runner.model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(modeling_llama.apply_rotary_pos_emb))
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert seen and all(f is not original for f in seen), "the engine's forward was meant to run the fused one"
+    assert modeling_llama.apply_rotary_pos_emb is original
+
+
+def test_fused_layers_settings(tiny_models, tmp_path):
+    """Unset: on for a GPU, off for a CPU; asked for with torch_compile or on a model type the functions
+    do not cover, a clear error."""
+    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", num_kv_blocks=16, max_num_seqs=2,
+              max_num_batched_tokens=16)
+    assert llm.runner.fused_layers is None
+    with pytest.raises(ValueError, match="fused_layers and torch_compile"):
+        EngineConfig(model=tiny_models["llama"], fused_layers=True, torch_compile=True)
+    with pytest.raises(ValueError, match="fused_layers must be"):
+        EngineConfig(model=tiny_models["llama"], fused_layers="yes")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512)).save_pretrained(gpt2)
+    with pytest.raises(ValueError, match="fused layers cover the model types"):
+        LLM(str(gpt2), device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=16, max_num_seqs=2,
+            max_num_batched_tokens=16)
+
+
+def test_fused_layers_that_fail_to_compile_leave_transformers_layers(tiny_models, hf_reference, monkeypatch, caplog):
+    """Unset (on by default on a GPU), fused functions that fail to compile leave the model on
+    transformers' own layers, with a warning that says why; asked for, the failure stops the start."""
+    from inflight import fused_layers, model_runner
+
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(fused_layers, "_compiled_rms_norm", broken)
+    monkeypatch.setattr(model_runner.ModelRunner, "_use_fused_layers", lambda self: True)  # as on a GPU
+    prompts = random_prompts(3, 1, 40, vocab=512, seed=3)
+    llm = run_and_compare(tiny_models["llama"], prompts, hf_reference, device="cpu", dtype="float32",
+                          num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=32)
+    assert llm.runner.fused_layers is None
+    assert "fused layers failed to compile, so transformers' own layers run: no compiler here" in caplog.text
+    assert "forward" not in vars(llm.runner.model.model.norm)
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        LLM(tiny_models["llama"], device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=32,
+            max_num_seqs=4, max_num_batched_tokens=32)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
+def test_fused_layers_are_the_gpu_default(tiny_models):
+    llm = LLM(tiny_models["llama"], device="cuda", num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=32)
+    assert llm.runner.fused_layers is not None
+
+
