@@ -99,3 +99,18 @@ def test_fused_layers_are_the_gpu_default(tiny_models):
     assert llm.runner.fused_layers is not None
 
 
+
+
+def test_fused_layers_of_several_models_in_one_process(tiny_models, monkeypatch):
+    """Each model, dtype and width compiles graphs of the same three functions (a benchmark builds
+    several models in one process): they stay compiled, none falls back to eager at dynamo's recompile
+    limit (made an error here)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    for family in ("llama", "qwen2", "qwen3", "mistral"):
+        for dtype in ("float32", "bfloat16"):
+            llm = LLM(tiny_models[family], device="cpu", dtype=dtype, fused_layers=True, num_kv_blocks=32,
+                      max_num_seqs=4, max_num_batched_tokens=32)
+            outs = llm.generate([[5, 6, 7], list(range(3, 40))], SamplingParams(max_tokens=4, ignore_eos=True))
+            assert all(len(out.token_ids) == 4 for out in outs)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from types import MethodType
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 from .input_buffers import InputBuffers, StepTensors, empty_prefill
@@ -35,6 +36,7 @@ from .input_buffers import InputBuffers, StepTensors, empty_prefill
 logger = logging.getLogger(__name__)
 
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+RECOMPILE_LIMIT = 64
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,6 +83,9 @@ class FusedLayers:
     def __init__(self, model: torch.nn.Module, model_type: str, hidden_act: str):
         if model_type not in FUSED_MODEL_TYPES:
             raise ValueError(f"fused layers cover the model types {', '.join(FUSED_MODEL_TYPES)}, not {model_type!r}")
+        # Every model, dtype and width in the process compiles graphs of the same three functions (a
+        # benchmark builds several): past dynamo's limit per function (8) they would run eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.norms = self.mlps = 0
         self._swapped: list[torch.nn.Module] = []
         modeling_modules = set()
