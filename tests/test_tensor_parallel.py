@@ -57,13 +57,14 @@ def test_three_ranks_match_one_across_chunks_preemption_prefix_caching_and_forks
     assert children() <= before, "a worker outlived close()"
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks):
+@pytest.mark.parametrize("ranks, fused", [(2, False), (4, False), (2, True)])
+def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused):
+    """fused: each rank with fused layers (on by default on GPUs), inside transformers' sharded modules."""
     model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
     prompts = random_prompts(6, 3, 40, 512, seed=ranks)
     settings = dict(num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1)
     expected = run_to_the_end(LLM(model, **settings), prompts, GREEDY)
-    llm = LLM(model, tensor_parallel_size=ranks, **settings)
+    llm = LLM(model, tensor_parallel_size=ranks, fused_layers=fused, **settings)
     try:
         assert run_to_the_end(llm, prompts, GREEDY) == expected
     finally:
