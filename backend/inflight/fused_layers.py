@@ -8,7 +8,7 @@ microseconds of GPU time however little it computes: on the H200, a graphed deco
 model was 1,718 launches and 5.1 ms, some 1,300 of them these modules'.
 
 Here each of those three is one small function compiled by torch.compile (inductor fuses each into one
-kernel, two for the rotary embedding's queries and keys), swapped into the model's own modules: the
+kernel, or two for the rotary embedding's queries and keys), swapped into the model's own modules: the
 norm's and the MLP's forward on each instance, and the modeling module's `apply_rotary_pos_emb` only
 while the engine's forward runs (`active()`), so that other models in the process keep transformers'
 code. Only what the functions are known to equal: the model types of `FUSED_MODEL_TYPES`, whose norm,
@@ -16,8 +16,8 @@ rotary embedding and MLP are Llama's. The matmuls, residual adds and our attenti
 
 Compiling the three functions takes seconds, not the minutes of the whole model (`torch_compile`).
 Each compiles a graph the first time it meets a token count, one more when the count changes (the
-count then becomes dynamic), and one for a single token (torch.compile specializes 1): `warm_up_fused_layers` runs
-those steps at start-up, so that no request compiles and no graph capture does.
+count then becomes dynamic), and one for a single token (torch.compile specializes 1):
+`warm_up_fused_layers` runs those steps at start-up, so that no request compiles and no graph capture does.
 """
 
 import contextlib
@@ -132,7 +132,7 @@ class FusedLayers:
 
 @torch.inference_mode()
 def warm_up_fused_layers(forward: Callable[[StepTensors], torch.Tensor], buffers: InputBuffers, max_tokens: int,
-            block_size: int) -> None:
+                         block_size: int) -> None:
     """Compile each function for the token counts a step can have: one of 16 tokens, then of 2 (the
     count becomes dynamic), then of 1. The steps write no KV."""
     started = time.perf_counter()
