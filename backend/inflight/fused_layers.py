@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator
 from types import MethodType
 
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 
 from .input_buffers import InputBuffers, StepTensors, empty_prefill
@@ -63,17 +62,27 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_compiled_rms_norm = torch.compile(_rms_norm)
-_compiled_rotary = torch.compile(_rotary)
-_compiled_silu_mul = torch.compile(_silu_mul)
+# The compiled functions, made by the first FusedLayers (importing torch.compile's machinery costs most
+# of a second, which a CPU engine that never fuses need not pay).
+_compiled: dict[str, Callable] = {}
+
+
+def _compile_functions() -> None:
+    import torch._dynamo
+
+    # Every model, dtype and width in the process compiles graphs of the same three functions (a
+    # benchmark builds several): past dynamo's limit per function (8) they would run eagerly.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    for name, function in (("rms_norm", _rms_norm), ("rotary", _rotary), ("silu_mul", _silu_mul)):
+        _compiled.setdefault(name, torch.compile(function))
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return _compiled_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return _compiled["rms_norm"](hidden_states, self.weight, self.variance_epsilon)
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(_compiled_silu_mul(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(_compiled["silu_mul"](self.gate_proj(x), self.up_proj(x)))
 
 
 class FusedLayers:
@@ -83,9 +92,7 @@ class FusedLayers:
     def __init__(self, model: torch.nn.Module, model_type: str, hidden_act: str):
         if model_type not in FUSED_MODEL_TYPES:
             raise ValueError(f"fused layers cover the model types {', '.join(FUSED_MODEL_TYPES)}, not {model_type!r}")
-        # Every model, dtype and width in the process compiles graphs of the same three functions (a
-        # benchmark builds several): past dynamo's limit per function (8) they would run eagerly.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        _compile_functions()
         self.norms = self.mlps = 0
         self._swapped: list[torch.nn.Module] = []
         modeling_modules = set()
@@ -122,7 +129,7 @@ class FusedLayers:
         """The modeling modules' rotary embedding is the compiled one until the block ends."""
         originals = [m.apply_rotary_pos_emb for m in self._modeling_modules]
         for m in self._modeling_modules:
-            m.apply_rotary_pos_emb = _compiled_rotary
+            m.apply_rotary_pos_emb = _compiled["rotary"]
         try:
             yield
         finally:
