@@ -72,7 +72,9 @@ def test_fused_layers_settings(tiny_models, tmp_path):
             max_num_batched_tokens=16)
 
 
-def test_fused_layers_that_fail_to_compile_leave_transformers_layers(tiny_models, hf_reference, monkeypatch, caplog):
+@pytest.mark.parametrize("where", ["setting up torch.compile", "compiling"])
+def test_fused_layers_that_fail_to_compile_leave_transformers_layers(tiny_models, hf_reference, monkeypatch, caplog,
+                                                                     where):
     """Unset (on by default on a GPU), fused functions that fail to compile leave the model on
     transformers' own layers, with a warning that says why; asked for, the failure stops the start."""
     from inflight import fused_layers, model_runner
@@ -80,7 +82,10 @@ def test_fused_layers_that_fail_to_compile_leave_transformers_layers(tiny_models
     def broken(*args):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setitem(fused_layers._compiled, "rms_norm", broken)
+    if where == "compiling":
+        monkeypatch.setitem(fused_layers._compiled, "rms_norm", broken)
+    else:
+        monkeypatch.setattr(fused_layers, "_compile_functions", broken)
     monkeypatch.setattr(model_runner.ModelRunner, "_use_fused_layers", lambda self: True)  # as on a GPU
     prompts = random_prompts(3, 1, 40, vocab=512, seed=3)
     llm = run_and_compare(tiny_models["llama"], prompts, hf_reference, device="cpu", dtype="float32",

@@ -300,3 +300,15 @@ def test_n_completions_in_both_conventions(server, offline):
                                                                            "ignore_eos": True}, cancel_after=2)
     assert cancelled.error == "cancelled"
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine process", "engine thread"])
+def test_fused_layers_compile_where_the_engine_runs(offline_texts, engine_process):
+    """Fused layers (a GPU's default; asked for here) compile in whichever process runs the engine: its
+    own, or the Triton model's stub when the engine runs on a thread there, whose embedded Python reads
+    files as ASCII unless told otherwise (inductor's code templates are UTF-8)."""
+    for server in serve(**SETTINGS, fused_layers=True, engine_process=engine_process):
+        for prompt in PROMPTS[:2]:
+            result = generate(server.grpc_url, prompt, **greedy())
+            assert result.error is None, result.error
+            assert result.text == offline_texts[prompt]

@@ -98,17 +98,20 @@ class ModelRunner:
     def _fuse_layers(self) -> None:
         """Swap in the fused functions and compile them now. Where the setting is unset and they fail to
         compile, the model keeps transformers' own layers (a warning says why)."""
-        hf_config = self.hf_config
-        self.fused_layers = FusedLayers(self.model, hf_config.model_type, getattr(hf_config, "hidden_act", None))
-        self._model_call = self.fused_layers.wrap(self.model)
+        fused = None
         try:
+            fused = FusedLayers(self.model, self.hf_config.model_type, getattr(self.hf_config, "hidden_act", None))
+            self._model_call = fused.wrap(self.model)
             warm_up_fused_layers(self._forward, self.buffers, self.config.max_num_batched_tokens, self.block_size)
         except Exception as e:
             if self.config.fused_layers:
                 raise
             logger.warning("fused layers failed to compile, so transformers' own layers run: %s", e)
-            self.fused_layers.remove()
-            self.fused_layers, self._model_call = None, self.model
+            if fused is not None:
+                fused.remove()
+            self._model_call = self.model
+            return
+        self.fused_layers = fused
 
     def _max_model_len(self) -> int:
         """Prompt plus output of one sequence: the setting, or the model's limit capped by the pool."""

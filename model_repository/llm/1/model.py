@@ -28,7 +28,24 @@ def _project_root() -> str:
     return root
 
 
+def _utf8_text_files() -> None:
+    """The stub's embedded Python leaves the process in the C locale, so files open as ASCII unless a
+    reader names the encoding; torch.compile (fused layers, torch_compile), when the engine runs on a
+    thread here, reads its own UTF-8 code templates without naming it."""
+    import locale
+
+    if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
+        return
+    for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+            return
+        except locale.Error:
+            continue
+
+
 ROOT = _project_root()
+_utf8_text_files()
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
