@@ -104,8 +104,6 @@ def test_fused_layers_are_the_gpu_default(tiny_models):
     assert llm.runner.fused_layers is not None
 
 
-
-
 def test_fused_layers_of_several_models_in_one_process(tiny_models, monkeypatch):
     """Each model, dtype and width compiles graphs of the same three functions (a benchmark builds
     several models in one process): they stay compiled, none falls back to eager at dynamo's recompile
