@@ -8,24 +8,45 @@ from test_engine_greedy import DEVICES, assert_nothing_compiles_after_start_up, 
 
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
-from inflight.fused_layers import _mlp_forward, _norm_forward
+from inflight.fused_layers import _merged_mlp_forward, _mlp_forward, _norm_forward
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_fused_layers_match_hf(tiny_models, hf_reference, family, device):
     """Greedy output with the fused functions equals HF's, token for token, through chunked prefill and
-    decodes of every batch size (on a GPU, in CUDA graphs too); each norm and MLP runs the fused function."""
+    decodes of every batch size (on a GPU, in CUDA graphs too); each norm and MLP runs the fused function,
+    and each layer's query, key and value projections and its gate and up projections are one matmul (on
+    a CPU, with the linear layers unpacked: packed ones are not merged)."""
     prompts = random_prompts(8, 1, 120, vocab=512, seed=17)
     llm = run_and_compare(tiny_models[family], prompts, hf_reference, device=device, dtype="float32",
-                          fused_layers=True, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+                          fused_layers=True, packed_weights=False, num_kv_blocks=128, max_num_seqs=8,
+                          max_num_batched_tokens=64)
     fused = llm.runner.fused_layers
     layers = llm.runner.num_layers
     # Qwen3 normalizes queries and keys per head besides the two norms a layer and the final one.
     assert fused.norms == (4 if family == "qwen3" else 2) * layers + 1
-    assert fused.mlps == layers
+    assert fused.mlps == layers and fused.merged == 2 * layers
     model = llm.runner.model.model
-    assert model.norm.forward.__func__ is _norm_forward and model.layers[0].mlp.forward.__func__ is _mlp_forward
+    assert model.norm.forward.__func__ is _norm_forward and model.layers[0].mlp.forward.__func__ is _merged_mlp_forward
+    attention = model.layers[0].self_attn
+    storage = attention.q_proj.weight.untyped_storage().data_ptr()
+    assert attention.k_proj.weight.untyped_storage().data_ptr() == storage, "q and k weights were meant to be merged"
+    if device == "cpu":  # a forward is 4 matmuls a layer (queries-keys-values, out, gate-up, down) and the head
+        from torch.profiler import profile
+
+        with profile() as prof:
+            llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        linears = sum(event.name == "aten::linear" for event in prof.events())
+        assert linears == 2 * (4 * layers + 1), linears  # two forwards
+
+
+def test_packed_linear_layers_are_not_merged(tiny_models):
+    """On a CPU with packed weights (the default) the projections keep their packed forward."""
+    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=32,
+              max_num_seqs=4, max_num_batched_tokens=32)
+    assert llm.runner.fused_layers.merged == 0
+    assert llm.runner.model.model.layers[0].mlp.forward.__func__ is _mlp_forward
 
 
 def test_fused_layers_compile_at_start_up(tiny_models):

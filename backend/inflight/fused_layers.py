@@ -12,7 +12,14 @@ kernel, or two for the rotary embedding's queries and keys), swapped into the mo
 norm's and the MLP's forward on each instance, and the modeling module's `apply_rotary_pos_emb` only
 while the engine's forward runs (`active()`), so that other models in the process keep transformers'
 code. Only what the functions are known to equal: the model types of `FUSED_MODEL_TYPES`, whose norm,
-rotary embedding and MLP are Llama's. The matmuls, residual adds and our attention launch as before.
+rotary embedding and MLP are Llama's.
+
+The projections that read the same input become one matmul each: queries, keys and values (the
+attention calls q_proj, k_proj and v_proj one after the other on the same tensor: the first computes all
+three, the others take their slice of its output), and the MLP's gate and up projections (its forward is
+ours). Their weights become views of one merged weight, so memory does not grow. Only plain nn.Linear
+layers without hooks are merged (not packed CPU layers, not transformers' tensor-parallel shards). A
+layer is then 4 matmuls instead of 7; the residual adds and our attention launch as before.
 
 Compiling the three functions takes seconds, not the minutes of the whole model (`torch_compile`).
 Each compiles a graph the first time it meets a token count, one more when the count changes (the
@@ -21,6 +28,8 @@ count then becomes dynamic), and one for a single token (torch.compile specializ
 """
 
 import contextlib
+import functools
+import itertools
 import logging
 import sys
 import time
@@ -85,34 +94,107 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_compiled["silu_mul"](self.gate_proj(x), self.up_proj(x)))
 
 
+def _merged_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate_up = F.linear(x, *self.inflight_gate_up)
+    half = gate_up.shape[-1] // 2
+    return self.down_proj(_compiled["silu_mul"](gate_up[..., :half], gate_up[..., half:]))
+
+
+def _mergeable(linears: list[torch.nn.Module]) -> bool:
+    """Plain nn.Linear layers of one input size, biased alike, with their own forward (not packed CPU
+    layers), no hooks and plain tensors as weights (not transformers' tensor-parallel shards, DTensors)."""
+    return (all(type(m) is torch.nn.Linear and "forward" not in vars(m) and not m._forward_hooks
+                and not m._forward_pre_hooks and type(m.weight.data) is torch.Tensor for m in linears)
+            and len({m.in_features for m in linears}) == 1 and len({m.bias is None for m in linears}) == 1)
+
+
+def _merge_weights(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for `linears`, each layer's own becoming a view of it."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])
+        bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    start = 0
+    for m in linears:
+        end = start + m.out_features
+        m.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
+class _SharedMatmul:
+    """Linear layers called one after the other on the same input (q_proj, k_proj, v_proj) as one
+    matmul: the first computes every output and the others take their slice. A layer called on another
+    input computes its own."""
+
+    def __init__(self, linears: list[torch.nn.Module]):
+        self._linears = linears
+        self._weight, self._bias = _merge_weights(linears)
+        ends = list(itertools.accumulate(m.out_features for m in linears))
+        self._spans = list(zip([0, *ends[:-1]], ends))
+        self._input = self._output = None
+        for i, m in enumerate(linears):
+            m.forward = functools.partial(self._forward, i)
+
+    def _forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if i == 0:
+            self._input, self._output = x, F.linear(x, self._weight, self._bias)
+        elif x is not self._input:
+            return F.linear(x, self._linears[i].weight, self._linears[i].bias)
+        start, end = self._spans[i]
+        out = self._output[..., start:end]
+        if i == len(self._linears) - 1:
+            self._input = self._output = None
+        return out
+
+
 class FusedLayers:
-    """The model's norms and MLPs run the compiled functions from construction on; the rotary
-    embedding while `active()`."""
+    """The model's norms and MLPs run the compiled functions, and its projections merged, from
+    construction on; the rotary embedding while `active()`."""
 
     def __init__(self, model: torch.nn.Module, model_type: str, hidden_act: str):
         if model_type not in FUSED_MODEL_TYPES:
             raise ValueError(f"fused layers cover the model types {', '.join(FUSED_MODEL_TYPES)}, not {model_type!r}")
         _compile_functions()
-        self.norms = self.mlps = 0
+        self.norms = self.mlps = self.merged = 0
         self._swapped: list[torch.nn.Module] = []
         modeling_modules = set()
-        for module in model.modules():
+        for module in list(model.modules()):
             name = type(module).__name__
             if name.endswith("RMSNorm"):
-                module.forward = MethodType(_norm_forward, module)
+                self._swap(module, _norm_forward)
                 self.norms += 1
             elif name.endswith("MLP") and hidden_act == "silu":
-                module.forward = MethodType(_mlp_forward, module)
-                self.mlps += 1
-            else:
-                if name.endswith("Attention"):
-                    modeling_modules.add(sys.modules[type(module).__module__])
-                continue
-            self._swapped.append(module)
+                self._fuse_mlp(module)
+            elif name.endswith("Attention"):
+                modeling_modules.add(sys.modules[type(module).__module__])
+                self._merge_qkv(module)
         self._modeling_modules = [m for m in modeling_modules if hasattr(m, "apply_rotary_pos_emb")]
 
+    def _swap(self, module: torch.nn.Module, forward: Callable) -> None:
+        module.forward = MethodType(forward, module)
+        self._swapped.append(module)
+
+    def _fuse_mlp(self, mlp: torch.nn.Module) -> None:
+        self.mlps += 1
+        gate_up = [mlp.gate_proj, mlp.up_proj]
+        if not _mergeable(gate_up):
+            self._swap(mlp, _mlp_forward)
+            return
+        mlp.inflight_gate_up = _merge_weights(gate_up)
+        self._swap(mlp, _merged_mlp_forward)
+        self.merged += 1
+
+    def _merge_qkv(self, attention: torch.nn.Module) -> None:
+        qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
+        if _mergeable(qkv):
+            _SharedMatmul(qkv)  # their forward now shares one matmul
+            self._swapped += qkv
+            self.merged += 1
+
     def remove(self) -> None:
-        """Give the modules back their own forward."""
+        """Give the modules back their own forward (merged weights stay merged: the same values)."""
         for module in self._swapped:
             del module.forward
         self._swapped.clear()
