@@ -49,12 +49,13 @@ def test_packed_linear_layers_are_not_merged(tiny_models):
     assert llm.runner.model.model.layers[0].mlp.forward.__func__ is _mlp_forward
 
 
-def test_fused_layers_compile_at_start_up(tiny_models):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_layers_compile_at_start_up(tiny_models, family):
     """No request waits for a compile: start-up compiles each function for the token counts a step can
-    have."""
-    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=64,
-              max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=False)
-    assert llm.runner.fused_layers is not None
+    have (with the projections merged, as on a GPU: the functions then read slices of their output)."""
+    llm = LLM(tiny_models[family], device="cpu", dtype="float32", fused_layers=True, packed_weights=False,
+              num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=False)
+    assert llm.runner.fused_layers.merged == 2 * llm.runner.num_layers
     assert_nothing_compiles_after_start_up(llm)
 
 
