@@ -71,28 +71,35 @@ class RequestResponses:
                 ids = parsed.prompt + ids
             else:
                 texts = [parsed.prompt + t for t in texts]
-        outputs = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
-        if isinstance(parsed.prompt, list):
+        wants = self._wants
+        outputs = {}
+        if wants("text_output"):
+            outputs["text_output"] = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
+        if isinstance(parsed.prompt, list) and wants("output_ids"):
             outputs["output_ids"] = np.array(ids, dtype=np.int32)
-        if parsed.per_completion_responses:
+        if parsed.per_completion_responses and wants("sequence_index"):
             outputs["sequence_index"] = np.array([parts[0].index], dtype=np.int32)
-        if parsed.return_finish_reason:
+        if parsed.return_finish_reason and wants("finish_reason"):
             outputs["finish_reason"] = np.array([(d.finish_reason or "").encode() for d in parts], dtype=np.object_)
-        if parsed.return_num_input_tokens:
+        if parsed.return_num_input_tokens and wants("num_input_tokens"):
             outputs["num_input_tokens"] = np.array([parts[0].num_prompt_tokens], dtype=np.uint32)
-        if parsed.return_num_output_tokens:
+        if parsed.return_num_output_tokens and wants("num_output_tokens"):
             outputs["num_output_tokens"] = np.array([d.num_output_tokens for d in parts], dtype=np.uint32)
-        if parsed.return_logprobs:
+        if parsed.return_logprobs and wants("logprobs"):
             outputs["logprobs"] = np.array([logprobs_json(d.new_logprobs or []).encode() for d in parts],
                                            dtype=np.object_)
-        if parsed.return_cumulative_logprob:
+        if parsed.return_cumulative_logprob and wants("cumulative_logprob"):
             outputs["cumulative_logprob"] = np.array([d.cumulative_logprob for d in parts], dtype=np.float32)
         if parsed.return_log_probs:
             delta = parts[0]
-            sampled = [entry[token].logprob for entry, token in zip(delta.new_logprobs or [], delta.new_token_ids)]
-            outputs["output_log_probs"] = np.array(sampled, dtype=np.float32)
-            outputs["cum_log_probs"] = np.array([delta.cumulative_logprob], dtype=np.float32)
-        if self._requested:
-            outputs = {name: array for name, array in outputs.items() if name in self._requested}
+            if wants("output_log_probs"):
+                sampled = [entry[token].logprob for entry, token in zip(delta.new_logprobs or [], delta.new_token_ids)]
+                outputs["output_log_probs"] = np.array(sampled, dtype=np.float32)
+            if wants("cum_log_probs"):
+                outputs["cum_log_probs"] = np.array([delta.cumulative_logprob], dtype=np.float32)
         return outputs
+
+    def _wants(self, name: str) -> bool:
+        """Whether output `name` is built: every output, unless the client named the ones it wants."""
+        return self._requested is None or name in self._requested
 
