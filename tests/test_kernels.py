@@ -167,15 +167,15 @@ def test_start_up_compiles_every_attention_variant_without_writing_kv(tiny_model
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["c-kernel", "gathered"])
 @pytest.mark.parametrize("sliding_window", [None, 7])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_reference_matches_dense_attention(dtype, sliding_window, cpu_kernel, monkeypatch):
     """The torch reference itself against plain causal SDPA over each sequence's full context. On a CPU,
-    float32 decodes take the C kernel, float16 ones (and float32 ones without it) the gathered groups;
+    float32 and bfloat16 decodes take the C kernel, float16 ones (and all without it) the gathered groups;
     head_dim 64 and 128 are the kernel's unrolled cases, 80 its general one."""
     if not cpu_kernel:
         monkeypatch.setattr(torch_ops.cpu_kernels, "decode_attention", lambda: None)
-    elif DEVICE != "cpu" or dtype != torch.float32:
-        pytest.skip("the C kernel serves float32 on a CPU")
+    elif DEVICE != "cpu" or dtype == torch.float16:
+        pytest.skip("the C kernel serves float32 and bfloat16 on a CPU")
     for head_dim in (64, 128, 80):
         check_reference_matches_dense_attention(dtype, sliding_window, head_dim)
 
@@ -199,20 +199,24 @@ def check_reference_matches_dense_attention(dtype, sliding_window, head_dim):
             hidden |= q_pos - k_pos >= sliding_window
         scores.masked_fill_(hidden, float("-inf"))
         expected = (scores.softmax(-1) @ v).transpose(0, 1).to(dtype)
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+        tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(got[cu[i]:cu[i + 1]], expected, atol=tolerance, rtol=tolerance)
+    kernel_expected = (DEVICE == "cpu" and dtype != torch.float16
+                       and torch_ops.cpu_kernels.decode_attention() is not None)
+    assert (torch_ops._last_plan.kernel_decodes is not None) == kernel_expected
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_cpu_decode_kernel_builds_and_serves_float32_decodes(threads, monkeypatch):
-    """The CI machines have a C compiler: the kernel must build there, and float32 decodes must take it
-    (a silent fall-back to the gathered path would pass the tests above and lose the speed). Two decodes
-    on two threads are split by KV head, on one thread not: both equal the gathered path."""
+def test_cpu_decode_kernel_builds_and_serves_decodes(threads, dtype, monkeypatch):
+    """The CI machines have a C compiler: the kernel must build there, and float32 and bfloat16 decodes
+    must take it (a silent fall-back to the gathered path would pass the tests above and lose the speed).
+    Two decodes on two threads are split by KV head, on one thread not: both equal the gathered path."""
     from inflight.ops import cpu_kernels
 
     assert cpu_kernels.decode_attention() is not None
-    query, key_cache, value_cache, cu, seq_lens, tables = make_batch([(30, 1), (5, 1)], 8, 2, 3, 64, torch.float32)
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch([(30, 1), (5, 1)], 8, 2, 3, 64, dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -223,7 +227,8 @@ def test_cpu_decode_kernel_builds_and_serves_float32_decodes(threads, monkeypatc
     monkeypatch.setattr(cpu_kernels, "decode_attention", lambda: None)
     expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125)
     assert torch_ops._last_plan.kernel_decodes is None
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3  # both in float32, each rounded to bfloat16 at the end
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")

@@ -1,4 +1,6 @@
-/* Decode attention on a CPU, float32, straight from the paged cache: one query token per sequence.
+/* Decode attention on a CPU, straight from the paged cache: one query token per sequence. The query,
+   the output and all arithmetic are float32; the cache is float32 or bfloat16 (each element widened as
+   it is read: a bfloat16 is the top half of a float32).
 
    Built and loaded by cpu_kernels.py. Work item: a decode with all its KV heads, or one KV head of it
    while decodes are too few to keep the threads busy. Pass 1 walks its key rows in block-table order,
@@ -11,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__x86_64__) && defined(__GLIBC__)
 /* glibc's vector expf (libmvec), which <math.h> declares only under -ffast-math. That flag is not used:
@@ -22,16 +25,31 @@ float expf(float);
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-ALWAYS_INLINE float dot(const float *a, const float *b, const int64_t n) {
+/* Element d of a cache row, widened to float32; `bf16` is a constant at every call site, so each
+   caller compiles to one of the two loads. */
+ALWAYS_INLINE float element(const void *row, int64_t d, const int bf16) {
+    if (!bf16) return ((const float *)row)[d];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* The cache row `elements` past `base`. */
+ALWAYS_INLINE const void *advance(const void *base, int64_t elements, const int bf16) {
+    return (const char *)base + elements * (bf16 ? 2 : 4);
+}
+
+ALWAYS_INLINE float dot(const float *a, const void *row, const int64_t n, const int bf16) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t d = 0; d < n; d++) sum += a[d] * b[d];
+    for (int64_t d = 0; d < n; d++) sum += a[d] * element(row, d, bf16);
     return sum;
 }
 
-ALWAYS_INLINE void add_scaled(float *acc, const float *row, float weight, const int64_t n) {
+ALWAYS_INLINE void add_scaled(float *acc, const void *row, float weight, const int64_t n, const int bf16) {
 #pragma omp simd
-    for (int64_t d = 0; d < n; d++) acc[d] += weight * row[d];
+    for (int64_t d = 0; d < n; d++) acc[d] += weight * element(row, d, bf16);
 }
 
 /* The rows of one decode, through its block table: BODY for each (POSITION, ROW) in order,
@@ -44,29 +62,31 @@ ALWAYS_INLINE void add_scaled(float *acc, const float *row, float weight, const 
         const int64_t base = table[b] * block_size - b * block_size; /* plus the position */           \
         const int64_t next = last < end ? table[b + 1] * block_size - b * block_size : base;           \
         for (int64_t POSITION = first; POSITION < last; POSITION++) {                                  \
-            const float *ROW = (CACHE) + (base + POSITION) * row_stride;                               \
+            const void *ROW = advance(CACHE, (base + POSITION) * row_stride, bf16);                    \
             PREFETCH(CACHE, (next + POSITION) * row_stride)                                            \
             BODY                                                                                        \
         }                                                                                               \
     }
 
-/* The heads' part of the row at `offset` into the cache (keys or values), on its way to this core's cache. */
+/* The heads' part of the row at `offset` into the cache (keys or values), on its way to this core's
+   cache: a prefetch per 64-byte line. */
 #define PREFETCH(CACHE, offset)                                                                        \
-    for (int64_t d = 0; d < heads * head_dim; d += 16) __builtin_prefetch((CACHE) + (offset) + d);
+    for (int64_t d = 0; d < heads * head_dim; d += (bf16 ? 32 : 16))                                   \
+        __builtin_prefetch(advance(CACHE, (offset) + d, bf16));
 
 /* `heads` KV heads of one decode: k_cache and v_cache point at the first one's part of slot 0, q and o at
    its first query head's row. head_dim is a constant where it is 64 or 128 (the call sites below), so
-   that the loops over it unroll. */
-ALWAYS_INLINE void attend(const float *q, const int64_t *table, const float *k_cache, const float *v_cache,
+   that the loops over it unroll; bf16 is one always. */
+ALWAYS_INLINE void attend(const float *q, const int64_t *table, const void *k_cache, const void *v_cache,
                           int64_t start, int64_t end, int64_t heads, int64_t group, int64_t row_stride,
-                          int64_t block_size, const int64_t head_dim, float scale, float *scores, float *acc,
-                          float *o) {
+                          int64_t block_size, const int64_t head_dim, const int bf16, float scale, float *scores,
+                          float *acc, float *o) {
     const int64_t len = end - start, rows = heads * group;
     float *s = scores - start;
     FOR_EACH_ROW(k_cache, p, k, {
         for (int64_t h = 0; h < heads; h++)
             for (int64_t r = h * group; r < (h + 1) * group; r++)
-                s[r * len + p] = scale * dot(q + r * head_dim, k + h * head_dim, head_dim);
+                s[r * len + p] = scale * dot(q + r * head_dim, advance(k, h * head_dim, bf16), head_dim, bf16);
     })
     for (int64_t r = 0; r < rows; r++) {
         float *sr = scores + r * len, top = sr[0], total = 0.0f;
@@ -84,20 +104,33 @@ ALWAYS_INLINE void attend(const float *q, const int64_t *table, const float *k_c
     FOR_EACH_ROW(v_cache, p, v, {
         for (int64_t h = 0; h < heads; h++)
             for (int64_t r = h * group; r < (h + 1) * group; r++)
-                add_scaled(acc + r * head_dim, v + h * head_dim, s[r * len + p], head_dim);
+                add_scaled(acc + r * head_dim, advance(v, h * head_dim, bf16), s[r * len + p], head_dim, bf16);
     })
     for (int64_t d = 0; d < rows * head_dim; d++) o[d] = acc[d];
 }
 
-/* query, out: [tokens, Hq, D] contiguous; caches: [slots, Hkv, D] contiguous; block_tables: rows
-   `table_stride` apart. For decode i: its query row token_rows[i], its table row table_rows[i], its
-   visible positions [starts[i], ends[i]), at least one. Returns 0, or -1 when memory for the scores ran
-   out. */
-int paged_decode_attention_f32(const float *query, const int64_t *token_rows, const float *key_cache,
-                               const float *value_cache, const int64_t *block_tables, int64_t table_stride,
-                               const int64_t *table_rows, const int64_t *starts, const int64_t *ends,
-                               int64_t decodes, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, int64_t max_len, float scale, float *out, int num_threads) {
+/* One work item (see below), with head_dim and the cache's type as constants where they can be. */
+ALWAYS_INLINE void attend_item(const float *q, const int64_t *table, const void *k, const void *v, int64_t start,
+                               int64_t end, int64_t heads, int64_t group, int64_t row_stride, int64_t block_size,
+                               int64_t head_dim, const int bf16, float scale, float *scores, float *acc, float *o) {
+    if (head_dim == 64)
+        attend(q, table, k, v, start, end, heads, group, row_stride, block_size, 64, bf16, scale, scores, acc, o);
+    else if (head_dim == 128)
+        attend(q, table, k, v, start, end, heads, group, row_stride, block_size, 128, bf16, scale, scores, acc, o);
+    else
+        attend(q, table, k, v, start, end, heads, group, row_stride, block_size, head_dim, bf16, scale, scores, acc,
+               o);
+}
+
+/* query, out: [tokens, Hq, D] float32 contiguous; caches: [slots, Hkv, D] contiguous, float32 or (cache_bf16)
+   bfloat16; block_tables: rows `table_stride` apart. For decode i: its query row token_rows[i], its table
+   row table_rows[i], its visible positions [starts[i], ends[i]), at least one. Returns 0, or -1 when
+   memory for the scores ran out. */
+int paged_decode_attention(const float *query, const int64_t *token_rows, const void *key_cache,
+                           const void *value_cache, const int64_t *block_tables, int64_t table_stride,
+                           const int64_t *table_rows, const int64_t *starts, const int64_t *ends, int64_t decodes,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           int64_t max_len, float scale, float *out, int num_threads, int cache_bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_stride = num_kv_heads * head_dim;  // one slot of the cache
     /* Work item: a decode's heads, all of them (its rows read whole, in order: what the memory serves
@@ -117,16 +150,14 @@ int paged_decode_attention_f32(const float *query, const int64_t *token_rows, co
             const int64_t i = item / parts, h0 = item % parts * heads;
             const int64_t offset = (token_rows[i] * num_heads + h0 * group) * head_dim;
             const int64_t *table = block_tables + table_rows[i] * table_stride;
-            const float *k = key_cache + h0 * head_dim, *v = value_cache + h0 * head_dim;
-            if (head_dim == 64)
-                attend(query + offset, table, k, v, starts[i], ends[i], heads, group, row_stride, block_size, 64,
-                       scale, scores, acc, out + offset);
-            else if (head_dim == 128)
-                attend(query + offset, table, k, v, starts[i], ends[i], heads, group, row_stride, block_size, 128,
-                       scale, scores, acc, out + offset);
+            if (cache_bf16)
+                attend_item(query + offset, table, advance(key_cache, h0 * head_dim, 1),
+                            advance(value_cache, h0 * head_dim, 1), starts[i], ends[i], heads, group, row_stride,
+                            block_size, head_dim, 1, scale, scores, acc, out + offset);
             else
-                attend(query + offset, table, k, v, starts[i], ends[i], heads, group, row_stride, block_size,
-                       head_dim, scale, scores, acc, out + offset);
+                attend_item(query + offset, table, advance(key_cache, h0 * head_dim, 0),
+                            advance(value_cache, h0 * head_dim, 0), starts[i], ends[i], heads, group, row_stride,
+                            block_size, head_dim, 0, scale, scores, acc, out + offset);
         }
         free(scores);
     }

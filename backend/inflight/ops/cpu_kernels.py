@@ -90,36 +90,44 @@ def decode_attention():
         return None
     try:
         library = _build()
-        function = ctypes.CDLL(str(library)).paged_decode_attention_f32
+        function = ctypes.CDLL(str(library)).paged_decode_attention
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU decode attention kernel unavailable, using torch operations (slower): %s", e)
         return None
     function.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64  # pointers pass as tensors' data_ptr()
     function.argtypes = [pointer, pointer, pointer, pointer, pointer, size, pointer, pointer, pointer, size, size,
-                         size, size, size, size, ctypes.c_float, pointer, ctypes.c_int]
+                         size, size, size, size, ctypes.c_float, pointer, ctypes.c_int, ctypes.c_int]
     logger.info("CPU decode attention kernel: %s", library)
     return function
 
 
+# The caches' dtypes the kernel reads.
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def run_decode_attention(function, query, token_rows, key_cache, value_cache, block_tables, table_rows, starts,
                          ends, max_len: int, scale: float, out) -> None:
-    """query, out: [T, Hq, D] float32 contiguous; caches [blocks, block_size, Hkv, D] float32 contiguous;
-    block_tables [S, W] int64 with unit column stride; token_rows, table_rows, starts, ends: [n] int64."""
+    """query, out: [T, Hq, D] of the caches' dtype; caches [blocks, block_size, Hkv, D] contiguous, float32
+    or bfloat16; block_tables [S, W] int64 with unit column stride; token_rows, table_rows, starts, ends:
+    [n] int64. The kernel computes in float32: a bfloat16 query is widened, its output rounded back."""
     # The C function trusts its pointers: what it reads must be what it expects (a few µs a layer).
-    if not (query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.float32
-            and query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+    if not (key_cache.dtype in CACHE_DTYPES and query.dtype == key_cache.dtype == value_cache.dtype == out.dtype
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
             and block_tables.dtype == torch.int64 and block_tables.stride(-1) == 1
             and all(t.dtype == torch.int64 and t.is_contiguous() for t in (token_rows, table_rows, starts, ends))):
-        raise ValueError("CPU decode attention: float32 contiguous query and caches, int64 indices expected")
+        raise ValueError("CPU decode attention: float32 or bfloat16 query and contiguous caches, int64 indices "
+                         "expected")
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    query = query.float().contiguous()
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    target = out if direct else torch.empty(out.shape, dtype=torch.float32)
     status = function(query.data_ptr(), token_rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                       block_tables.data_ptr(), block_tables.stride(0), table_rows.data_ptr(), starts.data_ptr(),
                       ends.data_ptr(), len(token_rows), num_heads, num_kv_heads, head_dim, block_size, max_len, scale,
-                      target.data_ptr(), torch.get_num_threads())
+                      target.data_ptr(), torch.get_num_threads(), int(key_cache.dtype == torch.bfloat16))
     if status:
         raise MemoryError("CPU decode attention: no memory for the scores")
-    if target is not out:
-        out[token_rows] = target[token_rows]
+    if not direct:
+        out[token_rows] = target[token_rows].to(out.dtype)

@@ -5,9 +5,9 @@ Shapes: query [T, Hq, D] ragged over sequences by cu_seqlens_q [S+1]; key_cache/
 [num_blocks, block_size, Hkv, D]; seq_lens [S] counts each sequence's context plus its new tokens;
 block_tables [S, max_blocks].
 
-One-token queries (decodes) are computed together: on a CPU in float32 all at once straight from the
-cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read once), elsewhere (other
-dtypes, CUDA tensors, no C compiler) in groups of similar context length whose keys and values are
+One-token queries (decodes) are computed together: on a CPU in float32 or bfloat16 all at once straight
+from the cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read once), elsewhere
+(float16, CUDA tensors, no C compiler) in groups of similar context length whose keys and values are
 gathered first.
 Longer queries (prefill chunks) run one sequence at a time through SDPA. Which cache rows each of them reads is
 planned once per step: every layer gets the same metadata tensors, so the plan is reused until they change.
@@ -152,8 +152,8 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
 
 def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window) -> _Plan:
     global _last_plan
-    kernel = (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.float32
-              and cpu_kernels.decode_attention() is not None)
+    kernel = (query.device.type == "cpu" and query.dtype == key_cache.dtype
+              and key_cache.dtype in cpu_kernels.CACHE_DTYPES and cpu_kernels.decode_attention() is not None)
     plan = _last_plan
     if plan is None or not (plan.inputs[0] is cu_seqlens_q and plan.inputs[1] is seq_lens
                             and plan.inputs[2] is block_tables and plan.inputs[3:] == (sliding_window, kernel)):
