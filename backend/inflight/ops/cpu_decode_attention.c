@@ -35,7 +35,7 @@ ALWAYS_INLINE float element(const void *row, int64_t d, const int bf16) {
     return value;
 }
 
-/* The cache row `elements` past `base`. */
+/* The address `elements` cache elements past `base`. */
 ALWAYS_INLINE const void *advance(const void *base, int64_t elements, const int bf16) {
     return (const char *)base + elements * (bf16 ? 2 : 4);
 }
@@ -76,7 +76,7 @@ ALWAYS_INLINE void add_scaled(float *acc, const void *row, float weight, const i
 
 /* `heads` KV heads of one decode: k_cache and v_cache point at the first one's part of slot 0, q and o at
    its first query head's row. head_dim is a constant where it is 64 or 128 (the call sites below), so
-   that the loops over it unroll; bf16 is one always. */
+   that the loops over it unroll; bf16 is a constant at every call site. */
 ALWAYS_INLINE void attend(const float *q, const int64_t *table, const void *k_cache, const void *v_cache,
                           int64_t start, int64_t end, int64_t heads, int64_t group, int64_t row_stride,
                           int64_t block_size, const int64_t head_dim, const int bf16, float scale, float *scores,

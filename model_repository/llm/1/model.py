@@ -47,9 +47,9 @@ def _utf8_text_files() -> None:
 # How long (in iterations) an OpenMP thread that waits at the end of a parallel region spins before it
 # sleeps, unless the environment says (GOMP_SPINCOUNT, OMP_WAIT_POLICY). On a CPU host the engine's
 # torch threads share the cores with tritonserver, this process and the clients; while one of them is
-# preempted, the others spin at the region's end and keep the cores from it. libgomp's default
-# (300,000) made a decode step of the default model 10x slower beside one busy process (74 -> 730-790
-# ms, median); 10,000 made it 2.3x (166 ms), for a few percent when the cores are free.
+# preempted, the others spin at the region's end and keep the cores from it. With libgomp's default
+# (300,000) a decode step of the default model took 730-790 ms (median) beside one busy process, 55-74
+# ms alone; with 10,000, 166 ms beside it and 72 ms alone (2 cores, README "Benchmarks").
 OPENMP_SPIN_COUNT = 10_000
 
 
