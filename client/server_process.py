@@ -77,6 +77,20 @@ class TritonServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def descendants(self, marker: str) -> list:
+        """tritonserver's descendant processes whose command line contains `marker` (their names are cut
+        to 15 characters: the command line tells them apart); those gone meanwhile are left out."""
+        import psutil
+
+        found = []
+        for process in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                if marker in " ".join(process.cmdline()):
+                    found.append(process)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -40,9 +39,7 @@ MODEL_PROCESSES = ("triton_python_backend_stub", "inflight.serving.engine_proces
 
 def model_rss(server: TritonServer) -> int:
     """Resident memory of the Python backend stub and of the engine process it started."""
-    children = psutil.Process(server.process.pid).children(recursive=True)
-    # (process names are cut to 15 characters: match the command line)
-    rss = sum(c.memory_info().rss for c in children if any(name in " ".join(c.cmdline()) for name in MODEL_PROCESSES))
+    rss = sum(process.memory_info().rss for name in MODEL_PROCESSES for process in server.descendants(name))
     if not rss:
         raise RuntimeError("the Python backend stub process was not found")
     return rss

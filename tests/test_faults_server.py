@@ -108,10 +108,7 @@ def test_a_persistent_fault_makes_the_model_not_ready():
 
 
 def engine_process(server):
-    import psutil
-
-    engine = [p for p in psutil.Process(server.process.pid).children(recursive=True)
-              if "inflight.serving.engine_process" in " ".join(p.cmdline())]
+    engine = server.descendants("inflight.serving.engine_process")
     assert len(engine) == 1
     return engine[0]
 

@@ -33,17 +33,8 @@ SETTINGS = dict(device="cpu", tensor_parallel_size=3, num_threads=1, num_kv_bloc
 
 def engine_processes(server: TritonServer) -> dict[str, list[psutil.Process]]:
     """The Python backend's stub and the tensor-parallel workers it started, under tritonserver."""
-    found = {"stub": [], "worker": []}
-    for process in psutil.Process(server.process.pid).children(recursive=True):
-        try:
-            command = " ".join(process.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        if "triton_python_backend_stub" in command:
-            found["stub"].append(process)
-        elif "inflight.parallel import worker_main" in command:
-            found["worker"].append(process)
-    return found
+    return {"stub": server.descendants("triton_python_backend_stub"),
+            "worker": server.descendants("inflight.parallel import worker_main")}
 
 
 def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
