@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inflight import LLM
+from inflight import cpu_runtime
 from inflight.cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available, padded_rows
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN weight packing")
@@ -31,7 +32,7 @@ def test_packed_layers_compute_what_transformers_does(model_name, default_model,
     seen = []
     linears[0].register_forward_hook(lambda module, args, output: seen.append(output.shape))
 
-    assert pack_linear_layers(model, 64, 64) == len(linears)
+    assert pack_linear_layers(model, 64, 64, head_rows=8) == len(linears)  # the head computes 37 rows below
     got = logits(model, ids)
 
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -59,6 +60,27 @@ def test_every_row_count_runs_at_its_bucket():
         torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
     assert [padded_rows(n) for n in (1, 16, 17, 24, 25, 64, 65, 96, 97, 512)] == [1, 16, 24, 24, 32, 64, 96, 96,
                                                                                      128, 512]
+
+
+def test_the_output_head_is_built_for_the_rows_a_step_samples(tiny_models, monkeypatch):
+    """Start-up builds the head's kernels up to the rows a step samples, the other layers' up to the
+    step's tokens: over a wide vocabulary, the head's were most of the start-up's time."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    widths = [m.out_features for m in model.modules() if type(m) is torch.nn.Linear]
+    assert widths.count(model.config.vocab_size) == 1  # the head is the only layer of its width
+    built = {}
+    packed_forward = cpu_runtime._packed_forward
+
+    def recording(weight, bias, x):
+        out = packed_forward(weight, bias, x)
+        built.setdefault(out.shape[-1], set()).add(x.shape[0])
+        return out
+
+    monkeypatch.setattr(cpu_runtime, "_packed_forward", recording)
+    pack_linear_layers(model, 8, 200, head_rows=12)
+    assert built.pop(model.config.vocab_size) == set(range(1, 13))
+    buckets = {padded_rows(n) for n in range(1, 201)}
+    assert built and all(rows == buckets for rows in built.values())
 
 
 @pytest.mark.parametrize("packed", [True, False])

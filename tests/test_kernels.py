@@ -231,6 +231,20 @@ def test_cpu_decode_kernel_builds_and_serves_decodes(threads, dtype, monkeypatch
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_start_up_builds_the_cpu_kernel_for_the_dtypes_it_reads(dtype, monkeypatch):
+    """The runner's start-up (`ops.prepare`) builds the C kernel for each dtype it serves, so that no
+    request's first decode waits a second for the compiler; float16 decodes never take it."""
+    from inflight import ops
+    from inflight.ops import cpu_kernels
+
+    built = []
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda: built.append(dtype))
+    ops.prepare("torch", "cpu", dtype)
+    ops.prepare("torch", "cuda", dtype)
+    assert built == ([] if dtype == torch.float16 else [dtype])
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
 def test_cpu_decode_kernel_leaves_subnormals_alone(tmp_path):
     """Built afresh and loaded, the library must not switch on flush-to-zero for the process (what

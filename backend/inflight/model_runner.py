@@ -69,7 +69,9 @@ class ModelRunner:
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                     -(-self.max_model_len // self.block_size), self.device)
         if self._use_packed_weights():
-            pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens)
+            # A step samples one row a sequence: the output head needs no more rows, prompt logprobs aside.
+            pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens,
+                               head_rows=config.max_num_seqs)
         self._model_call = self.model
         self.fused_layers = None
         if config.torch_compile:

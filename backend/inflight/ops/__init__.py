@@ -7,8 +7,6 @@ kernels on CPU tensors).
 
 import os
 
-import torch
-
 from . import cpu_kernels, torch_ops
 
 IMPLS = ("triton", "torch")
@@ -25,8 +23,8 @@ def resolve_impl(impl: str | None, device_type: str) -> str:
 
 def prepare(impl: str, device_type: str, dtype) -> None:
     """Build now, at start-up rather than in a request's first step, what the implementation compiles
-    for this device and dtype: on a CPU in float32, the C decode kernel (a second or two)."""
-    if impl == "torch" and device_type == "cpu" and dtype == torch.float32:
+    for this device and dtype: on a CPU in float32 or bfloat16, the C decode kernel (a second or two)."""
+    if impl == "torch" and device_type == "cpu" and dtype in cpu_kernels.CACHE_DTYPES:
         cpu_kernels.decode_attention()
 
 
