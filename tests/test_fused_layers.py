@@ -2,6 +2,8 @@
 Llama-family modules as compiled functions. On by default on a GPU; tested here on CPU, where inductor
 compiles the same functions to C++."""
 
+from collections import Counter
+
 import pytest
 from conftest import random_prompts
 from test_engine_greedy import DEVICES, assert_nothing_compiles_after_start_up, run_and_compare
@@ -32,21 +34,28 @@ def test_fused_layers_match_hf(tiny_models, hf_reference, family, device):
     attention = model.layers[0].self_attn
     storage = attention.q_proj.weight.untyped_storage().data_ptr()
     assert attention.k_proj.weight.untyped_storage().data_ptr() == storage, "q and k weights were meant to be merged"
-    if device == "cpu":  # a forward is 4 matmuls a layer (queries-keys-values, out, gate-up, down) and the head
+    assert fused.layers == layers and model.layers[0].mlp.inflight_accumulates
+    if device == "cpu":
+        # A forward is 4 matmuls a layer (queries-keys-values, out, gate-up, and down adding into the
+        # residual stream) and the head; no residual add of its own.
         from torch.profiler import profile
 
         with profile() as prof:
             llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        linears = sum(event.name == "aten::linear" for event in prof.events())
-        assert linears == 2 * (4 * layers + 1), linears  # two forwards
+        ops = Counter(event.name for event in prof.events())
+        assert (ops["aten::linear"], ops["aten::addmm_"]) == (2 * (3 * layers + 1), 2 * layers), ops  # two forwards
+        assert ops["aten::add"] == 0, ops
 
 
-def test_packed_linear_layers_are_not_merged(tiny_models):
-    """On a CPU with packed weights (the default) the projections keep their packed forward."""
-    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=32,
-              max_num_seqs=4, max_num_batched_tokens=32)
-    assert llm.runner.fused_layers.merged == 0
-    assert llm.runner.model.model.layers[0].mlp.forward.__func__ is _mlp_forward
+def test_packed_linear_layers_are_not_merged(tiny_models, hf_reference):
+    """On a CPU with packed weights (the default) the projections keep their packed forward, and the
+    MLP's residual add runs after its down projection: HF's output still."""
+    llm = run_and_compare(tiny_models["llama"], random_prompts(4, 1, 60, vocab=512, seed=5), hf_reference,
+                          device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=32, max_num_seqs=4,
+                          max_num_batched_tokens=32)
+    assert llm.runner.fused_layers.merged == 0 and llm.runner.fused_layers.layers == llm.runner.num_layers
+    mlp = llm.runner.model.model.layers[0].mlp
+    assert mlp.forward.__func__ is _mlp_forward and not mlp.inflight_accumulates
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -114,7 +123,8 @@ def test_fused_layers_that_fail_to_compile_leave_transformers_layers(tiny_models
                           num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=32)
     assert llm.runner.fused_layers is None
     assert "fused layers failed to compile, so transformers' own layers run: no compiler here" in caplog.text
-    assert "forward" not in vars(llm.runner.model.model.norm)
+    model = llm.runner.model.model
+    assert "forward" not in vars(model.norm) and "forward" not in vars(model.layers[0])
     with pytest.raises(RuntimeError, match="no compiler here"):
         LLM(tiny_models["llama"], device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=32,
             max_num_seqs=4, max_num_batched_tokens=32)
@@ -127,7 +137,7 @@ def test_fused_layers_are_the_gpu_default(tiny_models):
 
 
 def test_fused_layers_of_several_models_in_one_process(tiny_models, monkeypatch):
-    """Each model, dtype and width compiles graphs of the same three functions (a benchmark builds
+    """Each model, dtype and width compiles graphs of the same four functions (a benchmark builds
     several models in one process): they stay compiled, none falls back to eager at dynamo's recompile
     limit (made an error here)."""
     import torch._dynamo

@@ -19,9 +19,15 @@ attention calls q_proj, k_proj and v_proj one after the other on the same tensor
 three, the others take their slice of its output), and the MLP's gate and up projections (its forward is
 ours). Their weights become views of one merged weight, so memory does not grow. Only plain nn.Linear
 layers without hooks are merged (not packed CPU layers, not transformers' tensor-parallel shards). A
-layer is then 4 matmuls instead of 7; the residual adds and our attention launch as before.
+layer is then 4 matmuls instead of 7.
 
-Compiling the three functions takes seconds, not the minutes of the whole model (`torch_compile`).
+The decoder layer's two residual adds launch nothing of their own: its forward (ours, the same steps as
+transformers' Llama layer) adds the attention's output to the residual stream inside the
+post-attention norm's kernel, and the MLP's down projection adds its product into the stream as part
+of its matmul (`addmm_` into the fresh sum; a layer with bias, hooks or shards adds after it). Our
+attention launches as before.
+
+Compiling the four functions takes seconds, not the minutes of the whole model (`torch_compile`).
 Each compiles a graph the first time it meets a token count, one more when the count changes (the
 count then becomes dynamic), and one for a single token (torch.compile specializes 1):
 `warm_up_fused_layers` runs those steps at start-up, so that no request compiles and no graph capture does.
@@ -71,6 +77,13 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after a sublayer (`x + residual`) and Llama's RMSNorm of it."""
+    total = x + residual
+    return total, _rms_norm(total, weight, eps)
+
+
 # The compiled functions, made by the first FusedLayers (importing torch.compile's machinery costs most
 # of a second, which a CPU engine that never fuses need not pay).
 _compiled: dict[str, Callable] = {}
@@ -79,10 +92,11 @@ _compiled: dict[str, Callable] = {}
 def _compile_functions() -> None:
     import torch._dynamo
 
-    # Every model, dtype and width in the process compiles graphs of the same three functions (a
+    # Every model, dtype and width in the process compiles graphs of the same four functions (a
     # benchmark builds several): past dynamo's limit per function (8) they would run eagerly.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    for name, function in (("rms_norm", _rms_norm), ("rotary", _rotary), ("silu_mul", _silu_mul)):
+    for name, function in (("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("rotary", _rotary),
+                           ("silu_mul", _silu_mul)):
         _compiled.setdefault(name, torch.compile(function))
 
 
@@ -90,14 +104,38 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return _compiled["rms_norm"](hidden_states, self.weight, self.variance_epsilon)
 
 
-def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(_compiled["silu_mul"](self.gate_proj(x), self.up_proj(x)))
+def _mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    return _down(self, _compiled["silu_mul"](self.gate_proj(x), self.up_proj(x)), residual)
 
 
-def _merged_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _merged_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     gate_up = F.linear(x, *self.inflight_gate_up)
     half = gate_up.shape[-1] // 2
-    return self.down_proj(_compiled["silu_mul"](gate_up[..., :half], gate_up[..., half:]))
+    return _down(self, _compiled["silu_mul"](gate_up[..., :half], gate_up[..., half:]), residual)
+
+
+def _down(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The MLP's down projection of `x`, plus `residual` when given: a plain layer without bias adds its
+    product into `residual` in place, one matmul (`residual` is the decoder layer's own, fresh from the
+    norm's kernel); any other adds after."""
+    if residual is None:
+        return mlp.down_proj(x)
+    if not mlp.inflight_accumulates:
+        return residual + mlp.down_proj(x)
+    residual.view(-1, residual.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), mlp.down_proj.weight.t())
+    return residual
+
+
+def _decoder_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
+                           past_key_values=None, use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+    """transformers' Llama decoder layer with its two residual adds inside other kernels: the attention's
+    in the post-attention norm's, the MLP's in its down projection's matmul (`_down`)."""
+    attention, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                  position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
+    norm = self.post_attention_layernorm
+    hidden_states, normed = _compiled["add_rms_norm"](attention, hidden_states, norm.weight, norm.variance_epsilon)
+    return self.mlp(normed, residual=hidden_states)
 
 
 def _mergeable(linears: list[torch.nn.Module]) -> bool:
@@ -150,16 +188,17 @@ class _SharedMatmul:
 
 
 class FusedLayers:
-    """The model's norms and MLPs run the compiled functions, and its projections merged, from
-    construction on; the rotary embedding while `active()`."""
+    """The model's norms, MLPs and decoder layers run the compiled functions, and its projections merged,
+    from construction on; the rotary embedding while `active()`."""
 
     def __init__(self, model: torch.nn.Module, model_type: str, hidden_act: str):
         if model_type not in FUSED_MODEL_TYPES:
             raise ValueError(f"fused layers cover the model types {', '.join(FUSED_MODEL_TYPES)}, not {model_type!r}")
         _compile_functions()
-        self.norms = self.mlps = self.merged = 0
+        self.norms = self.mlps = self.merged = self.layers = 0
         self._swapped: list[torch.nn.Module] = []
         modeling_modules = set()
+        fused_mlps = set()
         for module in list(model.modules()):
             name = type(module).__name__
             if name.endswith("RMSNorm"):
@@ -167,10 +206,15 @@ class FusedLayers:
                 self.norms += 1
             elif name.endswith("MLP") and hidden_act == "silu":
                 self._fuse_mlp(module)
+                fused_mlps.add(module)
             elif name.endswith("Attention"):
                 modeling_modules.add(sys.modules[type(module).__module__])
                 self._merge_qkv(module)
         self._modeling_modules = [m for m in modeling_modules if hasattr(m, "apply_rotary_pos_emb")]
+        for module in model.modules():  # layers whose MLP takes the residual (`_down`)
+            if type(module).__name__.endswith("DecoderLayer") and getattr(module, "mlp", None) in fused_mlps:
+                self._swap(module, _decoder_layer_forward)
+                self.layers += 1
 
     def _swap(self, module: torch.nn.Module, forward: Callable) -> None:
         module.forward = MethodType(forward, module)
@@ -178,6 +222,7 @@ class FusedLayers:
 
     def _fuse_mlp(self, mlp: torch.nn.Module) -> None:
         self.mlps += 1
+        mlp.inflight_accumulates = mlp.down_proj.bias is None and _mergeable([mlp.down_proj])
         gate_up = [mlp.gate_proj, mlp.up_proj]
         if not _mergeable(gate_up):
             self._swap(mlp, _mlp_forward)
