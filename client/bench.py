@@ -146,7 +146,7 @@ def dense_forward_rate(model_dir: str, tokens: int = 256, repeats: int = 5) -> t
 
     rates = {"as transformers runs it": rate()}
     if packing_available():
-        pack_linear_layers(model, tokens, tokens)
+        pack_linear_layers(model, tokens, tokens, merge_siblings=True)
         rates["with linear weights packed for oneDNN"] = rate()
     best = max(rates, key=rates.get)
     others = "; ".join(f"{name}: {r:.0f} tokens/s" for name, r in rates.items() if name != best)

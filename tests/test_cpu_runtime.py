@@ -19,10 +19,12 @@ def logits(model, ids):
         return model(ids, use_cache=False).logits
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["each", "siblings merged"])
 @pytest.mark.parametrize("model_name", ["default", "qwen2"])
-def test_packed_layers_compute_what_transformers_does(model_name, default_model, tiny_models):
+def test_packed_layers_compute_what_transformers_does(model_name, merge, default_model, tiny_models):
     """Same logits within float32 rounding; every linear layer packed; hooks still run; a weight tied to
-    the embedding is kept, the others are released."""
+    the embedding is kept, the others are released. Siblings merged: a layer's queries, keys and values
+    are one oneDNN matmul, and its gate and up projections another."""
     path = default_model if model_name == "default" else tiny_models[model_name]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(3, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(0))
@@ -32,8 +34,11 @@ def test_packed_layers_compute_what_transformers_does(model_name, default_model,
     seen = []
     linears[0].register_forward_hook(lambda module, args, output: seen.append(output.shape))
 
-    assert pack_linear_layers(model, 64, 64, head_rows=8) == len(linears)  # the head computes 37 rows below
-    got = logits(model, ids)
+    assert pack_linear_layers(model, 64, 64, head_rows=8, merge_siblings=merge) == len(linears)  # the head: 37 rows
+    with torch.profiler.profile() as prof:
+        got = logits(model, ids)
+    matmuls = sum(event.name == "mkldnn::_linear_pointwise" for event in prof.events())
+    assert matmuls == (4 if merge else 7) * model.config.num_hidden_layers + 1
 
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert (got.argmax(-1) == expected.argmax(-1)).all()

@@ -48,14 +48,15 @@ def test_fused_layers_match_hf(tiny_models, hf_reference, family, device):
 
 
 def test_packed_linear_layers_are_not_merged(tiny_models, hf_reference):
-    """On a CPU with packed weights (the default) the projections keep their packed forward, and the
-    MLP's residual add runs after its down projection: HF's output still."""
+    """On a CPU with packed weights (the default) the projections keep their packed forward (merged when
+    packed, not here), and the MLP's residual add runs after its down projection: HF's output still."""
     llm = run_and_compare(tiny_models["llama"], random_prompts(4, 1, 60, vocab=512, seed=5), hf_reference,
                           device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=32, max_num_seqs=4,
                           max_num_batched_tokens=32)
     assert llm.runner.fused_layers.merged == 0 and llm.runner.fused_layers.layers == llm.runner.num_layers
     mlp = llm.runner.model.model.layers[0].mlp
     assert mlp.forward.__func__ is _mlp_forward and not mlp.inflight_accumulates
+    assert mlp.gate_proj.forward.func.__self__ is mlp.up_proj.forward.func.__self__  # one packed matmul
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

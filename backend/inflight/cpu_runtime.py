@@ -32,10 +32,13 @@ keeps it). The thresholds are process-wide; an engine on a CPU owns its process'
 import ctypes
 import logging
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from .shared_matmul import SharedMatmul, sibling_projections, stack_weights
 
 logger = logging.getLogger(__name__)
 
@@ -79,30 +82,41 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Te
 
 
 @torch.no_grad()
-def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, head_rows: int | None = None) -> int:
+def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, head_rows: int | None = None,
+                       merge_siblings: bool = False) -> int:
     """Pack every CPU nn.Linear of the model for oneDNN and build its kernels for every bucket up to
     `max_rows` rows, the output head's up to `head_rows` if given; `tokens_hint`, the rows a typical
-    call has, picks the blocked layout. Returns how many layers were packed."""
+    call has, picks the blocked layout. `merge_siblings`: the projections that read one input (queries,
+    keys and values; gate and up) are packed as one weight and computed as one matmul. Returns how many
+    layers were packed."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear
                and m.weight.device.type == "cpu" and m.weight.dtype in _PACKABLE_DTYPES]
+    packable = {id(m) for m in linears}
+    groups = [group for group in sibling_projections(model) if all(id(m) in packable for m in group)] \
+        if merge_siblings else []
+    grouped = {id(m) for group in groups for m in group}
+    units = groups + [[m] for m in linears if id(m) not in grouped]
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    for module in linears:
-        weight = module.weight
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), tokens_hint)
-        bias = None if module.bias is None else module.bias.detach()
-        module.forward = partial(_packed_forward, packed, bias)
-        if uses[id(weight)] == 1:
-            # Same shape and dtype for whoever asks, one element of memory: nothing reads its values.
-            module.weight = torch.nn.Parameter(weight.new_zeros(()).expand(weight.shape), requires_grad=False)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    warm_up: dict[tuple, tuple[torch.nn.Module, int]] = {}  # one module per shape, and the most rows it needs
-    for module in linears:
-        rows = head_rows if module is head and head_rows else max_rows
-        shape = (module.in_features, module.out_features, module.bias is None, module.weight.dtype)
-        warm_up[shape] = (module, max(rows, warm_up.get(shape, (None, 0))[1]))
-    for module, most_rows in warm_up.values():
+    warm_up: dict[tuple, tuple[Callable, int]] = {}  # one matmul per shape, and the most rows it needs
+    for unit in units:
+        weight, bias = stack_weights(unit) if len(unit) > 1 else (unit[0].weight, unit[0].bias)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), tokens_hint)
+        matmul = partial(_packed_forward, packed, None if bias is None else bias.detach())
+        if len(unit) > 1:
+            SharedMatmul(unit, matmul)
+        else:
+            unit[0].forward = matmul
+        for module in unit:
+            if uses[id(module.weight)] == 1:
+                # Same shape and dtype for whoever asks, one element of memory: nothing reads its values.
+                module.weight = torch.nn.Parameter(module.weight.new_zeros(()).expand(module.weight.shape),
+                                                   requires_grad=False)
+        rows = head_rows if unit == [head] and head_rows else max_rows
+        shape = (weight.shape, bias is None, weight.dtype)
+        warm_up[shape] = (matmul, max(rows, warm_up.get(shape, (None, 0))[1]))
+    for (weight_shape, _, dtype), (matmul, most_rows) in warm_up.items():
         for rows in sorted({padded_rows(n) for n in range(1, most_rows + 1)}):
-            # the packed forward itself: hooks on the module see no warm-up calls
-            module.forward(torch.zeros(rows, module.in_features, dtype=module.weight.dtype))
-    logger.info("packed the weights of %d linear layers for oneDNN", len(linears))
+            matmul(torch.zeros(rows, weight_shape[1], dtype=dtype))  # not through the modules: no hook sees it
+    logger.info("packed the weights of %d linear layers for oneDNN (%d groups merged)", len(linears), len(groups))
     return len(linears)

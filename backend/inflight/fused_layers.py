@@ -16,10 +16,10 @@ rotary embedding and MLP are Llama's.
 
 The projections that read the same input become one matmul each: queries, keys and values (the
 attention calls q_proj, k_proj and v_proj one after the other on the same tensor: the first computes all
-three, the others take their slice of its output), and the MLP's gate and up projections (its forward is
-ours). Their weights become views of one merged weight, so memory does not grow. Only plain nn.Linear
-layers without hooks are merged (not packed CPU layers, not transformers' tensor-parallel shards). A
-layer is then 4 matmuls instead of 7.
+three, the others take their slice of its output, `shared_matmul.py`), and the MLP's gate and up
+projections (its forward is ours). Their weights become views of one merged weight, so memory does not
+grow. Only plain nn.Linear layers without hooks are merged (not transformers' tensor-parallel shards;
+packed CPU layers are merged when packed, `cpu_runtime.py`). A layer is then 4 matmuls instead of 7.
 
 The decoder layer's two residual adds launch nothing of their own: its forward (ours, the same steps as
 transformers' Llama layer) adds the attention's output to the residual stream inside the
@@ -35,7 +35,6 @@ count then becomes dynamic), and one for a single token (torch.compile specializ
 
 import contextlib
 import functools
-import itertools
 import logging
 import sys
 import time
@@ -46,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .input_buffers import InputBuffers, StepTensors, empty_prefill
+from .shared_matmul import SharedMatmul, stack_weights
 
 logger = logging.getLogger(__name__)
 
@@ -148,9 +148,7 @@ def _mergeable(linears: list[torch.nn.Module]) -> bool:
 
 def _merge_weights(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for `linears`, each layer's own becoming a view of it."""
-    with torch.no_grad():
-        weight = torch.cat([m.weight for m in linears])
-        bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    weight, bias = stack_weights(linears)
     start = 0
     for m in linears:
         end = start + m.out_features
@@ -159,32 +157,6 @@ def _merge_weights(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.
             m.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
         start = end
     return weight, bias
-
-
-class _SharedMatmul:
-    """Linear layers called one after the other on the same input (q_proj, k_proj, v_proj) as one
-    matmul: the first computes every output and the others take their slice. A layer called on another
-    input computes its own."""
-
-    def __init__(self, linears: list[torch.nn.Module]):
-        self._linears = linears
-        self._weight, self._bias = _merge_weights(linears)
-        ends = list(itertools.accumulate(m.out_features for m in linears))
-        self._spans = list(zip([0, *ends[:-1]], ends))
-        self._input = self._output = None
-        for i, m in enumerate(linears):
-            m.forward = functools.partial(self._forward, i)
-
-    def _forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if i == 0:
-            self._input, self._output = x, F.linear(x, self._weight, self._bias)
-        elif x is not self._input:
-            return F.linear(x, self._linears[i].weight, self._linears[i].bias)
-        start, end = self._spans[i]
-        out = self._output[..., start:end]
-        if i == len(self._linears) - 1:
-            self._input = self._output = None
-        return out
 
 
 class FusedLayers:
@@ -234,7 +206,8 @@ class FusedLayers:
     def _merge_qkv(self, attention: torch.nn.Module) -> None:
         qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
         if _mergeable(qkv):
-            _SharedMatmul(qkv)  # their forward now shares one matmul
+            weight, bias = _merge_weights(qkv)
+            SharedMatmul(qkv, functools.partial(F.linear, weight=weight, bias=bias))
             self._swapped += qkv
             self.merged += 1
 

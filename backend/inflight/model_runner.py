@@ -71,7 +71,8 @@ class ModelRunner:
         if self._use_packed_weights():
             # A step samples one row a sequence: the output head needs no more rows, prompt logprobs aside.
             pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens,
-                               head_rows=config.max_num_seqs)
+                               head_rows=config.max_num_seqs,
+                               merge_siblings=self.hf_config.model_type in FUSED_MODEL_TYPES)
         self._model_call = self.model
         self.fused_layers = None
         if config.torch_compile:
