@@ -117,10 +117,10 @@ def _merged_mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = N
 def _down(mlp: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """The MLP's down projection of `x`, plus `residual` when given: a plain layer without bias adds its
     product into `residual` in place, one matmul (`residual` is the decoder layer's own, fresh from the
-    norm's kernel); any other adds after."""
+    norm's kernel, contiguous as inductor lays it out); any other adds after."""
     if residual is None:
         return mlp.down_proj(x)
-    if not mlp.inflight_accumulates:
+    if not (mlp.inflight_accumulates and residual.is_contiguous()):
         return residual + mlp.down_proj(x)
     residual.view(-1, residual.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), mlp.down_proj.weight.t())
     return residual
