@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from perf_analyzer import run_perf_analyzer  # noqa: E402

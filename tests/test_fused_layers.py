@@ -47,9 +47,10 @@ def test_fused_layers_match_hf(tiny_models, hf_reference, family, device):
         assert ops["aten::add"] == 0, ops
 
 
-def test_packed_linear_layers_are_not_merged(tiny_models, hf_reference):
-    """On a CPU with packed weights (the default) the projections keep their packed forward (merged when
-    packed, not here), and the MLP's residual add runs after its down projection: HF's output still."""
+def test_packed_linear_layers_keep_their_packed_forward(tiny_models, hf_reference):
+    """On a CPU with packed weights (the default) the projections keep their packed forward (the packing
+    merged them, fused layers do not), and the MLP's residual add runs after its down projection: HF's
+    output still."""
     llm = run_and_compare(tiny_models["llama"], random_prompts(4, 1, 60, vocab=512, seed=5), hf_reference,
                           device="cpu", dtype="float32", fused_layers=True, num_kv_blocks=32, max_num_seqs=4,
                           max_num_batched_tokens=32)

@@ -112,7 +112,7 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, 
                 # Same shape and dtype for whoever asks, one element of memory: nothing reads its values.
                 module.weight = torch.nn.Parameter(module.weight.new_zeros(()).expand(module.weight.shape),
                                                    requires_grad=False)
-        rows = head_rows if unit == [head] and head_rows else max_rows
+        rows = head_rows if head_rows and unit[0] is head else max_rows  # the head is never merged
         shape = (weight.shape, bias is None, weight.dtype)
         warm_up[shape] = (matmul, max(rows, warm_up.get(shape, (None, 0))[1]))
     for (weight_shape, _, dtype), (matmul, most_rows) in warm_up.items():
