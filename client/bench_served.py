@@ -15,6 +15,7 @@ run it). The clients run in processes of their own, so that their Python does no
 import argparse
 import multiprocessing
 import queue
+import signal
 import statistics
 import sys
 import tempfile
@@ -96,16 +97,43 @@ def serve_workload(url: str, prompts, lengths, streams: int, processes: int, can
     jobs = [(i, p, n, cancel and i % CANCEL_EVERY == CANCEL_EVERY - 1)
             for i, (p, n) in enumerate(zip(prompts, lengths))]
     processes = max(1, min(processes, streams))
+    # Daemons: a run that fails or is stopped ends them rather than waiting for their streams.
     workers = [context.Process(target=run_streams, args=(url, jobs[k::processes], len(range(k, streams, processes)),
-                                                         results)) for k in range(processes)]
+                                                         results), daemon=True) for k in range(processes)]
     for w in workers:
         w.start()
-    records = [results.get(timeout=1800) for _ in jobs]
+    records = collect_records(results, len(jobs), workers)
     for w in workers:
         w.join()
     start = min(r["sent"] for r in records)
     end = max(r["times"][-1] if r["times"] else r["sent"] for r in records)
     return records, end - start
+
+
+def collect_records(results, count: int, workers: list, timeout: float = 1800.0) -> list[dict]:
+    """`count` records from the client processes' queue; an error as soon as a client process has died
+    (its traceback is on stderr), not the whole timeout later: a GPU session has minutes to spend."""
+    records = []
+    deadline = time.monotonic() + timeout
+    while len(records) < count:
+        try:
+            records.append(results.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        failed = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"a client process exited with code {failed[0]} after {len(records)} of {count} "
+                               "requests (its error is above)")
+        if all(w.exitcode == 0 for w in workers):  # all done: what they put is in the queue by now
+            try:
+                records.append(results.get(timeout=5.0))
+                continue
+            except queue.Empty:
+                raise RuntimeError(f"the client processes ended after {len(records)} of {count} requests") from None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(records)} of {count} requests ended in {timeout:.0f} s")
+    return records
 
 
 def percentiles(values: list[float]) -> str:
@@ -152,6 +180,9 @@ def main() -> None:
     parser.add_argument("--output-range", default=None, help="output lengths, e.g. 100,512")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    # A time limit's SIGTERM unwinds the `with` blocks, so that the server (in a session of its own,
+    # where the signal does not reach it) is stopped rather than left holding the GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from server_process import TritonServer
 
     from inflight import LLM, SamplingParams

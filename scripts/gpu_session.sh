@@ -48,5 +48,8 @@ if want served; then
   LD_LIBRARY_PATH=/tmp/tritonserver/lib:$LD_LIBRARY_PATH ldd /tmp/tritonserver/backends/python/triton_python_backend_stub \
     | grep "not found" && echo "the stub cannot start here: a library above is missing"
   part served "${SERVED_S:-420}" python3 client/bench_served.py --out "$OUT/served.md" ${SERVED_ARGS:-}
+  # Whatever a run cut short left (it stops its server on the time limit's SIGTERM; this is in case).
+  pkill -KILL -f "$TRITONSERVER_HOME/(bin/tritonserver|backends/python/triton_python_backend_stub)" \
+    && echo "killed a tritonserver left running"
 fi
 want tests-kernels && part tests-kernels "${KERNEL_TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py

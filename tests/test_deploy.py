@@ -89,3 +89,41 @@ def test_bench_served_runs_through_tritonserver_on_cpu(tmp_path):
     assert len(storms) == 2 and all(a == b for a, b in storms), text
     assert "every KV block free after" in text
     assert "| send_response |" in text and "| engine_step |" in text
+
+
+def _client_that_fails(results) -> None:
+    results.put({"index": 0})
+    raise SystemExit(3)
+
+
+def _client_that_ends(results) -> None:
+    for index in range(2):
+        results.put({"index": index})
+
+
+def test_bench_served_stops_waiting_when_a_client_process_dies():
+    """A client process that dies (an import that fails on a GPU machine, say) ends the served benchmark
+    within seconds, naming its exit code, instead of after the half-hour wait for its records; records of
+    clients that end normally all arrive."""
+    import multiprocessing
+    import sys
+    import time
+
+    sys.path.insert(0, str(ROOT / "client"))
+    from bench_served import collect_records
+
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    worker = context.Process(target=_client_that_fails, args=(results,), daemon=True)
+    worker.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code 3 after 1 of 4 requests"):
+        collect_records(results, 4, [worker])
+    assert time.monotonic() - started < 15
+
+    workers = [context.Process(target=_client_that_ends, args=(results,), daemon=True) for _ in range(2)]
+    for w in workers:
+        w.start()
+    assert sorted(r["index"] for r in collect_records(results, 4, workers)) == [0, 0, 1, 1]
+    with pytest.raises(RuntimeError, match="ended after 0 of 1 requests"):
+        collect_records(results, 1, workers)

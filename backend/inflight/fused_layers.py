@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .input_buffers import InputBuffers, StepTensors, empty_prefill
-from .shared_matmul import SharedMatmul, stack_weights
+from .shared_matmul import GATE_UP_NAMES, QKV_NAMES, SharedMatmul, stack_weights
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class FusedLayers:
     def _fuse_mlp(self, mlp: torch.nn.Module) -> None:
         self.mlps += 1
         mlp.inflight_accumulates = mlp.down_proj.bias is None and _mergeable([mlp.down_proj])
-        gate_up = [mlp.gate_proj, mlp.up_proj]
+        gate_up = [getattr(mlp, name) for name in GATE_UP_NAMES]
         if not _mergeable(gate_up):
             self._swap(mlp, _mlp_forward)
             return
@@ -204,7 +204,7 @@ class FusedLayers:
         self.merged += 1
 
     def _merge_qkv(self, attention: torch.nn.Module) -> None:
-        qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
+        qkv = [getattr(attention, name) for name in QKV_NAMES]
         if _mergeable(qkv):
             weight, bias = _merge_weights(qkv)
             SharedMatmul(qkv, functools.partial(F.linear, weight=weight, bias=bias))

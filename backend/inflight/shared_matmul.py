@@ -16,7 +16,9 @@ from collections.abc import Callable
 import torch
 
 # Projections called one after the other on one input, by their attribute names in a module.
-SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+GATE_UP_NAMES = ("gate_proj", "up_proj")
+SIBLING_NAMES = (QKV_NAMES, GATE_UP_NAMES)
 
 
 def sibling_projections(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
