@@ -51,14 +51,15 @@ def test_draws_follow_the_distribution():
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
     n = 20_000
     torch.manual_seed(0)
-    tokens = draw(probs.expand(n, -1).contiguous(), [None] * n)
+    tokens = draw(probs.expand(n, -1).contiguous(), [None] * n, torch.zeros(n, dtype=torch.long))
     frequencies = torch.bincount(tokens, minlength=len(probs)).float() / n
     assert frequencies[1] == 0 and frequencies[5] == 0
     torch.testing.assert_close(frequencies, probs, atol=0.015, rtol=0)
-    unnormalized = draw(torch.tensor([[0.0, 0.0, 0.2]]), [None])  # what min_p leaves: rows need not sum to 1
+    unnormalized = draw(torch.tensor([[0.0, 0.0, 0.2]]), [None], torch.tensor([2]))  # what min_p leaves: rows need not sum to 1
     assert unnormalized.tolist() == [2]
-    alone = draw(probs[None], [torch.Generator().manual_seed(3)])
-    beside = draw(probs.expand(5, -1).contiguous(), [None, None, torch.Generator().manual_seed(3), None, None])
+    alone = draw(probs[None], [torch.Generator().manual_seed(3)], torch.tensor([0]))
+    beside = draw(probs.expand(5, -1).contiguous(), [None, None, torch.Generator().manual_seed(3), None, None],
+                  torch.zeros(5, dtype=torch.long))
     assert alone.item() == beside[2].item()
 
 

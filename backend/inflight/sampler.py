@@ -53,8 +53,8 @@ def ban_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p for the rows that sample; returns probabilities."""
     device = logits.device
-    temps = torch.tensor([s.params.temperature for s in seqs], device=device)[:, None]
-    logits = logits / temps
+    if any(s.params.temperature != 1.0 for s in seqs):
+        logits = logits / torch.tensor([s.params.temperature for s in seqs], device=device)[:, None]
     vocab = logits.shape[-1]
     top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
     if min(top_k) < vocab:
@@ -91,24 +91,28 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     if grammars is not None:
         grammars.apply(logits, [s.matcher for s in seqs])
     # max's indices are argmax's (the first of equal values), computed 2-3x faster on a CPU (48 x 49,152: 0.6
-    # against 1.5 ms).
+    # against 1.5 ms). Greedy rows' tokens, and the likeliest of the rows that sample.
     tokens = logits.max(dim=-1).indices
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if len(rows) == len(seqs):  # every row samples: no copy of the rows (25 MB for 128 of 49,152)
+        return draw(_filter(logits, seqs), [s.generator for s in seqs], tokens)
     if rows:
         probs = _filter(logits[rows], [seqs[i] for i in rows])
-        tokens[rows] = draw(probs, [seqs[i].generator for i in rows])
+        tokens[rows] = draw(probs, [seqs[i].generator for i in rows], tokens[rows])
     return tokens
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None], likeliest: torch.Tensor) -> torch.Tensor:
     """One token per row of `probs` [rows, vocab] (rows sum to 1 or less, none all zero), each row's
-    uniform number from its generator where it has one."""
+    uniform number from its generator where it has one; `likeliest` [rows] is each row's most probable
+    token (the filters keep it), taken where rounding draws a token of no probability."""
     cdf = probs.cumsum(-1)  # float32: a tail token of probability under ~1e-7 is drawn only roughly so
     uniform = torch.rand(len(generators), 1, device=probs.device)
     for row, generator in enumerate(generators):
         if generator is not None:
             uniform[row] = torch.rand(1, device=probs.device, generator=generator)
     tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
-    # Rounding can land on a token of no probability at the very end: take the row's likeliest then.
+    # Rounding can land on a token of no probability at the very end: take the row's likeliest then
+    # (given: an argmax of its own cost 8 ms a step for 128 rows of 49,152 on a CPU).
     drawn_nothing = probs.gather(1, tokens) == 0
-    return torch.where(drawn_nothing, probs.argmax(-1, keepdim=True), tokens)[:, 0]
+    return torch.where(drawn_nothing, likeliest[:, None], tokens)[:, 0]
