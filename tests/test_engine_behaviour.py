@@ -55,12 +55,60 @@ def test_draws_follow_the_distribution():
     frequencies = torch.bincount(tokens, minlength=len(probs)).float() / n
     assert frequencies[1] == 0 and frequencies[5] == 0
     torch.testing.assert_close(frequencies, probs, atol=0.015, rtol=0)
-    unnormalized = draw(torch.tensor([[0.0, 0.0, 0.2]]), [None], torch.tensor([2]))  # what min_p leaves: rows need not sum to 1
+    # What min_p leaves: rows need not sum to 1.
+    unnormalized = draw(torch.tensor([[0.0, 0.0, 0.2]]), [None], torch.tensor([2]))
     assert unnormalized.tolist() == [2]
     alone = draw(probs[None], [torch.Generator().manual_seed(3)], torch.tensor([0]))
     beside = draw(probs.expand(5, -1).contiguous(), [None, None, torch.Generator().manual_seed(3), None, None],
                   torch.zeros(5, dtype=torch.long))
     assert alone.item() == beside[2].item()
+
+
+def _filtered_one_row_at_a_time(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The sampling filters as their definitions read, one row at a time over the whole sorted vocabulary."""
+    rows = []
+    for x, p in zip(logits, params):
+        x = x / p.temperature
+        ranked, order = torch.sort(x, descending=True)
+        if 0 < p.top_k < len(x):
+            x = x.masked_fill(x < ranked[p.top_k - 1], float("-inf"))
+            ranked, order = torch.sort(x, descending=True)
+        if p.top_p < 1.0:
+            probs = torch.softmax(ranked, dim=-1)
+            dropped = order[torch.cumsum(probs, dim=-1) - probs >= p.top_p]
+            x = x.index_fill(0, dropped, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        rows.append(probs.masked_fill(probs < p.min_p * probs.max(), 0.0))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("candidates", [(256, 1024), (256,), ()], ids=["likeliest-first", "one-width", "sorted-whole"])
+def test_sampling_filters_equal_their_definitions(monkeypatch, candidates):
+    """Temperature, top-k, top-p and min-p over a batch equal the filters applied one row at a time over
+    the sorted vocabulary: on a CPU top-p looks for each row's cut among its likeliest tokens, then
+    among more, and sorts only rows whose cut lies beyond them (peaked rows and flat ones below); a GPU
+    sorts every row (as with no widths)."""
+    from types import SimpleNamespace
+
+    from inflight import sampler
+
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
+    torch.manual_seed(0)
+    vocab = 4096
+    spread = torch.tensor([8.0, 0.5, 3.0, 0.1] * 4)[:, None]  # peaked rows, flat rows (top-p's cut past 256)
+    logits = torch.randn(16, vocab) * spread
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in [
+        (1.0, 0, 0.9, 0.0), (1.0, 0, 0.95, 0.0), (0.7, 0, 0.5, 0.0), (1.3, 0, 0.99, 0.0),
+        (1.0, 50, 1.0, 0.0), (0.8, 1000, 0.9, 0.0), (1.0, 3, 0.999, 0.0), (1.0, 0, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.05), (0.5, 0, 0.8, 0.1), (1.0, 400, 0.95, 0.0), (2.0, 0, 0.3, 0.0),
+        (1.0, 0, 1e-6, 0.0), (1.0, 0, 0.9, 0.0), (0.9, 20, 0.7, 0.02), (1.0, 0, 0.999999, 0.0)]]
+    probs = sampler._filter(logits.clone(), [SimpleNamespace(params=p) for p in params])
+    expected = _filtered_one_row_at_a_time(logits, params)
+    assert torch.equal(probs > 0, expected > 0)  # the same tokens kept
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+    kept = (probs > 0).sum(-1)
+    # Cuts within the first width (row 0), within the second (row 5) and past both (rows 1, 11).
+    assert kept[0] <= 256 < kept[5] <= 1024 < min(kept[1], kept[11]) and kept[12] == 1, kept
 
 
 def test_sampling_filters_restrict_the_choice(llm):

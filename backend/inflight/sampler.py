@@ -50,30 +50,65 @@ def ban_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
                 logits[row, ids[-1]] = float("-inf")
 
 
+# On a CPU, top-p looks for its cut among each row's likeliest tokens first, then among more: sorting
+# 128 rows of a 49,152-token vocabulary took 207 ms on 2 threads, their top 256 11 ms, their top 4,096
+# 39 ms. Only rows whose 4,096 likeliest hold less than top_p of the mass are sorted whole.
+TOP_P_CANDIDATES = (256, 4096)
+
+
 def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p for the rows that sample; returns probabilities."""
+    """Temperature, top-k, top-p and min-p for the rows that sample; returns probabilities. A filter
+    keeps every token whose logit equals its cut (ties are kept together)."""
     device = logits.device
     if any(s.params.temperature != 1.0 for s in seqs):
         logits = logits / torch.tensor([s.params.temperature for s in seqs], device=device)[:, None]
     vocab = logits.shape[-1]
     top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
     if min(top_k) < vocab:
-        kth = torch.sort(logits, dim=-1, descending=True).values.gather(
-            1, torch.tensor(top_k, device=device)[:, None] - 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        widest = max(k for k in top_k if k < vocab)
+        kth = torch.topk(logits, widest, dim=-1).values.gather(
+            1, torch.tensor([min(k, widest) - 1 for k in top_k], device=device)[:, None])
+        without = torch.tensor([k == vocab for k in top_k], device=device)[:, None]
+        logits = logits.masked_fill(logits < kth.masked_fill(without, float("-inf")), float("-inf"))
     if any(s.params.top_p < 1.0 for s in seqs):  # decided on the host: no device sync in the step
         top_p = torch.tensor([s.params.top_p for s in seqs], device=device)[:, None]
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already hold top_p of the mass. Rows without
-        # top-p drop nothing: their cumulative sums can round past 1.0 in the tail.
-        drop = ((torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p) & (top_p < 1.0)
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        logits = logits.masked_fill(logits < _top_p_cuts(logits, top_p), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(s.params.min_p > 0 for s in seqs):
         min_p = torch.tensor([s.params.min_p for s in seqs], device=device)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
+
+
+def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's smallest logit that top-p keeps [rows, 1]: a token is dropped when the tokens ranked
+    above it already hold top_p of the mass; -inf for rows with top_p 1, which drop nothing (their
+    cumulative sums can round past 1.0 in the tail)."""
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    if logits.device.type != "cpu":  # choosing rows would wait for the device: a GPU sorts every row
+        cuts = _cuts_within(torch.sort(logits, dim=-1, descending=True).values, log_total, top_p)[0]
+        return cuts.masked_fill(top_p >= 1.0, float("-inf"))
+    cuts = torch.full_like(top_p, float("-inf"))
+    rows = (top_p[:, 0] < 1.0).nonzero()[:, 0]
+    for width in (*TOP_P_CANDIDATES, logits.shape[-1]):
+        if width >= logits.shape[-1]:
+            width, ranked = logits.shape[-1], torch.sort(logits[rows], dim=-1, descending=True).values
+        else:
+            ranked = torch.topk(logits[rows], width, dim=-1).values
+        cuts[rows], covered = _cuts_within(ranked, log_total[rows], top_p[rows])
+        rows = rows[~covered[:, 0]]
+        if not len(rows) or width == logits.shape[-1]:
+            return cuts
+
+
+def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,
+                 top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cuts of `_top_p_cuts` from each row's likeliest logits in descending order (all of them or
+    the first few), and whether the row's cut is surely among them: they hold top_p of the mass."""
+    probs = torch.exp(ranked - log_total)
+    mass = torch.cumsum(probs, dim=-1)
+    kept = mass - probs < top_p
+    return ranked.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True), mass[:, -1:] >= top_p
 
 
 @torch.inference_mode()
