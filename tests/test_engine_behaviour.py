@@ -111,6 +111,41 @@ def test_sampling_filters_equal_their_definitions(monkeypatch, candidates):
     assert kept[0] <= 256 < kept[5] <= 1024 < min(kept[1], kept[11]) and kept[12] == 1, kept
 
 
+def test_batched_penalties_equal_their_definitions():
+    """Repetition, presence and frequency penalties applied to a batch at once (gathering and scattering
+    the seen tokens' logits) equal the definitions applied one row at a time: repeats counted, ids beyond
+    the logits' vocabulary ignored, rows without penalties or without output untouched."""
+    from types import SimpleNamespace
+
+    from inflight.sampler import apply_penalties
+
+    torch.manual_seed(1)
+    vocab = 300
+    logits = torch.randn(6, vocab) * 4
+    logits[0, 7] = float("-inf")  # a banned token stays banned
+    histories = [([7, 5, 5, 299, 301], [5, 9, 9, 9]), ([1, 2], []), ([3, 400], [400, 4]), ([8], [8, 8, 0]),
+                 ([10, 11], [12]), ([], [])]
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(repetition_penalty=0.8), SamplingParams(frequency_penalty=-0.4),
+              SamplingParams(presence_penalty=1.5), SamplingParams(), SamplingParams(repetition_penalty=2.0)]
+    seqs = [SimpleNamespace(token_ids=prompt + out, output_token_ids=out, params=p)
+            for (prompt, out), p in zip(histories, params)]
+    expected = logits.clone()
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        seen = sorted({t for t in seq.token_ids if t < vocab})
+        if p.repetition_penalty != 1.0 and seen:
+            values = expected[row, seen]
+            expected[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        for token in {t for t in seq.output_token_ids if t < vocab}:
+            count = seq.output_token_ids.count(token)
+            expected[row, token] -= count * p.frequency_penalty + p.presence_penalty
+    batched = logits.clone()
+    apply_penalties(batched, seqs)
+    torch.testing.assert_close(batched, expected, rtol=0, atol=0)
+    assert torch.equal(batched[4], logits[4]) and (batched != logits).any(dim=1).tolist() == [True] * 4 + [False] * 2
+
+
 def test_sampling_filters_restrict_the_choice(llm):
     greedy = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids
     for params in (SamplingParams(max_tokens=1, temperature=1.5, top_k=1, seed=s) for s in range(5)):

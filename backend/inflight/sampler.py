@@ -7,26 +7,53 @@ p / Exp(1) noise, cost 0.7 ms a row on a CPU and a kernel launch a row on a GPU)
 draws its number from its own generator, so its output does not depend on what else is batched.
 """
 
+import itertools
+
+import numpy as np
 import torch
 
 from .sequence import Sequence
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Repetition penalty over prompt and output (as HF), presence and frequency over output (as vLLM)."""
-    vocab = logits.shape[-1]
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-            seen = seen[seen < vocab]
-            values = logits[row, seen]
-            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty,
-                                            values * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    """Repetition penalty over prompt and output (as HF), presence and frequency over output (as vLLM),
+    for the whole batch at once, on the logits of the tokens seen only (one row at a time, 128 rows took
+    10-20 ms a step on a CPU, and as many launches on a GPU)."""
+    vocab, device = logits.shape[-1], logits.device
+    params = [s.params for s in seqs]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        ids, lengths = _padded_ids([s.token_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)],
+                                   vocab, device)
+        penalty = _per_row([p.repetition_penalty if n else 1.0 for p, n in zip(params, lengths)], device)
+        values = logits.gather(1, ids)
+        logits.scatter_(1, ids, torch.where(values > 0, values / penalty, values * penalty))
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        ids, lengths = _padded_ids([s.output_token_ids for s in seqs], vocab, device)
+        genuine = torch.arange(ids.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
+        counts = torch.zeros(len(seqs), vocab, device=device).scatter_add_(1, ids, genuine.float()).gather(1, ids)
+        frequency = _per_row([p.frequency_penalty if n else 0.0 for p, n in zip(params, lengths)], device)
+        presence = _per_row([p.presence_penalty if n else 0.0 for p, n in zip(params, lengths)], device)
+        logits.scatter_(1, ids, logits.gather(1, ids) - (counts * frequency + presence))
+
+
+def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def _padded_ids(rows: list[list[int]], vocab: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Each row's token ids below `vocab` [rows, longest], padded with its first one (0 for a row with
+    none: its penalties must then change nothing), and how many each row has. Scattering back a value
+    computed from a token's logit writes the same value for each repeat and each pad."""
+    lengths = np.array([len(ids) for ids in rows])
+    ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    row_of = np.repeat(np.arange(len(rows)), lengths)
+    ids, row_of = ids[ids < vocab], row_of[ids < vocab]
+    lengths = np.bincount(row_of, minlength=len(rows))
+    starts = np.cumsum(lengths) - lengths
+    padded = np.zeros((len(rows), max(int(lengths.max()), 1)), dtype=np.int64)
+    padded[lengths > 0] = ids[starts[lengths > 0], None]
+    padded[row_of, np.arange(len(ids)) - starts[row_of]] = ids
+    return torch.from_numpy(padded).to(device), lengths.tolist()
 
 
 def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
