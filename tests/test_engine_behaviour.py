@@ -146,6 +146,26 @@ def test_batched_penalties_equal_their_definitions():
     assert torch.equal(batched[4], logits[4]) and (batched != logits).any(dim=1).tolist() == [True] * 4 + [False] * 2
 
 
+def test_stop_suppression_and_bad_words_over_a_batch():
+    """min_tokens holds back EOS and the stop tokens, and bad words ban their last token after the rest,
+    in exactly the rows and tokens that call for it (ids beyond the logits' vocabulary skipped)."""
+    from types import SimpleNamespace
+
+    from inflight.sampler import ban_bad_words, suppress_stops
+
+    def seq(prompt, out, bad=(), **params):
+        return SimpleNamespace(token_ids=prompt + out, output_token_ids=out, matcher=None, bad_words_ids=list(bad),
+                               params=SamplingParams(**params))
+
+    seqs = [seq([1], [5, 6], min_tokens=3, stop_token_ids=[7, 900]), seq([1], [5, 6, 7], min_tokens=3),
+            seq([1, 4], [], bad=[[4, 8], [9], [3, 8], [950]]), seq([2], [4], bad=[[2, 4, 10]], min_tokens=1)]
+    logits = torch.zeros(4, 20)
+    suppress_stops(logits, seqs, eos_token_ids=[2])
+    ban_bad_words(logits, seqs)
+    assert sorted(map(tuple, (logits == float("-inf")).nonzero().tolist())) == [(0, 2), (0, 7), (2, 8), (2, 9),
+                                                                                  (3, 10)]
+
+
 def test_sampling_filters_restrict_the_choice(llm):
     greedy = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids
     for params in (SamplingParams(max_tokens=1, temperature=1.5, top_k=1, seed=s) for s in range(5)):

@@ -59,22 +59,29 @@ def _padded_ids(rows: list[list[int]], vocab: int, device: torch.device) -> tupl
 def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
     """Before min_tokens are out, EOS and the request's stop tokens cannot be drawn (under structured
     outputs the grammar says where the output ends)."""
-    vocab = logits.shape[-1]
-    for row, seq in enumerate(seqs):
-        if len(seq.output_token_ids) < seq.params.min_tokens and seq.matcher is None:
-            ids = [t for t in (*eos_token_ids, *seq.params.stop_token_ids) if t < vocab]
-            logits[row, ids] = float("-inf")
+    _ban(logits, [(row, t) for row, seq in enumerate(seqs)
+                  if len(seq.output_token_ids) < seq.params.min_tokens and seq.matcher is None
+                  for t in (*eos_token_ids, *seq.params.stop_token_ids)])
 
 
 def ban_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """A bad word's last token is banned wherever the output so far ends with the rest of it."""
-    vocab = logits.shape[-1]
+    banned = []
     for row, seq in enumerate(seqs):
         tail = seq.token_ids
         for ids in seq.bad_words_ids:
             prefix = ids[:-1]
-            if ids[-1] < vocab and (not prefix or tail[len(tail) - len(prefix):] == prefix):
-                logits[row, ids[-1]] = float("-inf")
+            if not prefix or tail[len(tail) - len(prefix):] == prefix:
+                banned.append((row, ids[-1]))
+    _ban(logits, banned)
+
+
+def _ban(logits: torch.Tensor, cells: list[tuple[int, int]]) -> None:
+    """-inf at each (row, token id) within the logits' vocabulary, in one operation."""
+    cells = [(row, t) for row, t in cells if t < logits.shape[-1]]
+    if cells:
+        rows, ids = torch.tensor(cells, device=logits.device).unbind(1)
+        logits[rows, ids] = float("-inf")
 
 
 # On a CPU, top-p looks for its cut among each row's likeliest tokens first, then among more: sorting
