@@ -82,17 +82,21 @@ def _filtered_one_row_at_a_time(logits: torch.Tensor, params: list[SamplingParam
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("candidates", [(256, 1024), (256,), ()], ids=["likeliest-first", "one-width", "sorted-whole"])
+@pytest.mark.parametrize("candidates", [(256, 1024), (256,), (), None],
+                         ids=["likeliest-first", "one-width", "sorted-whole", "as-on-a-gpu"])
 def test_sampling_filters_equal_their_definitions(monkeypatch, candidates):
     """Temperature, top-k, top-p and min-p over a batch equal the filters applied one row at a time over
     the sorted vocabulary: on a CPU top-p looks for each row's cut among its likeliest tokens, then
     among more, and sorts only rows whose cut lies beyond them (peaked rows and flat ones below); a GPU
-    sorts every row (as with no widths)."""
+    sorts every row."""
     from types import SimpleNamespace
 
     from inflight import sampler
 
-    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
+    if candidates is None:
+        monkeypatch.setattr(sampler, "_chooses_rows", lambda device: False)
+    else:
+        monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
     torch.manual_seed(0)
     vocab = 4096
     spread = torch.tensor([8.0, 0.5, 3.0, 0.1] * 4)[:, None]  # peaked rows, flat rows (top-p's cut past 256)

@@ -119,7 +119,7 @@ def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     above it already hold top_p of the mass; -inf for rows with top_p 1, which drop nothing (their
     cumulative sums can round past 1.0 in the tail)."""
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
-    if logits.device.type != "cpu":  # choosing rows would wait for the device: a GPU sorts every row
+    if not _chooses_rows(logits.device):
         cuts = _cuts_within(torch.sort(logits, dim=-1, descending=True).values, log_total, top_p)[0]
         return cuts.masked_fill(top_p >= 1.0, float("-inf"))
     cuts = torch.full_like(top_p, float("-inf"))
@@ -133,6 +133,12 @@ def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         rows = rows[~covered[:, 0]]
         if not len(rows) or width == logits.shape[-1]:
             return cuts
+
+
+def _chooses_rows(device: torch.device) -> bool:
+    """Whether top-p looks at each row's likeliest tokens first; on a GPU, choosing the rows to sort
+    whole would wait for the device: it sorts every row."""
+    return device.type == "cpu"
 
 
 def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,
