@@ -285,6 +285,51 @@ def bench_detokenize(model_dir: str, streams: int = 128, steps: int = 64) -> dic
     return result
 
 
+SAMPLING_CASES = {
+    "greedy": dict(temperature=0.0),
+    "temperature 1": dict(temperature=1.0),
+    "temperature 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9),
+    "temperature 1, top_p 0.95": dict(temperature=1.0, top_p=0.95),
+    "temperature 1, top_k 50": dict(temperature=1.0, top_k=50),
+    "temperature 1, min_p 0.05": dict(temperature=1.0, min_p=0.05),
+    "greedy, repetition_penalty 1.1": dict(temperature=0.0, repetition_penalty=1.1),
+    "greedy, presence and frequency penalties 0.5": dict(temperature=0.0, presence_penalty=0.5,
+                                                         frequency_penalty=0.5),
+}
+
+
+def bench_sampling(model_dir: str, rows: int = 128, calls: int = 10) -> dict[str, float]:
+    """Milliseconds the sampler takes for one decode step of `rows` sequences under each case of
+    `SAMPLING_CASES` (median of `calls`): the logits are the default model's own at `rows` positions of
+    real text (the filters' cost depends on how peaked they are), each sequence having the 256 tokens
+    before its position as prompt and 32 as output."""
+    from transformers import AutoTokenizer
+
+    from inflight import SamplingParams
+    from inflight.sampler import sample
+    from inflight.sequence import Sequence
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer.encode(Path(ROOT / "README.md").read_text(), add_special_tokens=False)[:1024]
+    model = load_hf(model_dir)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    positions = torch.linspace(300, len(ids) - 1, rows).long().tolist()
+    logits = logits[positions]
+    result = {}
+    for name, settings in SAMPLING_CASES.items():
+        params = SamplingParams(**settings)
+        seqs = [Sequence(str(i), ids[p - 288:p - 32], params, None, output_token_ids=ids[p - 32:p])
+                for i, p in enumerate(positions)]
+        times = []
+        for _ in range(calls):
+            fresh = logits.clone()  # sampling changes its logits in place
+            times.append(timed(sample, fresh, seqs, [tokenizer.eos_token_id]))
+        result[name] = 1000 * statistics.median(times)
+    print(f"  sampling: {result}", file=sys.stderr)
+    return result
+
+
 def bench_tensor_parallel(model_dir: str, work: Workload, threads: int, repeats: int) -> list[tuple]:
     """The workload offline on 1 rank (all `threads`) and on 3 ranks (processes of one thread each):
     output tok/s (medians of alternating runs), mean step time, and rank 0's per-step message to the
@@ -331,9 +376,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peers", default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,tp,detok",
+    parser.add_argument("--peers",
+                        default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,tp,detok,sampling",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
-                             "tp (tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams)")
+                             "tp (tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), sampling "
+                             "(the sampler's cost for 128 streams)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -437,6 +484,12 @@ def main() -> None:
     if "detok" in peers:
         r = bench_detokenize(args.model)
         print("\n| detokenizing one token of each of 128 streams | host ms per step (median of 64) |\n|---|---:|")
+        for label, ms in r.items():
+            print(f"| {label} | {ms:.2f} |")
+    if "sampling" in peers:
+        r = bench_sampling(args.model)
+        print("\n| sampling one token for each of 128 streams (the model's logits on real text) | ms per step "
+              "(median of 10) |\n|---|---:|")
         for label, ms in r.items():
             print(f"| {label} | {ms:.2f} |")
     if "tp" in peers:

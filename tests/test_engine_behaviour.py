@@ -1,6 +1,7 @@
 """Sampling parameters, stop conditions, detokenization, aborts and threads, on the default model."""
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -401,3 +402,14 @@ def test_admission_keeps_headroom_so_preempted_sequences_do_not_thrash(tiny_mode
     assert 0 < llm.stats()["num_preemptions"] <= 24
     assert sum(computed) < 1.4 * needed
     llm.block_manager.check_all_free()
+
+
+def test_sampling_benchmark_runs(default_model):
+    """`client/bench.py --peers sampling` (the README's sampling table) times every case on real logits."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
+    from bench import SAMPLING_CASES, bench_sampling
+
+    result = bench_sampling(default_model, rows=8, calls=1)
+    assert list(result) == list(SAMPLING_CASES) and all(ms > 0 for ms in result.values()), result
