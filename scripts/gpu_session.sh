@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of one device-machine session, as one script (README "GPU"): the GPU tests (CUDA graphs
-# against eager and HF, the engine's greedy tests on CUDA, the kernels compiled), `make bench-gpu`, `make bench-kernels`
+# against eager and HF, the engine's greedy tests and the sampler on CUDA, the kernels compiled), `make bench-gpu`, `make bench-kernels`
 # and (PARTS naming `sweep`) its --sweep, and (PARTS naming `served`) client/bench_served.py through
 # tritonserver; PARTS chooses the parts. Each part has its own time limit, so one that hangs or fails
 # leaves the others their time; logs and tables go to $OUT. Needs no package registry: a newer
@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 want() { [[ " ${PARTS:-tests-engine bench-gpu bench-kernels tests-kernels} " == *" $1 "* ]]; }
 want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
-  tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py \
+  tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py tests/test_engine_behaviour.py \
   -k "cuda or graphs or auto or padded or bucket or step_inputs or gpu"
 # BENCH_SKIP: bench-gpu's parts to leave out (its --skip), e.g. "eager,sync,hf-static" for a short session.
 want bench-gpu && part bench-gpu "${BENCH_S:-300}" python3 client/bench_gpu.py --host-profile \

@@ -83,9 +83,13 @@ def _filtered_one_row_at_a_time(logits: torch.Tensor, params: list[SamplingParam
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("candidates", [(256, 1024), (256,), (), None],
-                         ids=["likeliest-first", "one-width", "sorted-whole", "as-on-a-gpu"])
-def test_sampling_filters_equal_their_definitions(monkeypatch, candidates):
+ON_A_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("candidates, device", [((256, 1024), "cpu"), ((256,), "cpu"), ((), "cpu"), (None, "cpu"),
+                                                pytest.param(None, "cuda", marks=ON_A_GPU)],
+                         ids=["likeliest-first", "one-width", "sorted-whole", "as-on-a-gpu", "on-a-gpu"])
+def test_sampling_filters_equal_their_definitions(monkeypatch, candidates, device):
     """Temperature, top-k, top-p and min-p over a batch equal the filters applied one row at a time over
     the sorted vocabulary: on a CPU top-p looks for each row's cut among its likeliest tokens, then
     among more, and sorts only rows whose cut lies beyond them (peaked rows and flat ones below); a GPU
@@ -107,7 +111,7 @@ def test_sampling_filters_equal_their_definitions(monkeypatch, candidates):
         (1.0, 50, 1.0, 0.0), (0.8, 1000, 0.9, 0.0), (1.0, 3, 0.999, 0.0), (1.0, 0, 1.0, 0.0),
         (1.0, 0, 1.0, 0.05), (0.5, 0, 0.8, 0.1), (1.0, 400, 0.95, 0.0), (2.0, 0, 0.3, 0.0),
         (1.0, 0, 1e-6, 0.0), (1.0, 0, 0.9, 0.0), (0.9, 20, 0.7, 0.02), (1.0, 0, 0.999999, 0.0)]]
-    probs = sampler._filter(logits.clone(), [SimpleNamespace(params=p) for p in params])
+    probs = sampler._filter(logits.to(device, copy=True), [SimpleNamespace(params=p) for p in params]).cpu()
     expected = _filtered_one_row_at_a_time(logits, params)
     assert torch.equal(probs > 0, expected > 0)  # the same tokens kept
     torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
@@ -116,7 +120,8 @@ def test_sampling_filters_equal_their_definitions(monkeypatch, candidates):
     assert kept[0] <= 256 < kept[5] <= 1024 < min(kept[1], kept[11]) and kept[12] == 1, kept
 
 
-def test_batched_penalties_equal_their_definitions():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
+def test_batched_penalties_equal_their_definitions(device):
     """Repetition, presence and frequency penalties applied to a batch at once (gathering and scattering
     the seen tokens' logits) equal the definitions applied one row at a time: repeats counted, ids beyond
     the logits' vocabulary ignored, rows without penalties or without output untouched."""
@@ -145,13 +150,15 @@ def test_batched_penalties_equal_their_definitions():
         for token in {t for t in seq.output_token_ids if t < vocab}:
             count = seq.output_token_ids.count(token)
             expected[row, token] -= count * p.frequency_penalty + p.presence_penalty
-    batched = logits.clone()
+    batched = logits.to(device, copy=True)
     apply_penalties(batched, seqs)
+    batched = batched.cpu()
     torch.testing.assert_close(batched, expected, rtol=0, atol=0)
     assert torch.equal(batched[4], logits[4]) and (batched != logits).any(dim=1).tolist() == [True] * 4 + [False] * 2
 
 
-def test_stop_suppression_and_bad_words_over_a_batch():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
+def test_stop_suppression_and_bad_words_over_a_batch(device):
     """min_tokens holds back EOS and the stop tokens, and bad words ban their last token after the rest,
     in exactly the rows and tokens that call for it (ids beyond the logits' vocabulary skipped)."""
     from types import SimpleNamespace
@@ -164,9 +171,10 @@ def test_stop_suppression_and_bad_words_over_a_batch():
 
     seqs = [seq([1], [5, 6], min_tokens=3, stop_token_ids=[7, 900]), seq([1], [5, 6, 7], min_tokens=3),
             seq([1, 4], [], bad=[[4, 8], [9], [3, 8], [950]]), seq([2], [4], bad=[[2, 4, 10]], min_tokens=1)]
-    logits = torch.zeros(4, 20)
+    logits = torch.zeros(4, 20, device=device)
     suppress_stops(logits, seqs, eos_token_ids=[2])
     ban_bad_words(logits, seqs)
+    logits = logits.cpu()
     assert sorted(map(tuple, (logits == float("-inf")).nonzero().tolist())) == [(0, 2), (0, 7), (2, 8), (2, 9),
                                                                                   (3, 10)]
 
