@@ -124,15 +124,16 @@ def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         return cuts.masked_fill(top_p >= 1.0, float("-inf"))
     cuts = torch.full_like(top_p, float("-inf"))
     rows = (top_p[:, 0] < 1.0).nonzero()[:, 0]
-    for width in (*TOP_P_CANDIDATES, logits.shape[-1]):
-        if width >= logits.shape[-1]:
-            width, ranked = logits.shape[-1], torch.sort(logits[rows], dim=-1, descending=True).values
-        else:
-            ranked = torch.topk(logits[rows], width, dim=-1).values
+    for width in TOP_P_CANDIDATES:
+        if not len(rows) or width >= logits.shape[-1]:
+            break
+        ranked = torch.topk(logits[rows], width, dim=-1).values
         cuts[rows], covered = _cuts_within(ranked, log_total[rows], top_p[rows])
         rows = rows[~covered[:, 0]]
-        if not len(rows) or width == logits.shape[-1]:
-            return cuts
+    if len(rows):  # cuts beyond every width: those rows sorted whole
+        ranked = torch.sort(logits[rows], dim=-1, descending=True).values
+        cuts[rows] = _cuts_within(ranked, log_total[rows], top_p[rows])[0]
+    return cuts
 
 
 def _chooses_rows(device: torch.device) -> bool:
