@@ -168,20 +168,28 @@ def test_each_gpu_instance_gets_its_own_gpus():
 def collect(thread_kwargs, submit, send_delay_s: float = 0.0, thread_class=EngineThread):
     """Run an EngineThread (or EngineProcess); submit(thread) queues work; returns (the engine,
     {id: (deltas, errors)}) once all finish. Each delta's handling takes `send_delay_s` (a slow send)."""
-    results, done = {}, threading.Event()
+    results, done, lock = {}, threading.Event(), threading.Lock()
     expected = []
+
+    def check_done():
+        # Only once submit has named them all: a request refused at once may end before the rest are sent.
+        if expected and all(r in results and results[r][0][-1].finished for r in expected):
+            done.set()
 
     def on_delta(delta):
         threading.Event().wait(send_delay_s)
-        results.setdefault(delta.request_id, ([], []))[0].append(delta)
-        if delta.finished:
-            results[delta.request_id][1].append(delta.error)
-            if all(r in results and results[r][0][-1].finished for r in expected):
-                done.set()
+        with lock:
+            results.setdefault(delta.request_id, ([], []))[0].append(delta)
+            if delta.finished:
+                results[delta.request_id][1].append(delta.error)
+                check_done()
 
     thread = thread_class(on_delta=on_delta, **thread_kwargs)
     engine = thread.start()
-    expected.extend(submit(thread))
+    submitted = submit(thread)
+    with lock:
+        expected.extend(submitted)
+        check_done()
     assert done.wait(120)
     thread.stop()
     return engine, results
