@@ -22,7 +22,7 @@ serve: setup-serving
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) $(PY) scripts/serve.py
 
 test: setup-serving
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests -m "not slow and not server"
