@@ -28,7 +28,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 want() { [[ " ${PARTS:-tests-engine bench-gpu bench-kernels tests-kernels} " == *" $1 "* ]]; }
 want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
   tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py tests/test_engine_behaviour.py \
-  -k "cuda or graphs or auto or padded or bucket or step_inputs or gpu"
+  tests/test_async_scheduling.py -k "cuda or graphs or auto or padded or bucket or step_inputs or gpu or pipeline"
 # BENCH_SKIP: bench-gpu's parts to leave out (its --skip), e.g. "eager,sync,hf-static" for a short session.
 want bench-gpu && part bench-gpu "${BENCH_S:-300}" python3 client/bench_gpu.py --host-profile \
   --skip "${BENCH_SKIP:-}" --out "$OUT/bench-gpu.md"

@@ -1,8 +1,9 @@
 """Async scheduling (step N+1 launched before step N's tokens are read): the same outputs as steps taken
 one at a time, whatever ends a request (EOS, stop strings, max_tokens, max_model_len, an abort while
-its token is in flight), every block back; requests whose sampling needs the previous tokens on the host
-turn the pipelining off while they run. On the CPU the pipelining changes nothing but the order of the
-host's work, which is what these tests check; on a GPU it is what overlaps the host with the GPU."""
+its token is in flight), every block back; penalties and min_tokens pipeline (they count the token in
+flight), requests with logprobs turn the pipelining off while they run. On the CPU the pipelining
+changes nothing but the order of the host's work, which is what these tests check; on a GPU it is what
+overlaps the host with the GPU."""
 
 import pytest
 
@@ -79,13 +80,50 @@ def test_abort_while_a_token_is_in_flight(tiny_models):
 def test_requests_that_need_known_tokens_step_one_at_a_time(tiny_models):
     prompts = random_prompts(6, 5, 40, vocab=512, seed=3)
     plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    penalized = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.5)
-    params = [plain] * 5 + [penalized]
+    with_logprobs = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    params = [plain] * 5 + [with_logprobs]
     one_at_a_time, pipelined = engines(tiny_models["llama"], num_kv_blocks=128)
     assert outputs(pipelined, prompts, params) == outputs(one_at_a_time, prompts, params)
     steps = pipelined.num_pipelined_steps
-    outputs(pipelined, prompts[-1:], [penalized])
-    assert pipelined.num_pipelined_steps == steps, "a penalized request alone was meant to step one at a time"
+    outputs(pipelined, prompts[-1:], [with_logprobs])
+    assert pipelined.num_pipelined_steps == steps, "a request with logprobs alone was meant to step one at a time"
     outputs(pipelined, prompts[:1], [plain])
     assert pipelined.num_pipelined_steps > steps
+    pipelined.block_manager.check_all_free()
+
+
+def test_penalties_pipeline_and_count_the_token_in_flight(tiny_models):
+    """Penalties read a sequence's latest token where it still is, on the device (the step in flight):
+    the same outputs as steps one at a time, greedy and seeded, with the engine pipelining throughout;
+    and the penalties matter here (without them the outputs differ). A tiny random model seldom repeats
+    itself, so the penalties here reward what was seen: the latest token decides the next."""
+    prompts = random_prompts(6, 5, 40, vocab=512, seed=5)
+    penalties = [dict(repetition_penalty=0.5), dict(presence_penalty=-2.0), dict(frequency_penalty=-1.5),
+                 dict(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=-0.5),
+                 dict(repetition_penalty=0.6, temperature=0.8, seed=11), dict(frequency_penalty=-2.0, temperature=1.0,
+                                                                               top_p=0.9, seed=12)]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **{"temperature": 0.0, **p}) for p in penalties]
+    one_at_a_time, pipelined = engines(tiny_models["llama"], num_kv_blocks=128)
+    expected = outputs(one_at_a_time, prompts, params)
+    assert outputs(pipelined, prompts, params) == expected
+    assert pipelined.num_pipelined_steps >= 20, pipelined.num_pipelined_steps
+    plain = [SamplingParams(max_tokens=24, ignore_eos=True, **{"temperature": 0.0, **p})
+             for p in ({}, {}, {}, {}, dict(temperature=0.8, seed=11), dict(temperature=1.0, top_p=0.9, seed=12))]
+    unpenalized = outputs(one_at_a_time, prompts, plain)
+    assert all(e[0] != u[0] for e, u in zip(expected, unpenalized)), "each penalty was meant to change its output"
+    pipelined.block_manager.check_all_free()
+
+
+@pytest.mark.slow
+def test_min_tokens_pipeline(default_model):
+    """min_tokens counts tokens still in flight: held-back EOS at the same step as one step at a time."""
+    prompts = ["The capital of France is", "Say yes.", "2 + 2 ="]
+    free = SamplingParams(max_tokens=40, temperature=0.0)
+    held = SamplingParams(max_tokens=40, temperature=0.0, min_tokens=12)
+    one_at_a_time, pipelined = engines(default_model, num_kv_blocks=128)
+    ends_early = [len(ids) for ids, _, reason in outputs(one_at_a_time, prompts, free) if reason == "stop"]
+    assert ends_early and min(ends_early) < 12, "some prompt was meant to end before min_tokens"
+    expected = outputs(one_at_a_time, prompts, held)
+    assert outputs(pipelined, prompts, held) == expected and pipelined.num_pipelined_steps > 0
+    assert all(len(ids) >= 12 for ids, _, _ in expected)
     pipelined.block_manager.check_all_free()

@@ -58,6 +58,7 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
              "CUDA graphs, async, transformers' own layers", "CUDA graphs, one step at a time",
              "eager, one step at a time")
     rows = [f"| tiny (smoke), {mode} |" for mode in modes]
+    rows.append(f"| tiny (smoke), {modes[0]}, sampling with temperature 0.7, top_p 0.9, repetition_penalty 1.1 |")
     rows += [f"| inflight, {mode} (" for mode in modes[:4]] + ["| HF continuous batching", "| HF static batching"]
     for row in rows:
         assert row in text, text

@@ -121,41 +121,52 @@ def test_sampling_filters_equal_their_definitions(monkeypatch, candidates, devic
     assert kept[0] <= 256 < kept[5] <= 1024 < min(kept[1], kept[11]) and kept[12] == 1, kept
 
 
+@pytest.mark.parametrize("pending", [False, True], ids=["all-known", "latest-in-flight"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
-def test_batched_penalties_equal_their_definitions(device):
+def test_batched_penalties_equal_their_definitions(device, pending):
     """Repetition, presence and frequency penalties applied to a batch at once (gathering and scattering
     the seen tokens' logits) equal the definitions applied one row at a time: repeats counted, ids beyond
-    the logits' vocabulary ignored, rows without penalties or without output untouched."""
+    the logits' vocabulary ignored, rows without penalties or without output untouched. Under async
+    scheduling a row's latest token may still be on the device (the step in flight): counted the same,
+    also where it is a row's only output token."""
     from types import SimpleNamespace
 
     from inflight.sampler import apply_penalties
 
     torch.manual_seed(1)
     vocab = 300
-    logits = torch.randn(6, vocab) * 4
+    logits = torch.randn(7, vocab) * 4
     logits[0, 7] = float("-inf")  # a banned token stays banned
     histories = [([7, 5, 5, 299, 301], [5, 9, 9, 9]), ([1, 2], []), ([3, 400], [400, 4]), ([8], [8, 8, 0]),
-                 ([10, 11], [12]), ([], [])]
+                 ([10, 11], [12]), ([], []), ([13], [14])]
     params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
               SamplingParams(repetition_penalty=0.8), SamplingParams(frequency_penalty=-0.4),
-              SamplingParams(presence_penalty=1.5), SamplingParams(), SamplingParams(repetition_penalty=2.0)]
-    seqs = [SimpleNamespace(token_ids=prompt + out, output_token_ids=out, params=p)
-            for (prompt, out), p in zip(histories, params)]
+              SamplingParams(presence_penalty=1.5), SamplingParams(), SamplingParams(repetition_penalty=2.0),
+              SamplingParams(presence_penalty=0.75, frequency_penalty=0.5)]
     expected = logits.clone()
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        seen = sorted({t for t in seq.token_ids if t < vocab})
+    for row, ((prompt, out), p) in enumerate(zip(histories, params)):
+        seen = sorted({t for t in prompt + out if t < vocab})
         if p.repetition_penalty != 1.0 and seen:
             values = expected[row, seen]
             expected[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        for token in {t for t in seq.output_token_ids if t < vocab}:
-            count = seq.output_token_ids.count(token)
-            expected[row, token] -= count * p.frequency_penalty + p.presence_penalty
+        for token in {t for t in out if t < vocab}:
+            expected[row, token] -= out.count(token) * p.frequency_penalty + p.presence_penalty
+    # Rows 0, 3, 4 and 6 with their latest token in flight (row 6: its only output token), at rows 2, 0,
+    # 3 and 1 of the in-flight step's tokens.
+    in_flight_rows = {0: 2, 3: 0, 4: 3, 6: 1} if pending else {}
+    in_flight = torch.full((4,), 77)
+    seqs = []
+    for row, ((prompt, out), p) in enumerate(zip(histories, params)):
+        if row in in_flight_rows:
+            in_flight[in_flight_rows[row]], out = out[-1], out[:-1]
+        seqs.append(SimpleNamespace(token_ids=prompt + out, output_token_ids=out, params=p,
+                                    num_pending=int(row in in_flight_rows), pending_row=in_flight_rows.get(row, 0)))
     batched = logits.to(device, copy=True)
-    apply_penalties(batched, seqs)
+    apply_penalties(batched, seqs, in_flight.to(device) if pending else None)
     batched = batched.cpu()
     torch.testing.assert_close(batched, expected, rtol=0, atol=0)
-    assert torch.equal(batched[4], logits[4]) and (batched != logits).any(dim=1).tolist() == [True] * 4 + [False] * 2
+    changed = (batched != logits).any(dim=1).tolist()
+    assert torch.equal(batched[4], logits[4]) and changed == [True] * 4 + [False] * 2 + [True]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
@@ -166,18 +177,51 @@ def test_stop_suppression_and_bad_words_over_a_batch(device):
 
     from inflight.sampler import ban_bad_words, suppress_stops
 
-    def seq(prompt, out, bad=(), **params):
-        return SimpleNamespace(token_ids=prompt + out, output_token_ids=out, matcher=None, bad_words_ids=list(bad),
-                               params=SamplingParams(**params))
+    def seq(prompt, out, bad=(), pending=0, **params):
+        return SimpleNamespace(token_ids=prompt + out, output_token_ids=out, num_output_tokens=len(out) + pending,
+                               matcher=None, bad_words_ids=list(bad), params=SamplingParams(**params))
 
+    # min_tokens counts a token still in flight (the fifth row's third).
     seqs = [seq([1], [5, 6], min_tokens=3, stop_token_ids=[7, 900]), seq([1], [5, 6, 7], min_tokens=3),
-            seq([1, 4], [], bad=[[4, 8], [9], [3, 8], [950]]), seq([2], [4], bad=[[2, 4, 10]], min_tokens=1)]
-    logits = torch.zeros(4, 20, device=device)
+            seq([1, 4], [], bad=[[4, 8], [9], [3, 8], [950]]), seq([2], [4], bad=[[2, 4, 10]], min_tokens=1),
+            seq([1], [5, 6], pending=1, min_tokens=3)]
+    logits = torch.zeros(5, 20, device=device)
     suppress_stops(logits, seqs, eos_token_ids=[2])
     ban_bad_words(logits, seqs)
     logits = logits.cpu()
     assert sorted(map(tuple, (logits == float("-inf")).nonzero().tolist())) == [(0, 2), (0, 7), (2, 8), (2, 9),
                                                                                   (3, 10)]
+
+
+@ON_A_GPU
+def test_sampling_on_cuda_never_waits_for_the_gpu():
+    """Under async scheduling the sampler runs while the step in flight does: with every option that
+    pipelines (temperature, top-k, top-p, min-p, seeds, penalties counting in-flight tokens, min_tokens,
+    bad words), no operation may wait for the device (a plain host-to-GPU copy would)."""
+    from types import SimpleNamespace
+
+    from inflight.sampler import sample
+
+    device = torch.device("cuda")
+    options = [dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, seed=3), dict(top_k=40, min_p=0.05),
+               dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3),
+               dict(temperature=0.9, min_tokens=4, top_p=0.95), dict(temperature=0.0)]
+    seqs = [SimpleNamespace(params=SamplingParams(**o), token_ids=[5, 6, 7], output_token_ids=[7],
+                            num_output_tokens=2, num_pending=1, pending_row=i, matcher=None,
+                            bad_words_ids=[[7, 9]] if i == 5 else [],
+                            generator=torch.Generator(device=device).manual_seed(1) if "seed" in o else None)
+            for i, o in enumerate(options)]
+    logits = torch.randn(len(seqs), 4096, device=device)
+    in_flight = torch.arange(len(seqs), device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the mode catches what it is here for
+            torch.tensor([1.0], device=device)
+        tokens = sample(logits, seqs, eos_token_ids=[2], in_flight=in_flight)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (len(seqs),) and tokens.device.type == "cuda"
 
 
 def test_sampling_filters_restrict_the_choice(llm):

@@ -266,9 +266,11 @@ class LLMEngine:
     # step N+1. A decoding sequence's token from step N is still on the GPU when step N+1 is launched,
     # so the forward pass reads it there (the runner copies it into the step's input ids); the host
     # counts it as pending (Sequence.num_pending) until step N completes. A sequence that finishes in
-    # step N has its row of step N+1 thrown away. Requests whose sampling needs the previous tokens'
-    # values on the host (penalties, grammars, bad words, min_tokens, logprobs, n > 1 still to fork)
-    # make the engine take its steps one at a time while they run.
+    # step N has its row of step N+1 thrown away. Penalties count a pending token where it is (the
+    # sampler reads it from the step in flight) and min_tokens counts pending tokens, so those requests
+    # pipeline too. Requests whose sampling needs the previous tokens' values on the host (grammars,
+    # bad words), logprobs (read as they are sampled) and n > 1 still to fork make the engine take its
+    # steps one at a time while they run.
 
     def _can_pipeline(self) -> bool:
         return all(not s.forks_left and s.matcher is None and not s.bad_words_ids and not s.params.needs_known_output
@@ -298,7 +300,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
         if not sampling:
             return _InFlight(batch, [], None, None, None)
-        tokens = self._sample(logits, sampling)
+        tokens = self._sample(logits, sampling, self._in_flight.tokens if self._in_flight is not None else None)
         for row, seq in enumerate(sampling):
             seq.num_pending += 1
             seq.pending_row = row
@@ -388,12 +390,13 @@ class LLMEngine:
                  pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
         return self.runner.execute(batch, logits_at, block_copies, pending)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The next tokens, on the logits' device."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                in_flight: torch.Tensor | None = None) -> torch.Tensor:
+        """The next tokens, on the logits' device; `in_flight`: the tokens of the step still running."""
         wanting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = logits[wanting] if wanting else None  # a copy: sampling changes `logits` in place
         constrained = self._grammars if any(s.matcher is not None for s in seqs) else None
-        tokens = sample(logits, seqs, self.eos_token_ids, constrained)
+        tokens = sample(logits, seqs, self.eos_token_ids, constrained, in_flight)
         if wanting:
             values = tokens.tolist()
             entries = token_logprobs(raw, [values[i] for i in wanting],

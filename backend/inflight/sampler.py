@@ -15,21 +15,25 @@ import torch
 from .sequence import Sequence
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None) -> None:
     """Repetition penalty over prompt and output (as HF), presence and frequency over output (as vLLM),
     for the whole batch at once, on the logits of the tokens seen only (one row at a time, 128 rows took
-    10-20 ms a step on a CPU, and as many launches on a GPU)."""
+    10-20 ms a step on a CPU, and as many launches on a GPU). `in_flight`: the sampled tokens of the step
+    still on the GPU (async scheduling), where a sequence with a pending token finds it (`pending_row`):
+    read there, it costs the host no wait."""
     vocab, device = logits.shape[-1], logits.device
     params = [s.params for s in seqs]
+    pending = [s.pending_row if s.num_pending and in_flight is not None else None for s in seqs]
     if any(p.repetition_penalty != 1.0 for p in params):
-        ids, lengths = _padded_ids([s.token_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)],
-                                   vocab, device)
+        on = [p.repetition_penalty != 1.0 for p in params]
+        ids, lengths = _padded_ids([s.token_ids if o else [] for s, o in zip(seqs, on)],
+                                   [row if o else None for row, o in zip(pending, on)], in_flight, vocab, device)
         penalty = _per_row([p.repetition_penalty if n else 1.0 for p, n in zip(params, lengths)], device)
         values = logits.gather(1, ids)
         logits.scatter_(1, ids, torch.where(values > 0, values / penalty, values * penalty))
     if any(p.presence_penalty or p.frequency_penalty for p in params):
-        ids, lengths = _padded_ids([s.output_token_ids for s in seqs], vocab, device)
-        genuine = torch.arange(ids.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
+        ids, lengths = _padded_ids([s.output_token_ids for s in seqs], pending, in_flight, vocab, device)
+        genuine = torch.arange(ids.shape[1], device=device) < _to(lengths, device)[:, None]
         counts = torch.zeros(len(seqs), vocab, device=device).scatter_add_(1, ids, genuine.float()).gather(1, ids)
         frequency = _per_row([p.frequency_penalty if n else 0.0 for p, n in zip(params, lengths)], device)
         presence = _per_row([p.presence_penalty if n else 0.0 for p, n in zip(params, lengths)], device)
@@ -37,30 +41,49 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return _to(values, device, torch.float32)[:, None]
 
 
-def _padded_ids(rows: list[list[int]], vocab: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def _to(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list or array as a tensor on `device`; to a GPU through pinned memory, without waiting: a
+    plain copy to a GPU first waits for everything queued there, and under async scheduling the sampler
+    runs while the step in flight does."""
+    tensor = torch.as_tensor(values, dtype=dtype)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _padded_ids(rows: list[list[int]], pending: list[int | None], in_flight: torch.Tensor | None, vocab: int,
+                device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """Each row's token ids below `vocab` [rows, longest], padded with its first one (0 for a row with
-    none: its penalties must then change nothing), and how many each row has. Scattering back a value
-    computed from a token's logit writes the same value for each repeat and each pad."""
+    none: its penalties must then change nothing), and how many each row has. A row with a `pending`
+    index has one more id after its own: that row of `in_flight`, copied on the device. Scattering back
+    a value computed from a token's logit writes the same value for each repeat and each pad."""
     lengths = np.array([len(ids) for ids in rows])
     ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
     row_of = np.repeat(np.arange(len(rows)), lengths)
     ids, row_of = ids[ids < vocab], row_of[ids < vocab]
     lengths = np.bincount(row_of, minlength=len(rows))
+    extra = np.array([row is not None for row in pending], dtype=np.int64)
     starts = np.cumsum(lengths) - lengths
-    padded = np.zeros((len(rows), max(int(lengths.max()), 1)), dtype=np.int64)
+    padded = np.zeros((len(rows), max(int((lengths + extra).max()), 1)), dtype=np.int64)
     padded[lengths > 0] = ids[starts[lengths > 0], None]
     padded[row_of, np.arange(len(ids)) - starts[row_of]] = ids
-    return torch.from_numpy(padded).to(device), lengths.tolist()
+    padded = _to(padded, device)
+    if extra.any():  # sampled tokens: always within the vocabulary
+        with_pending = np.flatnonzero(extra)
+        latest = in_flight[_to([pending[i] for i in with_pending], device)]
+        padded[_to(with_pending, device), _to(lengths[with_pending], device)] = latest
+        alone = np.flatnonzero(lengths[with_pending] == 0)  # nothing known: its pads are its pending token
+        if len(alone):
+            padded[_to(with_pending[alone], device)] = latest[_to(alone, device), None]
+    return padded, (lengths + extra).tolist()
 
 
 def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
     """Before min_tokens are out, EOS and the request's stop tokens cannot be drawn (under structured
     outputs the grammar says where the output ends)."""
     _ban(logits, [(row, t) for row, seq in enumerate(seqs)
-                  if len(seq.output_token_ids) < seq.params.min_tokens and seq.matcher is None
+                  if seq.num_output_tokens < seq.params.min_tokens and seq.matcher is None
                   for t in (*eos_token_ids, *seq.params.stop_token_ids)])
 
 
@@ -80,7 +103,7 @@ def _ban(logits: torch.Tensor, cells: list[tuple[int, int]]) -> None:
     """-inf at each (row, token id) within the logits' vocabulary, in one operation."""
     cells = [(row, t) for row, t in cells if t < logits.shape[-1]]
     if cells:
-        rows, ids = torch.tensor(cells, device=logits.device).unbind(1)
+        rows, ids = _to(cells, logits.device).unbind(1)
         logits[rows, ids] = float("-inf")
 
 
@@ -95,21 +118,21 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     keeps every token whose logit equals its cut (ties are kept together)."""
     device = logits.device
     if any(s.params.temperature != 1.0 for s in seqs):
-        logits = logits / torch.tensor([s.params.temperature for s in seqs], device=device)[:, None]
+        logits = logits / _per_row([s.params.temperature for s in seqs], device)
     vocab = logits.shape[-1]
     top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
     if min(top_k) < vocab:
         widest = max(k for k in top_k if k < vocab)
         kth = torch.topk(logits, widest, dim=-1).values.gather(
-            1, torch.tensor([min(k, widest) - 1 for k in top_k], device=device)[:, None])
-        without = torch.tensor([k == vocab for k in top_k], device=device)[:, None]
+            1, _to([min(k, widest) - 1 for k in top_k], device)[:, None])
+        without = _to([k == vocab for k in top_k], device, torch.bool)[:, None]
         logits = logits.masked_fill(logits < kth.masked_fill(without, float("-inf")), float("-inf"))
     if any(s.params.top_p < 1.0 for s in seqs):  # decided on the host: no device sync in the step
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=device)[:, None]
+        top_p = _per_row([s.params.top_p for s in seqs], device)
         logits = logits.masked_fill(logits < _top_p_cuts(logits, top_p), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(s.params.min_p > 0 for s in seqs):
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=device)[:, None]
+        min_p = _per_row([s.params.min_p for s in seqs], device)
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 
@@ -153,13 +176,15 @@ def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], grammars=None) -> torch.Tensor:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], grammars=None,
+           in_flight: torch.Tensor | None = None) -> torch.Tensor:
     """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place), on the
     logits' device: nothing here waits for the GPU. `grammars` (a StructuredOutputs) masks the rows of
-    sequences that have a grammar matcher."""
+    sequences that have a grammar matcher; `in_flight`: the tokens of the step still running, which
+    hold the pending tokens (penalties count them)."""
     if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
            for s in seqs):
-        apply_penalties(logits, seqs)
+        apply_penalties(logits, seqs, in_flight)
     if any(s.params.min_tokens for s in seqs):
         suppress_stops(logits, seqs, eos_token_ids)
     if any(s.bad_words_ids for s in seqs):
@@ -173,8 +198,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     if len(rows) == len(seqs):  # every row samples: no copy of the rows (25 MB for 128 of 49,152)
         return draw(_filter(logits, seqs), [s.generator for s in seqs], tokens)
     if rows:
-        probs = _filter(logits[rows], [seqs[i] for i in rows])
-        tokens[rows] = draw(probs, [seqs[i].generator for i in rows], tokens[rows])
+        at = _to(rows, logits.device)  # (a list as an index would be copied to a GPU with a wait)
+        probs = _filter(logits[at], [seqs[i] for i in rows])
+        tokens[at] = draw(probs, [seqs[i].generator for i in rows], tokens[at])
     return tokens
 
 

@@ -102,10 +102,9 @@ class SamplingParams:
 
     @property
     def needs_known_output(self) -> bool:
-        """Sampling the next token needs the previous ones' values on the host (penalties, min_tokens),
-        or logprobs: no async scheduling for this request."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0 or self.logprobs is not None or self.prompt_logprobs is not None)
+        """Logprobs are read on the host as their tokens are sampled: no async scheduling for this
+        request (penalties and min_tokens pipeline: the sampler counts pending tokens)."""
+        return self.logprobs is not None or self.prompt_logprobs is not None
 
     @property
     def max_stop_length(self) -> int:
