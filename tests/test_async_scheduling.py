@@ -80,13 +80,13 @@ def test_abort_while_a_token_is_in_flight(tiny_models):
 def test_requests_that_need_known_tokens_step_one_at_a_time(tiny_models):
     prompts = random_prompts(6, 5, 40, vocab=512, seed=3)
     plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    with_logprobs = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
-    params = [plain] * 5 + [with_logprobs]
+    with_prompt_logprobs = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    params = [plain] * 5 + [with_prompt_logprobs]
     one_at_a_time, pipelined = engines(tiny_models["llama"], num_kv_blocks=128)
     assert outputs(pipelined, prompts, params) == outputs(one_at_a_time, prompts, params)
     steps = pipelined.num_pipelined_steps
-    outputs(pipelined, prompts[-1:], [with_logprobs])
-    assert pipelined.num_pipelined_steps == steps, "a request with logprobs alone was meant to step one at a time"
+    outputs(pipelined, prompts[-1:], [with_prompt_logprobs])
+    assert pipelined.num_pipelined_steps == steps, "prompt logprobs were meant to step one at a time"
     outputs(pipelined, prompts[:1], [plain])
     assert pipelined.num_pipelined_steps > steps
     pipelined.block_manager.check_all_free()
@@ -126,4 +126,27 @@ def test_min_tokens_pipeline(default_model):
     expected = outputs(one_at_a_time, prompts, held)
     assert outputs(pipelined, prompts, held) == expected and pipelined.num_pipelined_steps > 0
     assert all(len(ids) >= 12 for ids, _, _ in expected)
+    pipelined.block_manager.check_all_free()
+
+
+def test_logprobs_pipeline(tiny_models):
+    """Logprobs of sampled tokens are measured on the device as they are drawn and read with the tokens
+    a step later: the same entries (values, ranks, top tokens) and cumulative logprobs as one step at a
+    time, greedy and seeded, beside requests without them, an abort in flight included."""
+    prompts = random_prompts(5, 5, 40, vocab=512, seed=6)
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=5),
+              SamplingParams(max_tokens=20, temperature=0.7, top_p=0.9, seed=5, ignore_eos=True, logprobs=1)]
+    one_at_a_time, pipelined = engines(tiny_models["llama"], num_kv_blocks=128)
+
+    def with_logprobs(llm):
+        return [(c.token_ids, c.logprobs, c.cumulative_logprob)
+                for o in llm.generate(prompts, params) for c in o.outputs]
+
+    expected = with_logprobs(one_at_a_time)
+    assert with_logprobs(pipelined) == expected and pipelined.num_pipelined_steps >= 15
+    assert [len(lp or []) for _, lp, _ in expected] == [20, 0, 20, 7, 20]
+    assert all(len(entry) == 3 for entry in expected[0][1])  # greedy: its token is the likeliest of the 3
     pipelined.block_manager.check_all_free()

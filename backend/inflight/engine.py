@@ -25,11 +25,11 @@ from transformers import AutoTokenizer, GenerationConfig
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
-from .logprobs import token_logprobs
+from .logprobs import MeasuredLogprobs, entries, measure, token_logprobs
 from .model_runner import ModelRunner
 from .outputs import RequestDelta
 from .parallel import RanksFailedError, TensorParallelRunner
-from .sampler import sample
+from .sampler import sample, to_device
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -80,6 +80,7 @@ class _InFlight:
     tokens: torch.Tensor | None  # on the device
     host: torch.Tensor | None  # where they are copied to (pinned), or `tokens` itself on a CPU
     copied: "torch.cuda.Event | None"  # recorded after the copy
+    logprobs: MeasuredLogprobs | None = None  # of the sequences that asked for them, copied like `host`
 
 
 class LLMEngine:
@@ -267,10 +268,10 @@ class LLMEngine:
     # so the forward pass reads it there (the runner copies it into the step's input ids); the host
     # counts it as pending (Sequence.num_pending) until step N completes. A sequence that finishes in
     # step N has its row of step N+1 thrown away. Penalties count a pending token where it is (the
-    # sampler reads it from the step in flight) and min_tokens counts pending tokens, so those requests
-    # pipeline too. Requests whose sampling needs the previous tokens' values on the host (grammars,
-    # bad words), logprobs (read as they are sampled) and n > 1 still to fork make the engine take its
-    # steps one at a time while they run.
+    # sampler reads it from the step in flight), min_tokens counts pending tokens, and the logprobs of
+    # sampled tokens are measured on the device and read with the tokens, so those requests pipeline
+    # too. Requests whose sampling needs the previous tokens' values on the host (grammars, bad words),
+    # prompt logprobs and n > 1 still to fork make the engine take its steps one at a time while they run.
 
     def _can_pipeline(self) -> bool:
         return all(not s.forks_left and s.matcher is None and not s.bad_words_ids and not s.params.needs_known_output
@@ -300,17 +301,19 @@ class LLMEngine:
             seq.num_computed_tokens += n
         if not sampling:
             return _InFlight(batch, [], None, None, None)
-        tokens = self._sample(logits, sampling, self._in_flight.tokens if self._in_flight is not None else None)
+        tokens, logprobs = self._sample(logits, sampling,
+                                        self._in_flight.tokens if self._in_flight is not None else None)
         for row, seq in enumerate(sampling):
             seq.num_pending += 1
             seq.pending_row = row
         host, copied = tokens, None
+        logprobs = logprobs.to_host() if logprobs is not None else None
         if tokens.device.type == "cuda":
             host = self._token_buffers[self.num_steps % 2][:len(sampling)]
             host.copy_(tokens, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        return _InFlight(batch, sampling, tokens, host, copied)
+        return _InFlight(batch, sampling, tokens, host, copied, logprobs)
 
     def _complete(self, step: "_InFlight | None", deltas: list[RequestDelta]) -> None:
         """Read a launched step's tokens and do its host work."""
@@ -319,10 +322,12 @@ class LLMEngine:
         if step.copied is not None:
             step.copied.synchronize()
         tokens = step.host.tolist() if step.sampling else []
+        logprobs = self._logprob_entries(step.sampling, tokens, step.logprobs)
         for seq, token in zip(step.sampling, tokens):
             seq.num_pending -= 1
             if seq.is_finished:  # ended while the step ran (aborted, or finished the step before)
                 continue
+            self._record_logprobs(seq, token, logprobs)
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
             self._check_finished(seq, token)
@@ -365,7 +370,11 @@ class LLMEngine:
                 sampling.append(child)
                 rows.append(row)
         sample_logits = logits[rows] if len(rows) > len(logits_at) else logits[:len(rows)]
-        for seq, token in zip(sampling, self._sample(sample_logits, sampling).tolist()):
+        tokens, logprobs = self._sample(sample_logits, sampling)
+        tokens = tokens.tolist()
+        logprobs = self._logprob_entries(sampling, tokens, logprobs)
+        for seq, token in zip(sampling, tokens):
+            self._record_logprobs(seq, token, logprobs)
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
             self._check_finished(seq, token)
@@ -390,21 +399,35 @@ class LLMEngine:
                  pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
         return self.runner.execute(batch, logits_at, block_copies, pending)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
-                in_flight: torch.Tensor | None = None) -> torch.Tensor:
-        """The next tokens, on the logits' device; `in_flight`: the tokens of the step still running."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, MeasuredLogprobs | None]:
+        """The next tokens, on the logits' device, and the logprobs of the sequences that asked for them
+        (measured there, in their order); `in_flight`: the tokens of the step still running."""
         wanting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw = logits[wanting] if wanting else None  # a copy: sampling changes `logits` in place
+        rows = to_device(wanting, logits.device) if wanting else None
+        raw = logits[rows] if wanting else None  # a copy: sampling changes `logits` in place
         constrained = self._grammars if any(s.matcher is not None for s in seqs) else None
         tokens = sample(logits, seqs, self.eos_token_ids, constrained, in_flight)
-        if wanting:
-            values = tokens.tolist()
-            entries = token_logprobs(raw, [values[i] for i in wanting],
-                                     [seqs[i].params.logprobs for i in wanting], self._decode_one)
-            for i, entry in zip(wanting, entries):
-                seqs[i].output_logprobs.append(entry)
-                seqs[i].cumulative_logprob += entry[values[i]].logprob
-        return tokens
+        if not wanting:
+            return tokens, None
+        return tokens, measure(raw, tokens[rows], max(seqs[i].params.logprobs for i in wanting))
+
+    def _logprob_entries(self, seqs: list[Sequence], tokens: list[int],
+                         measured: MeasuredLogprobs | None) -> dict[int, dict]:
+        """The entries of the sequences that asked for logprobs, by id (`measured` read on the host)."""
+        if measured is None:
+            return {}
+        wanting = [(seq, token) for seq, token in zip(seqs, tokens) if seq.params.logprobs is not None]
+        rows = entries(measured, [token for _, token in wanting], [seq.params.logprobs for seq, _ in wanting],
+                       self._decode_one)
+        return {id(seq): entry for (seq, _), entry in zip(wanting, rows)}
+
+    @staticmethod
+    def _record_logprobs(seq: Sequence, token: int, logprobs: dict[int, dict]) -> None:
+        entry = logprobs.get(id(seq))
+        if entry is not None:
+            seq.output_logprobs.append(entry)
+            seq.cumulative_logprob += entry[token].logprob
 
     def _decode_one(self, token_id: int) -> str:
         with self._decode_lock:

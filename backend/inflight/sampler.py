@@ -33,7 +33,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch
         logits.scatter_(1, ids, torch.where(values > 0, values / penalty, values * penalty))
     if any(p.presence_penalty or p.frequency_penalty for p in params):
         ids, lengths = _padded_ids([s.output_token_ids for s in seqs], pending, in_flight, vocab, device)
-        genuine = torch.arange(ids.shape[1], device=device) < _to(lengths, device)[:, None]
+        genuine = torch.arange(ids.shape[1], device=device) < to_device(lengths, device)[:, None]
         counts = torch.zeros(len(seqs), vocab, device=device).scatter_add_(1, ids, genuine.float()).gather(1, ids)
         frequency = _per_row([p.frequency_penalty if n else 0.0 for p, n in zip(params, lengths)], device)
         presence = _per_row([p.presence_penalty if n else 0.0 for p, n in zip(params, lengths)], device)
@@ -41,10 +41,10 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch
 
 
 def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
-    return _to(values, device, torch.float32)[:, None]
+    return to_device(values, device, torch.float32)[:, None]
 
 
-def _to(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A host list or array as a tensor on `device`; to a GPU through pinned memory, without waiting: a
     plain copy to a GPU first waits for everything queued there, and under async scheduling the sampler
     runs while the step in flight does."""
@@ -68,14 +68,14 @@ def _padded_ids(rows: list[list[int]], pending: list[int | None], in_flight: tor
     padded = np.zeros((len(rows), max(int((lengths + extra).max()), 1)), dtype=np.int64)
     padded[lengths > 0] = ids[starts[lengths > 0], None]
     padded[row_of, np.arange(len(ids)) - starts[row_of]] = ids
-    padded = _to(padded, device)
+    padded = to_device(padded, device)
     if extra.any():  # sampled tokens: always within the vocabulary
         with_pending = np.flatnonzero(extra)
-        latest = in_flight[_to([pending[i] for i in with_pending], device)]
-        padded[_to(with_pending, device), _to(lengths[with_pending], device)] = latest
+        latest = in_flight[to_device([pending[i] for i in with_pending], device)]
+        padded[to_device(with_pending, device), to_device(lengths[with_pending], device)] = latest
         alone = np.flatnonzero(lengths[with_pending] == 0)  # nothing known: its pads are its pending token
         if len(alone):
-            padded[_to(with_pending[alone], device)] = latest[_to(alone, device), None]
+            padded[to_device(with_pending[alone], device)] = latest[to_device(alone, device), None]
     return padded, (lengths + extra).tolist()
 
 
@@ -103,7 +103,7 @@ def _ban(logits: torch.Tensor, cells: list[tuple[int, int]]) -> None:
     """-inf at each (row, token id) within the logits' vocabulary, in one operation."""
     cells = [(row, t) for row, t in cells if t < logits.shape[-1]]
     if cells:
-        rows, ids = _to(cells, logits.device).unbind(1)
+        rows, ids = to_device(cells, logits.device).unbind(1)
         logits[rows, ids] = float("-inf")
 
 
@@ -124,8 +124,8 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if min(top_k) < vocab:
         widest = max(k for k in top_k if k < vocab)
         kth = torch.topk(logits, widest, dim=-1).values.gather(
-            1, _to([min(k, widest) - 1 for k in top_k], device)[:, None])
-        without = _to([k == vocab for k in top_k], device, torch.bool)[:, None]
+            1, to_device([min(k, widest) - 1 for k in top_k], device)[:, None])
+        without = to_device([k == vocab for k in top_k], device, torch.bool)[:, None]
         logits = logits.masked_fill(logits < kth.masked_fill(without, float("-inf")), float("-inf"))
     if any(s.params.top_p < 1.0 for s in seqs):  # decided on the host: no device sync in the step
         top_p = _per_row([s.params.top_p for s in seqs], device)
@@ -198,7 +198,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     if len(rows) == len(seqs):  # every row samples: no copy of the rows (25 MB for 128 of 49,152)
         return draw(_filter(logits, seqs), [s.generator for s in seqs], tokens)
     if rows:
-        at = _to(rows, logits.device)  # (a list as an index would be copied to a GPU with a wait)
+        at = to_device(rows, logits.device)  # (a list as an index would be copied to a GPU with a wait)
         probs = _filter(logits[at], [seqs[i] for i in rows])
         tokens[at] = draw(probs, [seqs[i].generator for i in rows], tokens[at])
     return tokens

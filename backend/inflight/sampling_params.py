@@ -102,9 +102,10 @@ class SamplingParams:
 
     @property
     def needs_known_output(self) -> bool:
-        """Logprobs are read on the host as their tokens are sampled: no async scheduling for this
-        request (penalties and min_tokens pipeline: the sampler counts pending tokens)."""
-        return self.logprobs is not None or self.prompt_logprobs is not None
+        """Prompt logprobs need the logits of prompt positions, which a step taken alone computes: no
+        async scheduling for this request while it runs (penalties, min_tokens and logprobs of sampled
+        tokens pipeline)."""
+        return self.prompt_logprobs is not None
 
     @property
     def max_stop_length(self) -> int:
