@@ -25,11 +25,12 @@ from transformers import AutoTokenizer, GenerationConfig
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
+from .input_buffers import to_device
 from .logprobs import MeasuredLogprobs, entries, measure, token_logprobs
 from .model_runner import ModelRunner
-from .outputs import RequestDelta
+from .outputs import RequestDelta, TokenLogprobs
 from .parallel import RanksFailedError, TensorParallelRunner
-from .sampler import sample, to_device
+from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -323,11 +324,11 @@ class LLMEngine:
             step.copied.synchronize()
         tokens = step.host.tolist() if step.sampling else []
         logprobs = self._logprob_entries(step.sampling, tokens, step.logprobs)
-        for seq, token in zip(step.sampling, tokens):
+        for seq, token, entry in zip(step.sampling, tokens, logprobs):
             seq.num_pending -= 1
             if seq.is_finished:  # ended while the step ran (aborted, or finished the step before)
                 continue
-            self._record_logprobs(seq, token, logprobs)
+            self._record_logprobs(seq, token, entry)
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
             self._check_finished(seq, token)
@@ -373,8 +374,8 @@ class LLMEngine:
         tokens, logprobs = self._sample(sample_logits, sampling)
         tokens = tokens.tolist()
         logprobs = self._logprob_entries(sampling, tokens, logprobs)
-        for seq, token in zip(sampling, tokens):
-            self._record_logprobs(seq, token, logprobs)
+        for seq, token, entry in zip(sampling, tokens, logprobs):
+            self._record_logprobs(seq, token, entry)
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
             self._check_finished(seq, token)
@@ -413,18 +414,17 @@ class LLMEngine:
         return tokens, measure(raw, tokens[rows], max(seqs[i].params.logprobs for i in wanting))
 
     def _logprob_entries(self, seqs: list[Sequence], tokens: list[int],
-                         measured: MeasuredLogprobs | None) -> dict[int, dict]:
-        """The entries of the sequences that asked for logprobs, by id (`measured` read on the host)."""
+                         measured: MeasuredLogprobs | None) -> list[TokenLogprobs | None]:
+        """Each sequence's entry, None where it asked for none (`measured`, in their order, read here)."""
         if measured is None:
-            return {}
-        wanting = [(seq, token) for seq, token in zip(seqs, tokens) if seq.params.logprobs is not None]
-        rows = entries(measured, [token for _, token in wanting], [seq.params.logprobs for seq, _ in wanting],
-                       self._decode_one)
-        return {id(seq): entry for (seq, _), entry in zip(wanting, rows)}
+            return [None] * len(seqs)
+        wanting = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        rows = iter(entries(measured, [tokens[i] for i in wanting], [seqs[i].params.logprobs for i in wanting],
+                            self._decode_one))
+        return [next(rows) if seq.params.logprobs is not None else None for seq in seqs]
 
     @staticmethod
-    def _record_logprobs(seq: Sequence, token: int, logprobs: dict[int, dict]) -> None:
-        entry = logprobs.get(id(seq))
+    def _record_logprobs(seq: Sequence, token: int, entry: TokenLogprobs | None) -> None:
         if entry is not None:
             seq.output_logprobs.append(entry)
             seq.cumulative_logprob += entry[token].logprob

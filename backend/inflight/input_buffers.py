@@ -102,6 +102,14 @@ def empty_prefill(tokens: int, block_size: int, seqs: int = 1, sampled: bool = T
                       cu_seqlens[1:] - 1 if sampled else ints([]))
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small host list or array as a tensor on `device`; to a GPU through pinned memory, without
+    waiting: a plain copy to a GPU first waits for everything queued there, and under async scheduling
+    that is the step in flight (the sampler and block copies run while it does)."""
+    tensor = torch.as_tensor(values, dtype=dtype)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks

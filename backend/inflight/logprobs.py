@@ -3,7 +3,7 @@ before temperature, penalties and filters, as vLLM reports by default), with ran
 likely tokens. Measured on the logits' device as the tokens are sampled (`measure`), read into entries
 on the host later (`entries`): under async scheduling, once the step's copy to the host is done."""
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -28,8 +28,11 @@ class MeasuredLogprobs:
         event has passed); on a CPU, itself."""
         if self.chosen.device.type == "cpu":
             return self
-        return MeasuredLogprobs(*(None if t is None else t.to("cpu", non_blocking=True)
-                                  for t in (getattr(self, f.name) for f in fields(self))))
+
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=True)
+
+        return MeasuredLogprobs(copy(self.chosen), copy(self.ranks), copy(self.top_values), copy(self.top_ids))
 
 
 def measure(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> MeasuredLogprobs:

@@ -20,7 +20,7 @@ from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_availabl
 from .compile_warmup import compile_shape_classes
 from .cuda_graphs import DecodeGraphs
 from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
-from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs
+from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, to_device
 from .kernel_warmup import compile_attention_kernels
 from .scheduler import ScheduledBatch
 
@@ -196,7 +196,7 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the KV of each (source, destination) block pair, in every layer."""
         if pairs:
-            src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*pairs))
+            src, dst = (to_device(ids, self.device) for ids in zip(*pairs))
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def prepare(self, batch: ScheduledBatch, logits_at: list[int],

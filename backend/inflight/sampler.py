@@ -12,6 +12,7 @@ import itertools
 import numpy as np
 import torch
 
+from .input_buffers import to_device
 from .sequence import Sequence
 
 
@@ -42,14 +43,6 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch
 
 def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
     return to_device(values, device, torch.float32)[:, None]
-
-
-def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A host list or array as a tensor on `device`; to a GPU through pinned memory, without waiting: a
-    plain copy to a GPU first waits for everything queued there, and under async scheduling the sampler
-    runs while the step in flight does."""
-    tensor = torch.as_tensor(values, dtype=dtype)
-    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _padded_ids(rows: list[list[int]], pending: list[int | None], in_flight: torch.Tensor | None, vocab: int,
