@@ -4,13 +4,13 @@
 # and (PARTS naming `sweep`) its --sweep, and (PARTS naming `served`) client/bench_served.py through
 # tritonserver; PARTS chooses the parts. Each part has its own time limit, so one that hangs or fails
 # leaves the others their time; logs and tables go to $OUT. Needs no package registry: a newer
-# transformers travels as a wheel under .whl/ (installed to /tmp/site), the default model's tokenizer
-# files under models/.
+# transformers travels as a wheel under .whl/, xgrammar and its imports under .whl-grammar/ (both from
+# scripts/fetch_gpu_wheels.sh; installed to /tmp/site), the default model's tokenizer files under models/.
 set -u
 OUT=${OUT:-/tmp/inflight-gpu-session}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+if compgen -G ".whl*/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/backend PYTHONUNBUFFERED=1

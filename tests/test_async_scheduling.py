@@ -1,15 +1,20 @@
 """Async scheduling (step N+1 launched before step N's tokens are read): the same outputs as steps taken
 one at a time, whatever ends a request (EOS, stop strings, max_tokens, max_model_len, an abort while
 its token is in flight), every block back; penalties and min_tokens pipeline (they count the token in
-flight), requests with logprobs turn the pipelining off while they run. On the CPU the pipelining
+flight), and so do logprobs, grammars and bad words (n completions and prompt logprobs: in
+test_request_features.py, both ways). On the CPU the pipelining
 changes nothing but the order of the host's work, which is what these tests check; on a GPU it is what
 overlaps the host with the GPU."""
+
+import json
+import re
 
 import pytest
 
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
 
+PHONE = r"[0-9]{3}-[0-9]{4}"
 PROMPTS = ["In 1969, the first humans landed on", "The three primary colors are", "def fibonacci(n):",
            "Once upon a time", "The capital of France is", "List three fruits:"]
 
@@ -50,6 +55,20 @@ def test_preemption_and_chunked_prefill_match(tiny_models):
     pipelined.block_manager.check_all_free()
 
 
+def test_a_prompt_is_cached_by_the_step_that_ends_its_request(tiny_models):
+    """A request that ends in the step that computed its prompt (max_tokens 1, as in scoring) leaves
+    the prompt's full blocks in the prefix cache before its blocks are freed, pipelined or not."""
+    prompts = random_prompts(4, 40, 70, vocab=512, seed=8)
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    for llm in engines(tiny_models["llama"], num_kv_blocks=128):
+        llm.generate(prompts, once)
+        before = llm.stats()["prefix_cache_hit_tokens"]
+        llm.generate(prompts, once)
+        size = llm.config.block_size
+        assert llm.stats()["prefix_cache_hit_tokens"] - before == sum((len(p) - 1) // size * size for p in prompts)
+        llm.block_manager.check_all_free()
+
+
 def test_abort_while_a_token_is_in_flight(tiny_models):
     prompts = random_prompts(4, 10, 30, vocab=512, seed=2)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -77,18 +96,40 @@ def test_abort_while_a_token_is_in_flight(tiny_models):
     llm.block_manager.check_all_free()
 
 
-def test_requests_that_need_known_tokens_step_one_at_a_time(tiny_models):
-    prompts = random_prompts(6, 5, 40, vocab=512, seed=3)
-    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    with_prompt_logprobs = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
-    params = [plain] * 5 + [with_prompt_logprobs]
-    one_at_a_time, pipelined = engines(tiny_models["llama"], num_kv_blocks=128)
-    assert outputs(pipelined, prompts, params) == outputs(one_at_a_time, prompts, params)
-    steps = pipelined.num_pipelined_steps
-    outputs(pipelined, prompts[-1:], [with_prompt_logprobs])
-    assert pipelined.num_pipelined_steps == steps, "prompt logprobs were meant to step one at a time"
-    outputs(pipelined, prompts[:1], [plain])
-    assert pipelined.num_pipelined_steps > steps
+@pytest.mark.slow
+def test_grammars_and_bad_words_pipeline(default_model):
+    """A grammar or a bad word masks a sequence's next token by its previous one: a step that samples
+    such a sequence with a token in flight reads that step after launching its own forward and before
+    sampling. The same outputs as one step at a time, every constraint kept, the engine pipelining all
+    along; the bad word is a pair of tokens, so its ban needs the token read late."""
+    one_at_a_time, pipelined = engines(default_model, num_kv_blocks=256)
+    prompt = "In 1969, the first humans landed on"
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    free = one_at_a_time.generate([prompt], plain)[0].token_ids
+    pair = next(free[j:j + 2] for j in range(len(free) - 1)
+                if free[j:j + 2] in pipelined._bad_words_ids([pipelined.tokenizer.decode(free[j:j + 2])]))
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                             "population": {"type": "integer"}},
+            "required": ["city", "population"], "additionalProperties": False}
+    prompts = [prompt, "A JSON record of a city:", "Call me at", "Is the sky blue?", "The capital of France is"]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                             bad_words=[pipelined.tokenizer.decode(pair)]),
+              SamplingParams(max_tokens=60, temperature=0.0, structured_outputs={"json": city}),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=2, structured_outputs={"regex": PHONE}),
+              SamplingParams(max_tokens=20, temperature=0.7, seed=5, n=2, structured_outputs={"choice": ["yes", "no"]}),
+              plain]
+
+    def completions(llm):
+        return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in llm.generate(prompts, params)]
+
+    expected = completions(one_at_a_time)
+    assert completions(pipelined) == expected
+    assert pipelined.num_pipelined_steps == pipelined.num_steps - 1  # all but the first
+    banned = expected[0][0][0]
+    assert banned != free and not any(banned[j:j + 2] == pair for j in range(len(banned) - 1))
+    assert set(json.loads(expected[1][0][1])) == {"city", "population"}
+    assert re.fullmatch(PHONE, expected[2][0][1])
+    assert all(text in ("yes", "no") and reason == "stop" for _, text, reason in expected[3])
     pipelined.block_manager.check_all_free()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import random_prompts
+from conftest import DEFAULT_MODEL, random_prompts
 from inflight import LLM, SamplingParams
 from inflight.detokenizer import IncrementalDetokenizer, TokenBytes
 
@@ -222,6 +222,38 @@ def test_sampling_on_cuda_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert tokens.shape == (len(seqs),) and tokens.device.type == "cuda"
+
+
+@ON_A_GPU
+def test_grammar_masks_on_cuda_never_wait_for_the_gpu():
+    """A grammar's mask reaches the GPU through pinned memory and its rows as a device tensor: masked
+    sampling waits for nothing (a pipelined step samples a grammar's row while the step before may
+    still run), and what it draws is what the grammar allows."""
+    from types import SimpleNamespace
+
+    from inflight.sampler import sample
+    from inflight.structured_output import StructuredOutputs
+
+    pytest.importorskip("xgrammar")
+    device = torch.device("cuda")
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    grammars = StructuredOutputs(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    specs = [{"choice": ["yes", "no"]}, None, {"regex": "[0-9]{3}-[0-9]{4}"}, {"json_object": True}]
+    seqs = [SimpleNamespace(params=SamplingParams(temperature=0.0 if i % 2 else 0.8), token_ids=[5, 6],
+                            output_token_ids=[], num_output_tokens=0, num_pending=0, pending_row=0,
+                            bad_words_ids=[], generator=None, is_finished=False,
+                            matcher=grammars.matcher(spec) if spec else None)
+            for i, spec in enumerate(specs)]
+    logits = torch.randn(len(seqs), len(tokenizer), device=device)
+    sample(logits.clone(), seqs, [tokenizer.eos_token_id], grammars)  # xgrammar's kernel compiled first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample(logits, seqs, [tokenizer.eos_token_id], grammars)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for seq, token in zip(seqs, tokens.tolist()):
+        assert seq.matcher is None or seq.matcher.accept_token(token), tokenizer.decode([token])
 
 
 def test_sampling_filters_restrict_the_choice(llm):

@@ -8,6 +8,10 @@ from conftest import random_prompts
 from inflight import LLM, SamplingParams
 
 
+# Steps one at a time, and under async scheduling (step N+1 launched before step N's tokens are read).
+PIPELINED = pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "pipelined"])
+
+
 @pytest.fixture(scope="module")
 def model(tiny_models):
     return tiny_models["llama"]
@@ -58,13 +62,15 @@ def test_logprobs_equal_hf_log_softmax(model, hf_logprobs, temperature):
         assert all(isinstance(lp.decoded_token, str) for e in completion.logprobs for lp in e.values())
 
 
-def test_prompt_logprobs_across_chunks_preemption_and_the_prefix_cache(model, hf_logprobs):
+@PIPELINED
+def test_prompt_logprobs_across_chunks_preemption_and_the_prefix_cache(model, hf_logprobs, async_scheduling):
     """Every prompt token after the first, also when the prompt is prefilled in chunks, recomputed
-    after a preemption, or already in the prefix cache (which a request for them bypasses)."""
+    after a preemption, or already in the prefix cache (which a request for them bypasses); under
+    async scheduling they are read a step after their chunk ran, and no chunk is measured twice."""
     prompts = random_prompts(6, 20, 90, vocab=512, seed=22)
     params = SamplingParams(max_tokens=30, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
-    roomy = LLM(model, num_kv_blocks=256)
-    tight = LLM(model, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=6)
+    roomy = LLM(model, num_kv_blocks=256, async_scheduling=async_scheduling)
+    tight = LLM(model, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=6, async_scheduling=async_scheduling)
     for llm in (roomy, tight):
         first = llm.generate(prompts, params)
         again = llm.generate(prompts[:2], params)  # the same prompts: their blocks are cached by now
@@ -74,6 +80,7 @@ def test_prompt_logprobs_across_chunks_preemption_and_the_prefix_cache(model, hf
             for j in range(1, len(prompt)):
                 check_entry(out.prompt_logprobs[j], reference[j - 1], prompt[j], 2)
         llm.block_manager.check_all_free()
+        assert (llm.num_pipelined_steps > 0) == async_scheduling
     assert tight.stats()["num_preemptions"] > 0
 
 
@@ -123,8 +130,10 @@ def test_bad_priority_n_and_logprobs_are_refused(model):
 PROMPT = list(range(5, 24))  # 19 tokens: the last prompt block is shared half-full, then copied on write
 
 
-def test_n_greedy_completions_are_identical_and_the_prompt_is_computed_once(model):
-    llm = LLM(model, num_kv_blocks=64, enable_prefix_caching=False)  # count every prompt token computed
+@PIPELINED
+def test_n_greedy_completions_are_identical_and_the_prompt_is_computed_once(model, async_scheduling):
+    # No prefix cache: every prompt token computed is counted.
+    llm = LLM(model, num_kv_blocks=64, enable_prefix_caching=False, async_scheduling=async_scheduling)
     single = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
     before = llm.stats()["computed_tokens_total"]
     out = llm.generate([PROMPT], SamplingParams(n=4, max_tokens=10, temperature=0.0, ignore_eos=True))[0]
@@ -132,13 +141,15 @@ def test_n_greedy_completions_are_identical_and_the_prompt_is_computed_once(mode
     assert all(c.token_ids == single.token_ids and c.text == single.text for c in out.outputs)
     # The prompt once, then each completion's tokens after its first (drawn from the prompt's logits).
     assert llm.stats()["computed_tokens_total"] - before == len(PROMPT) + 4 * 9
+    assert (llm.num_pipelined_steps > 0) == async_scheduling
     llm.block_manager.check_all_free()
 
 
-def test_n_seeded_completions_reproduce_and_equal_separate_requests(model):
+@PIPELINED
+def test_n_seeded_completions_reproduce_and_equal_separate_requests(model, async_scheduling):
     """Completion i draws with seed + i: it equals a separate request with that seed, which holds only
     if the shared and copied-on-write KV blocks are right."""
-    llm = LLM(model, num_kv_blocks=64)
+    llm = LLM(model, num_kv_blocks=64, async_scheduling=async_scheduling)
     params = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
     out = llm.generate([PROMPT], SamplingParams(n=3, seed=7, **params))[0]
     again = llm.generate([PROMPT], SamplingParams(n=3, seed=7, **params))[0]
@@ -149,10 +160,11 @@ def test_n_seeded_completions_reproduce_and_equal_separate_requests(model):
     llm.block_manager.check_all_free()
 
 
-def test_n_completions_under_preemption_and_abort(model):
+@PIPELINED
+def test_n_completions_under_preemption_and_abort(model, async_scheduling):
     params = SamplingParams(n=3, max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
     roomy = LLM(model, num_kv_blocks=128).generate([PROMPT, PROMPT[:9]], params)
-    tight = LLM(model, num_kv_blocks=10, max_num_seqs=6, max_num_batched_tokens=64)
+    tight = LLM(model, num_kv_blocks=10, max_num_seqs=6, max_num_batched_tokens=64, async_scheduling=async_scheduling)
     outs = tight.generate([PROMPT, PROMPT[:9]], params)
     assert tight.stats()["num_preemptions"] > 0
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in roomy]

@@ -42,7 +42,6 @@ from .shared_matmul import SharedMatmul, sibling_projections, stack_weights
 
 logger = logging.getLogger(__name__)
 
-_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 _MMAP_THRESHOLD_MAX = 32 << 20  # the largest glibc accepts on 64-bit systems
 
@@ -61,6 +60,12 @@ def keep_freed_memory() -> bool:
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """oneDNN packs bfloat16 weights only where the processor has bfloat16 instructions (AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT): on an AVX2-only host it raised, and those layers stay as they are."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 def padded_rows(rows: int) -> int:
@@ -90,7 +95,7 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, 
     keys and values; gate and up) are packed as one weight and computed as one matmul. Returns how many
     layers were packed."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear
-               and m.weight.device.type == "cpu" and m.weight.dtype in _PACKABLE_DTYPES]
+               and m.weight.device.type == "cpu" and m.weight.dtype in packable_dtypes()]
     packable = {id(m) for m in linears}
     groups = [group for group in sibling_projections(model) if all(id(m) in packable for m in group)] \
         if merge_siblings else []

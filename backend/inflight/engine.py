@@ -26,7 +26,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
 from .input_buffers import to_device
-from .logprobs import MeasuredLogprobs, entries, measure, token_logprobs
+from .logprobs import MeasuredLogprobs, entries, measure
 from .model_runner import ModelRunner
 from .outputs import RequestDelta, TokenLogprobs
 from .parallel import RanksFailedError, TensorParallelRunner
@@ -74,7 +74,7 @@ class Encoders:
 
 @dataclass
 class _InFlight:
-    """A step launched under async scheduling whose tokens the host has not read yet."""
+    """A step launched whose tokens the host has not read yet."""
 
     batch: ScheduledBatch
     sampling: list[Sequence]  # the sequences that sample, in the order of `tokens`
@@ -82,6 +82,7 @@ class _InFlight:
     host: torch.Tensor | None  # where they are copied to (pinned), or `tokens` itself on a CPU
     copied: "torch.cuda.Event | None"  # recorded after the copy
     logprobs: MeasuredLogprobs | None = None  # of the sequences that asked for them, copied like `host`
+    prompt_logprobs: tuple | None = None  # what _measure_prompt_logprobs measured, copied like `host`
 
 
 class LLMEngine:
@@ -241,19 +242,14 @@ class LLMEngine:
         batch = None
         try:
             self._drain_inbox(deltas)
-            if self.dead_reason is None and self.config.async_scheduling and self._can_pipeline():
+            if self.dead_reason is None:
                 batch = self.scheduler.schedule()
-                launched = self._launch(batch)
-                if self._in_flight is not None:
-                    self.num_pipelined_steps += launched is not None
-                    self._complete(self._in_flight, deltas)
-                self._in_flight = launched
-            elif self.dead_reason is None:
-                if self._in_flight is not None:  # this step needs every token's value first
-                    in_flight, self._in_flight = self._in_flight, None
-                    self._complete(in_flight, deltas)
-                batch = self.scheduler.schedule()
-                self._run(batch, deltas)
+                launched = self._launch(batch, deltas)
+                self._complete_in_flight(deltas)
+                if self.config.async_scheduling:
+                    self._in_flight = launched
+                else:
+                    self._complete(launched, deltas)
         except Exception as e:
             logger.exception("engine step failed")
             in_flight, self._in_flight = self._in_flight, None
@@ -269,23 +265,24 @@ class LLMEngine:
     # so the forward pass reads it there (the runner copies it into the step's input ids); the host
     # counts it as pending (Sequence.num_pending) until step N completes. A sequence that finishes in
     # step N has its row of step N+1 thrown away. Penalties count a pending token where it is (the
-    # sampler reads it from the step in flight), min_tokens counts pending tokens, and the logprobs of
-    # sampled tokens are measured on the device and read with the tokens, so those requests pipeline
-    # too. Requests whose sampling needs the previous tokens' values on the host (grammars, bad words),
-    # prompt logprobs and n > 1 still to fork make the engine take its steps one at a time while they run.
+    # sampler reads it from the step in flight), min_tokens counts pending tokens, and logprobs (of
+    # sampled and of prompt tokens) are measured on the device and read with the tokens. A grammar or
+    # a bad word needs the previous token's value to mask the next: when a step samples such a sequence
+    # with a token pending, step N completes after step N+1's forward is launched and before it samples
+    # (the forward still runs while the host works). Without async scheduling a step completes at once.
 
-    def _can_pipeline(self) -> bool:
-        return all(not s.forks_left and s.matcher is None and not s.bad_words_ids and not s.params.needs_known_output
-                   for s in itertools.chain(self.scheduler.running, self.scheduler.waiting))
-
-    def _launch(self, batch: ScheduledBatch) -> "_InFlight | None":
-        """Run `batch` and sample, without waiting for the GPU."""
+    def _launch(self, batch: ScheduledBatch, deltas: list[RequestDelta]) -> "_InFlight | None":
+        """Run `batch` and sample, without waiting for the GPU (unless a sequence's sampling needs the
+        step in flight read first: its deltas go to `deltas`)."""
         if not batch.seqs:
             return None
         self.num_steps += 1
         self.num_computed_tokens += sum(batch.num_tokens)
+        # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward.
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
-        sampling, logits_at, pending_at, pending_rows = [], [], [], []
+        # Sequences whose last scheduled token is their last token sample a next token; those that asked
+        # for prompt logprobs also need logits at their prompt positions.
+        sampling, logits_at, pending_at, pending_rows, prompt_positions = [], [], [], [], []
         start = 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             first = seq.num_computed_tokens
@@ -295,13 +292,27 @@ class LLMEngine:
             if first + n == seq.num_tokens:
                 sampling.append(seq)
                 logits_at.append(start + n - 1)
+            if seq.params.prompt_logprobs is not None and seq.index == 0:
+                prompt_positions += self._prompt_logprob_positions(seq, n, start)
             start += n
         pending = (self._in_flight.tokens, pending_at, pending_rows) if pending_at else None
-        logits = self._forward(batch, logits_at, copies, pending)
+        logits = self._forward(batch, logits_at + [flat for _, flat, _ in prompt_positions], copies, pending)
+        self.num_pipelined_steps += self._in_flight is not None
+        prompt_logprobs = self._measure_prompt_logprobs(logits[len(sampling):], prompt_positions)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
         if not sampling:
-            return _InFlight(batch, [], None, None, None)
+            return _InFlight(batch, [], None, None, None, prompt_logprobs=prompt_logprobs)
+        # A prompt with n completions is computed once: its other completions fork from it here and
+        # draw their first tokens from the same logits.
+        rows = list(range(len(sampling)))
+        for row, seq in enumerate(list(sampling)):
+            for child in self._fork(seq):
+                sampling.append(child)
+                rows.append(row)
+        logits = logits[to_device(rows, logits.device)] if len(rows) > len(logits_at) else logits[:len(rows)]
+        if any((s.matcher is not None or s.bad_words_ids) and s.num_pending for s in sampling):
+            self._complete_in_flight(deltas)  # their masks follow from the tokens in flight
         tokens, logprobs = self._sample(logits, sampling,
                                         self._in_flight.tokens if self._in_flight is not None else None)
         for row, seq in enumerate(sampling):
@@ -314,7 +325,12 @@ class LLMEngine:
             host.copy_(tokens, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        return _InFlight(batch, sampling, tokens, host, copied, logprobs)
+        return _InFlight(batch, sampling, tokens, host, copied, logprobs, prompt_logprobs)
+
+    def _complete_in_flight(self, deltas: list[RequestDelta]) -> None:
+        if self._in_flight is not None:
+            self._complete(self._in_flight, deltas)
+            self._in_flight = None
 
     def _complete(self, step: "_InFlight | None", deltas: list[RequestDelta]) -> None:
         """Read a launched step's tokens and do its host work."""
@@ -322,6 +338,8 @@ class LLMEngine:
             return
         if step.copied is not None:
             step.copied.synchronize()
+        if step.prompt_logprobs is not None:
+            self._record_prompt_logprobs(*step.prompt_logprobs)
         tokens = step.host.tolist() if step.sampling else []
         logprobs = self._logprob_entries(step.sampling, tokens, step.logprobs)
         for seq, token, entry in zip(step.sampling, tokens, logprobs):
@@ -331,55 +349,12 @@ class LLMEngine:
             self._record_logprobs(seq, token, entry)
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
+            self.block_manager.cache_full_blocks(seq)  # its computed tokens are known now (before a finish frees them)
             self._check_finished(seq, token)
             deltas.append(self._delta(seq))
         for seq in step.batch.seqs:
             if not seq.is_finished:
-                self.block_manager.cache_full_blocks(seq)  # its computed tokens are all known now
-
-    def _run(self, batch: ScheduledBatch, deltas: list[RequestDelta]) -> None:
-        if not batch.seqs:
-            return
-        self.num_steps += 1
-        self.num_computed_tokens += sum(batch.num_tokens)
-        # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward.
-        copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
-        # Sequences whose last scheduled token is their last known token sample a next token; those
-        # that asked for prompt logprobs also need logits at their prompt positions.
-        sampling, logits_at, prompt_positions = [], [], []
-        start = 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                sampling.append(seq)
-                logits_at.append(start + n - 1)
-            if seq.params.prompt_logprobs is not None and seq.index == 0:
-                prompt_positions += self._prompt_logprob_positions(seq, n, start)
-            start += n
-        logits = self._forward(batch, logits_at + [flat for _, flat, _ in prompt_positions], copies)
-        if prompt_positions:
-            self._record_prompt_logprobs(logits[len(sampling):], prompt_positions)
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-        if not sampling:
-            return
-        # A prompt with n completions is computed once: its other completions fork from it here and
-        # draw their first tokens from the same logits.
-        rows = list(range(len(sampling)))
-        for row, seq in enumerate(list(sampling)):
-            for child in self._fork(seq):
-                sampling.append(child)
-                rows.append(row)
-        sample_logits = logits[rows] if len(rows) > len(logits_at) else logits[:len(rows)]
-        tokens, logprobs = self._sample(sample_logits, sampling)
-        tokens = tokens.tolist()
-        logprobs = self._logprob_entries(sampling, tokens, logprobs)
-        for seq, token, entry in zip(sampling, tokens, logprobs):
-            self._record_logprobs(seq, token, entry)
-            seq.output_token_ids.append(token)
-            self.num_generated_tokens += 1
-            self._check_finished(seq, token)
-            deltas.append(self._delta(seq))
+                self.block_manager.cache_full_blocks(seq)  # (a chunk of a prompt, which did not sample)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         children = []
@@ -436,16 +411,30 @@ class LLMEngine:
     @staticmethod
     def _prompt_logprob_positions(seq: Sequence, n: int, start: int) -> list[tuple[Sequence, int, int]]:
         """(seq, flat position in the batch, prompt token it predicts) for the prompt tokens this chunk
-        predicts that have no logprobs yet (a recomputed chunk is not counted twice)."""
+        predicts whose logprobs are not measured yet, counted as measured from here on (a recomputed
+        chunk is not measured twice)."""
         first = seq.num_computed_tokens
-        targets = range(max(first + 1, len(seq.prompt_logprobs), 1), min(first + n, seq.num_prompt_tokens - 1) + 1)
+        targets = range(max(first, seq.num_prompt_logprobs_measured) + 1, min(first + n, seq.num_prompt_tokens - 1) + 1)
+        if targets:
+            seq.num_prompt_logprobs_measured = targets[-1]
         return [(seq, start + target - 1 - first, target) for target in targets]
 
-    def _record_prompt_logprobs(self, logits: torch.Tensor, positions: list[tuple[Sequence, int, int]]) -> None:
+    @staticmethod
+    def _measure_prompt_logprobs(logits: torch.Tensor, positions: list[tuple[Sequence, int, int]]) -> tuple | None:
+        """The logprobs of the prompt tokens at `positions` (their logits, in order), measured on the
+        device and copied to the host without waiting: what _record_prompt_logprobs reads."""
+        if not positions:
+            return None
         tokens = [seq.prompt_token_ids[target] for seq, _, target in positions]
-        entries = token_logprobs(logits, tokens, [seq.params.prompt_logprobs for seq, _, _ in positions],
-                                 self._decode_one)
-        for (seq, _, target), entry in zip(positions, entries):
+        k = max(seq.params.prompt_logprobs for seq, _, _ in positions)
+        return positions, tokens, measure(logits[:len(positions)], to_device(tokens, logits.device), k).to_host()
+
+    def _record_prompt_logprobs(self, positions: list[tuple[Sequence, int, int]], tokens: list[int],
+                                measured: MeasuredLogprobs) -> None:
+        rows = entries(measured, tokens, [seq.params.prompt_logprobs for seq, _, _ in positions], self._decode_one)
+        for (seq, _, target), entry in zip(positions, rows):
+            if seq.is_finished:
+                continue
             if not seq.prompt_logprobs:
                 seq.prompt_logprobs.append(None)  # the first prompt token has nothing before it
             assert len(seq.prompt_logprobs) == target

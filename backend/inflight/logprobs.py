@@ -58,10 +58,3 @@ def entries(measured: MeasuredLogprobs, tokens: list[int], ks: list[int],
         rows.append(entry)
     return rows
 
-
-def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int],
-                   decode: Callable[[int], str]) -> list[TokenLogprobs]:
-    """For each row of `logits` [rows, vocab]: the logprob and rank of `tokens[row]` and of the
-    `ks[row]` most likely tokens, read at once."""
-    measured = measure(logits, torch.tensor(tokens, device=logits.device), max(ks))
-    return entries(measured, tokens, ks, decode)

@@ -101,13 +101,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def needs_known_output(self) -> bool:
-        """Prompt logprobs need the logits of prompt positions, which a step taken alone computes: no
-        async scheduling for this request while it runs (penalties, min_tokens and logprobs of sampled
-        tokens pipeline)."""
-        return self.prompt_logprobs is not None
-
-    @property
     def max_stop_length(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

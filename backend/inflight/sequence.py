@@ -47,6 +47,7 @@ class Sequence:
     output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, when asked for
     cumulative_logprob: float = 0.0
     prompt_logprobs: list = field(default_factory=list)  # None, then TokenLogprobs per prompt token
+    num_prompt_logprobs_measured: int = 0  # prompt tokens whose logprobs are recorded or in a step in flight
 
     output_text: str = ""  # text decoded so far, stop strings cut
     num_text_sent: int = 0  # characters of output_text already handed out as deltas

@@ -15,6 +15,8 @@ from collections import OrderedDict
 
 import torch
 
+from .input_buffers import to_device
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # TensorRT-LLM's guided_decoding_guide_type -> our key (its "json" is any JSON object).
 TENSORRT_LLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
@@ -109,4 +111,6 @@ class StructuredOutputs:
         bitmask = self._xgr.allocate_token_bitmask(len(matchers), self._info.vocab_size)
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        # Through pinned memory, the rows as a tensor: a plain copy to a GPU would wait for it.
+        self._xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device, torch.int32),
+                                              indices=to_device(rows, logits.device, torch.int32))
