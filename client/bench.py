@@ -295,6 +295,8 @@ SAMPLING_CASES = {
     "greedy, repetition_penalty 1.1": dict(temperature=0.0, repetition_penalty=1.1),
     "greedy, presence and frequency penalties 0.5": dict(temperature=0.0, presence_penalty=0.5,
                                                          frequency_penalty=0.5),
+    # Penalties read every token a sequence has seen: at long contexts that is most of their cost.
+    "greedy, repetition_penalty 1.1, 2,048 tokens seen": dict(temperature=0.0, repetition_penalty=1.1, seen=2048),
 }
 
 
@@ -302,7 +304,8 @@ def bench_sampling(model_dir: str, rows: int = 128, calls: int = 10) -> dict[str
     """Milliseconds the sampler takes for one decode step of `rows` sequences under each case of
     `SAMPLING_CASES` (median of `calls`): the logits are the default model's own at `rows` positions of
     real text (the filters' cost depends on how peaked they are), each sequence having the 256 tokens
-    before its position as prompt and 32 as output."""
+    before its position as prompt and 32 as output (a case's `seen`: that many tokens before it in all,
+    the text looping round)."""
     from transformers import AutoTokenizer
 
     from inflight import SamplingParams
@@ -316,11 +319,14 @@ def bench_sampling(model_dir: str, rows: int = 128, calls: int = 10) -> dict[str
         logits = model(torch.tensor([ids])).logits[0].float()
     positions = torch.linspace(300, len(ids) - 1, rows).long().tolist()
     logits = logits[positions]
+    looped, end = ids * 4, 3 * len(ids)  # looped[end + p] is ids[p]
     result = {}
     for name, settings in SAMPLING_CASES.items():
+        settings = dict(settings)
+        seen = settings.pop("seen", 288)
         params = SamplingParams(**settings)
-        seqs = [Sequence(str(i), ids[p - 288:p - 32], params, None, output_token_ids=ids[p - 32:p])
-                for i, p in enumerate(positions)]
+        seqs = [Sequence(str(i), looped[end + p - seen:end + p - 32], params, None,
+                         output_token_ids=looped[end + p - 32:end + p]) for i, p in enumerate(positions)]
         times = []
         for _ in range(calls):
             fresh = logits.clone()  # sampling changes its logits in place

@@ -3,6 +3,7 @@
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -159,7 +160,8 @@ def test_batched_penalties_equal_their_definitions(device, pending):
     for row, ((prompt, out), p) in enumerate(zip(histories, params)):
         if row in in_flight_rows:
             in_flight[in_flight_rows[row]], out = out[-1], out[:-1]
-        seqs.append(SimpleNamespace(token_ids=prompt + out, output_token_ids=out, params=p,
+        seqs.append(SimpleNamespace(token_array=np.array(prompt + out, dtype=np.int64),
+                                    output_array=np.array(out, dtype=np.int64), params=p,
                                     num_pending=int(row in in_flight_rows), pending_row=in_flight_rows.get(row, 0)))
     batched = logits.to(device, copy=True)
     apply_penalties(batched, seqs, in_flight.to(device) if pending else None)
@@ -167,6 +169,19 @@ def test_batched_penalties_equal_their_definitions(device, pending):
     torch.testing.assert_close(batched, expected, rtol=0, atol=0)
     changed = (batched != logits).any(dim=1).tolist()
     assert torch.equal(batched[4], logits[4]) and changed == [True] * 4 + [False] * 2 + [True]
+
+
+def test_the_token_array_follows_the_known_tokens():
+    """Penalties and bad words read a sequence's tokens as an array, built when first read and grown
+    as tokens come: always the prompt and the known output, in order."""
+    from inflight.sequence import Sequence
+
+    seq = Sequence("r", list(range(100, 130)), SamplingParams(), detokenizer=None)
+    seq.append_token(7)
+    for token in range(500):
+        assert seq.token_array.tolist() == seq.token_ids and seq.output_array.tolist() == seq.output_token_ids
+        seq.append_token(token)
+    assert len(seq.token_array) == 531
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
@@ -178,7 +193,7 @@ def test_stop_suppression_and_bad_words_over_a_batch(device):
     from inflight.sampler import ban_bad_words, suppress_stops
 
     def seq(prompt, out, bad=(), pending=0, **params):
-        return SimpleNamespace(token_ids=prompt + out, output_token_ids=out, num_output_tokens=len(out) + pending,
+        return SimpleNamespace(token_array=np.array(prompt + out, dtype=np.int64), num_output_tokens=len(out) + pending,
                                matcher=None, bad_words_ids=list(bad), params=SamplingParams(**params))
 
     # min_tokens counts a token still in flight (the fifth row's third).
@@ -206,7 +221,7 @@ def test_sampling_on_cuda_never_waits_for_the_gpu():
     options = [dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, seed=3), dict(top_k=40, min_p=0.05),
                dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3),
                dict(temperature=0.9, min_tokens=4, top_p=0.95), dict(temperature=0.0)]
-    seqs = [SimpleNamespace(params=SamplingParams(**o), token_ids=[5, 6, 7], output_token_ids=[7],
+    seqs = [SimpleNamespace(params=SamplingParams(**o), token_array=np.array([5, 6, 7]), output_array=np.array([7]),
                             num_output_tokens=2, num_pending=1, pending_row=i, matcher=None,
                             bad_words_ids=[[7, 9]] if i == 5 else [],
                             generator=torch.Generator(device=device).manual_seed(1) if "seed" in o else None)
@@ -239,9 +254,9 @@ def test_grammar_masks_on_cuda_never_wait_for_the_gpu():
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     grammars = StructuredOutputs(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     specs = [{"choice": ["yes", "no"]}, None, {"regex": "[0-9]{3}-[0-9]{4}"}, {"json_object": True}]
-    seqs = [SimpleNamespace(params=SamplingParams(temperature=0.0 if i % 2 else 0.8), token_ids=[5, 6],
-                            output_token_ids=[], num_output_tokens=0, num_pending=0, pending_row=0,
-                            bad_words_ids=[], generator=None, is_finished=False,
+    seqs = [SimpleNamespace(params=SamplingParams(temperature=0.0 if i % 2 else 0.8), token_array=np.array([5, 6]),
+                            output_array=np.zeros(0, dtype=np.int64), num_output_tokens=0, num_pending=0,
+                            pending_row=0, bad_words_ids=[], generator=None, is_finished=False,
                             matcher=grammars.matcher(spec) if spec else None)
             for i, spec in enumerate(specs)]
     logits = torch.randn(len(seqs), len(tokenizer), device=device)

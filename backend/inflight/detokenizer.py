@@ -12,7 +12,6 @@ for a tokenizer whose own decode it reproduces on a sample of sequences (TokenBy
 """
 
 import codecs
-import json
 import logging
 import random
 import threading
@@ -56,9 +55,12 @@ class TokenBytes:
         """The table for `tokenizer`, or None when its decoder is not plain byte-level or the table
         does not reproduce its decode on random sequences (then the window decoding is used)."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None or (json.loads(backend.to_str()).get("decoder") or {}).get("type") != "ByteLevel":
+        if backend is None or type(backend.decoder).__name__ != "ByteLevel":  # (a Sequence of decoders is not)
             return None
-        alphabet = _byte_level_alphabet()
+        # Each piece's characters to the Latin-1 characters of their bytes, in one call a token; a character
+        # outside the alphabet becomes one Latin-1 cannot encode.
+        to_bytes = {ord(c): b for c, b in _byte_level_alphabet().items()}
+        to_bytes.update({c: 0xFFFF for c in range(256) if c not in to_bytes})
         added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
         table = []
         for token_id in range(len(tokenizer)):
@@ -67,9 +69,10 @@ class TokenBytes:
                 table.append(piece.encode())
                 continue
             piece = backend.id_to_token(token_id)
-            if piece is None or any(c not in alphabet for c in piece):
+            try:
+                table.append(piece.translate(to_bytes).encode("latin-1"))
+            except (AttributeError, UnicodeEncodeError):  # no such id, or not a byte-level piece
                 return None
-            table.append(bytes(alphabet[c] for c in piece))
         special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
         special |= set(tokenizer.all_special_ids)
         token_bytes = cls(table, special)

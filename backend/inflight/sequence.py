@@ -3,6 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .detokenizer import IncrementalDetokenizer
@@ -52,6 +53,32 @@ class Sequence:
     output_text: str = ""  # text decoded so far, stop strings cut
     num_text_sent: int = 0  # characters of output_text already handed out as deltas
     num_tokens_sent: int = 0  # output tokens already handed out as deltas
+    # The known tokens again, in an array with room to grow, built when first read (penalties and bad
+    # words read them every step: a Python list of thousands of ints took milliseconds to convert).
+    _token_array: np.ndarray | None = field(default=None, repr=False)
+
+    def append_token(self, token: int) -> None:
+        """A sampled token whose value is now known."""
+        self.output_token_ids.append(token)
+        if self._token_array is not None:
+            known = len(self.prompt_token_ids) + len(self.output_token_ids)
+            if known > len(self._token_array):
+                self._token_array = np.resize(self._token_array, 2 * known)
+            self._token_array[known - 1] = token
+
+    @property
+    def token_array(self) -> np.ndarray:
+        """Prompt and known output tokens (a view, valid until the next token is appended)."""
+        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if self._token_array is None:
+            self._token_array = np.empty(known + 64, dtype=np.int64)
+            self._token_array[:known] = self.prompt_token_ids + self.output_token_ids
+        return self._token_array[:known]
+
+    @property
+    def output_array(self) -> np.ndarray:
+        """Known output tokens (a view, as token_array)."""
+        return self.token_array[len(self.prompt_token_ids):]
 
     @property
     def token_ids(self) -> list[int]:
