@@ -26,7 +26,8 @@ part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 want() { [[ " ${PARTS:-tests-engine bench-gpu bench-kernels tests-kernels} " == *" $1 "* ]]; }
-want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider \
+# (-m "not slow": those run the default model, whose weights the device does not have.)
+want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -m "not slow" \
   tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py tests/test_engine_behaviour.py \
   tests/test_async_scheduling.py -k "cuda or graphs or auto or padded or bucket or step_inputs or gpu or pipeline"
 # BENCH_SKIP: bench-gpu's parts to leave out (its --skip), e.g. "eager,sync,hf-static" for a short session.

@@ -2,9 +2,8 @@
 one at a time, whatever ends a request (EOS, stop strings, max_tokens, max_model_len, an abort while
 its token is in flight), every block back; penalties and min_tokens pipeline (they count the token in
 flight), and so do logprobs, grammars and bad words (n completions and prompt logprobs: in
-test_request_features.py, both ways). On the CPU the pipelining
-changes nothing but the order of the host's work, which is what these tests check; on a GPU it is what
-overlaps the host with the GPU."""
+test_request_features.py, both ways). On the CPU the pipelining changes nothing but the order of the
+host's work, which is what these tests check; on a GPU it is what overlaps the host with the GPU."""
 
 import json
 import re
