@@ -46,7 +46,11 @@ def server_command(model_repository: Path, http_port: int, grpc_port: int, metri
             "--allow-gpu-metrics", "false", "--log-verbose", str(log_verbose),
             # Explicit model control, so that a model whose engine stopped can unload itself and
             # report not-ready; every model of the repository is still loaded at start.
-            "--model-control-mode", "explicit", "--load-model", "*"]
+            "--model-control-mode", "explicit", "--load-model", "*",
+            # config.pbtxt is complete: without this, the Python backend starts a stub of its own to ask
+            # model.py to complete it (importing torch and transformers: 10 s on a CI host) before the
+            # instance's stub starts.
+            "--disable-auto-complete-config"]
     if binary == str(bundled):
         args += ["--backend-directory", str(backends)]
         env["LD_LIBRARY_PATH"] = str(libs) + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")

@@ -421,6 +421,52 @@ def test_prompt_longer_than_max_model_len_is_rejected(default_model):
         small.add_request("x", list(range(100, 165)), SamplingParams())
     out = small.generate([list(range(100, 160))], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4  # stopped at max_model_len
+    with pytest.raises(ValueError, match=r"max_model_len \(64\)"):
+        small.add_request("x", "x " * (1 << 19), SamplingParams())
+    assert small.stats()["num_waiting"] == 0
+
+
+class _Recording:
+    """A tokenizer that notes the length of each text it encodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def __call__(self, texts, **options):
+        self.lengths.extend(len(t) for t in texts)
+        return self.tokenizer(texts, **options)
+
+
+def test_a_huge_prompt_is_refused_by_encoding_a_prefix_and_no_prompt_within_the_limit_is(default_model):
+    from inflight.encoders import Encoders, PromptTooLong
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    encoders = Encoders(lambda: _Recording(tokenizer), count=1)
+    with encoders.borrow() as recording:
+        lengths = recording.lengths
+    with pytest.raises(PromptTooLong, match=r"more than max_model_len \(512\)"):
+        encoders.encode("x " * (1 << 19), max_tokens=512, limit_name="max_model_len")
+    assert sum(lengths) <= 4 * 513, lengths  # one prefix, not the megabyte
+    # Texts of long and of short tokens, either first, against limits below and above their counts: no
+    # text within its limit refused, the same ids as without one; prefixes measured, and refusals made.
+    rng = np.random.default_rng(0)
+    long_tokens = ["=" * 16, "-" * 16, "#" * 16, "_" * 16, " " * 15]
+    short_tokens = ["123", "🙂", "日本", " cat", "x", "é", "\n"]
+    measured_by_prefix = refused = 0
+    for trial in range(60):
+        parts = ["".join(rng.choice(pieces, size=int(rng.integers(0, 800)))) for pieces in (long_tokens, short_tokens)]
+        text = "".join(parts[::rng.choice([-1, 1])]) or "x"
+        exact = tokenizer([text])["input_ids"][0]
+        limit = max(1, int(len(exact) * rng.uniform(0.3, 1.3)) + int(rng.integers(-20, 20)))
+        del lengths[:]
+        try:
+            assert encoders.encode(text, max_tokens=limit) == exact
+        except PromptTooLong:
+            assert len(exact) > limit, (trial, len(exact), limit)
+            refused += 1
+        measured_by_prefix += lengths[0] < len(text)
+        assert encoders.encode(text, max_tokens=len(exact)) == exact  # at the limit exactly
+    assert measured_by_prefix > 30 and refused > 5, (measured_by_prefix, refused)
 
 
 def test_duplicate_request_id_is_rejected(llm):

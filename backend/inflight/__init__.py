@@ -1,9 +1,18 @@
-"""inflight: continuous batching over a paged KV cache, for NVIDIA Triton Inference Server."""
+"""inflight: continuous batching over a paged KV cache, for NVIDIA Triton Inference Server.
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .llm import LLM
-from .outputs import RequestDelta, RequestOutput
-from .sampling_params import SamplingParams
+The names below load on first use: a light module of the package (launch.py) can be imported without
+torch and transformers (seconds to import)."""
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestDelta", "RequestOutput"]
+import importlib
+
+_EXPORTS = {"EngineConfig": ".config", "LLMEngine": ".engine", "LLM": ".llm", "RequestDelta": ".outputs",
+            "RequestOutput": ".outputs", "SamplingParams": ".sampling_params"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -10,14 +10,11 @@ own state in doubt), frees their blocks, and the engine serves on. After
 error and `add_request` raises EngineDeadError.
 """
 
-import copy
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
+from .encoders import Encoders
 from .input_buffers import to_device
 from .logprobs import MeasuredLogprobs, entries, measure
 from .model_runner import ModelRunner
@@ -41,44 +39,10 @@ logger = logging.getLogger(__name__)
 
 # An abort may overtake its request (a client that cancels at once): it waits this long for it.
 EARLY_ABORT_MEMORY_S = 60.0
-# Tokenizers for encoding requests: as many encodes can run at once (the Triton model runs at most
-# two: a long prompt on a thread of its own, short ones on the execute thread).
-ENCODERS = 2
 
 
 class EngineDeadError(RuntimeError):
     """The engine failed persistently and takes no more requests."""
-
-
-def _copy_or_load(tokenizer, load):
-    """A tokenizer of its own: a copy, or a fresh load for one that cannot be copied (remote code)."""
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception:
-        return load()
-
-
-class Encoders:
-    """Tokenizers that encode requests, each used by one thread at a time (a HF fast tokenizer must not
-    be used by two threads at once). The batch call runs in the tokenizers library with the
-    interpreter lock released, so other threads go on while a long prompt is encoded."""
-
-    def __init__(self, load, count: int = ENCODERS):
-        self._idle: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(count):
-            self._idle.put(load())
-
-    @contextmanager
-    def borrow(self):
-        tokenizer = self._idle.get()
-        try:
-            yield tokenizer
-        finally:
-            self._idle.put(tokenizer)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self.borrow() as tokenizer:
-            return tokenizer([text], add_special_tokens=add_special_tokens)["input_ids"][0]
 
 
 @dataclass
@@ -105,7 +69,7 @@ class LLMEngine:
         self.tokenizer = load()
         self._decode_lock = threading.Lock()
         self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode through the tokenizer
-        self._encoders = Encoders(lambda: _copy_or_load(self.tokenizer, load))
+        self._encoders = Encoders(load, loaded=self.tokenizer)
         self.runner = ModelRunner(self.config) if self.config.tensor_parallel_size == 1 else \
             TensorParallelRunner(self.config)
         self.eos_token_ids = self._eos_token_ids(model)
@@ -149,8 +113,11 @@ class LLMEngine:
         return sorted(ids)
 
     # -- requests --------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._encoders.encode(text, add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None,
+               limit_name: str = "max_tokens") -> list[int]:
+        """Token ids; with `max_tokens`, PromptTooLong (a ValueError) for a longer text, found without
+        encoding all of a huge one (encoders.py)."""
+        return self._encoders.encode(text, add_special_tokens, max_tokens, limit_name)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0) -> None:
@@ -165,7 +132,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            token_ids = self.encode(prompt)
+            token_ids = self.encode(prompt, max_tokens=self.max_model_len, limit_name="max_model_len")
         else:
             token_ids = list(prompt)
             vocab = self.runner.hf_config.vocab_size

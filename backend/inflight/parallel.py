@@ -20,7 +20,6 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from transformers import AutoConfig
 
 from .config import EngineConfig
 from .input_buffers import StepInputs
+from .launch import exit_with_parent, start_python_process
 from .model_runner import ModelRunner
 from .scheduler import ScheduledBatch
 
@@ -76,33 +76,6 @@ def _join_group(config: EngineConfig, rank: int, store: dist.Store) -> None:
                             world_size=config.tensor_parallel_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                             device_id=device if device.type == "cuda" else None)
-
-
-def python_executable() -> str:
-    """The Python that runs the workers (and the serving engine process). Inside tritonserver
-    sys.executable is the backend's stub, so the launcher names the interpreter in INFLIGHT_PYTHON. (They
-    are plain subprocesses, not multiprocessing's: that would hand them the stub's sys.path, which this
-    interpreter cannot use.)"""
-    named = os.environ.get("INFLIGHT_PYTHON")
-    if named:
-        return named
-    if os.path.basename(sys.executable).startswith("python"):
-        return sys.executable
-    raise RuntimeError(f"cannot start a Python process from {sys.executable!r}: set INFLIGHT_PYTHON "
-                       "to the Python interpreter of this environment")
-
-
-def start_python_process(module: str, function: str) -> tuple[subprocess.Popen, multiprocessing.connection.Connection]:
-    """Run `module.function()` in a new Python process, given (in sys.argv) one end of a pipe and this
-    process's pid (see exit_with_parent); returns the process and this end of the pipe, which closes
-    (EOF) when the process exits."""
-    ours, theirs = multiprocessing.Pipe()
-    backend = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `inflight` lives
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [backend, os.environ.get("PYTHONPATH")])))
-    process = subprocess.Popen([python_executable(), "-c", f"from {module} import {function}; {function}()",
-                                str(theirs.fileno()), str(os.getpid())], pass_fds=[theirs.fileno()], env=env)
-    theirs.close()
-    return process, ours
 
 
 @dataclass
@@ -259,16 +232,6 @@ class TensorParallelRunner:
             worker.conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def exit_with_parent(parent_pid: int) -> None:
-    """Leave when the parent is gone, whatever this process is doing (a collective may block for long)."""
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="inflight-parent-watch", daemon=True).start()
 
 
 def _reap(process: subprocess.Popen) -> None:

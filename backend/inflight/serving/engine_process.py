@@ -11,7 +11,7 @@ pipe:
   to the engine:   ("wait_for_sends", bool) once; then ("add", request_id, token_ids, params, priority),
                    ("abort", request_id), ("sent",) (a step's responses are out: when told to, the
                    engine waits for it before the next step, see engine_thread.py), ("stop",)
-  from the engine: ("ready", device_type) or ("failed", reason) once; then ("step", deltas, stats),
+  from the engine: ("ready", device_type, max_model_len) or ("failed", reason) once; then ("step", deltas, stats),
                    ("refused", delta), ("stats", stats) when it falls idle, ("dead", reason), ("stopped",)
 A request the engine refuses comes back as a final delta with `error_kind` "invalid" or "unavailable".
 When the engine process dies (killed, out of memory), its pipe closes: every request still held ends
@@ -27,9 +27,10 @@ import threading
 
 from transformers import AutoTokenizer
 
-from ..engine import EngineDeadError, Encoders
+from ..encoders import Encoders
+from ..engine import EngineDeadError
 from ..outputs import RequestDelta
-from ..parallel import exit_with_parent, start_python_process
+from ..launch import exit_with_parent, start_engine_process
 from .engine_thread import EngineThread
 from .profile import ServingProfile
 
@@ -41,16 +42,18 @@ class RemoteEngine:
     """What the Triton model asks of the engine, answered in this process: encoding (its own
     tokenizers), the engine's last reported statistics, aborts (sent on)."""
 
-    def __init__(self, process: "EngineProcess", settings: dict, device_type: str):
+    def __init__(self, process: "EngineProcess", settings: dict, device_type: str, max_model_len: int):
         self._process = process
         self.device_type = device_type
+        self.max_model_len = max_model_len
         trust = bool(settings.get("trust_remote_code", False))
         self._encoders = Encoders(lambda: AutoTokenizer.from_pretrained(settings["model"], trust_remote_code=trust))
         self.last_stats: dict | None = None
         self.submitted_since_stats = 0  # requests sent since those statistics: counted as waiting
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._encoders.encode(text, add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None,
+               limit_name: str = "max_tokens") -> list[int]:
+        return self._encoders.encode(text, add_special_tokens, max_tokens, limit_name)
 
     def stats(self) -> dict:
         stats = dict(self.last_stats or {"num_waiting": 0})
@@ -67,12 +70,14 @@ class RemoteEngine:
 class EngineProcess(EngineThread):
     ENGINE_IN_THIS_PROCESS = False
 
-    def __init__(self, settings: dict, faults: str | None = None, **thread_options):
+    def __init__(self, settings: dict, faults: str | None = None, started: tuple | None = None, **thread_options):
         """`settings`: the engine's (LLM(**settings)); `faults`: a fault-injection spec (faults.py);
-        the rest as EngineThread's, but make_engine."""
+        `started`: launch.start_engine_process()'s (process, pipe), a process started earlier that is still
+        waiting for its settings; the rest as EngineThread's, but make_engine."""
         super().__init__(make_engine=None, **thread_options)
         self._settings = dict(settings)
         self._faults = faults
+        self._started = started
         self._process: subprocess.Popen | None = None
         self._conn: multiprocessing.connection.Connection | None = None
         self._send_lock = threading.Lock()
@@ -120,13 +125,15 @@ class EngineProcess(EngineThread):
     # -- the receiving thread (EngineThread's stepping thread) -------------------------------------
     def _step_loop(self) -> None:
         try:
-            self._process, self._conn = start_python_process("inflight.serving.engine_process", "engine_main")
+            self._process, self._conn = self._started or start_engine_process()
+            self._started = None
             self._conn.send((self._settings, self._faults))
-            kind, detail = self._receive()
+            kind, *detail = self._receive()
             if kind != "ready":
-                raise RuntimeError(f"the engine process did not start: {detail}")
-            self.engine = RemoteEngine(self, self._settings, detail)
-            self._configure_for(detail)
+                raise RuntimeError(f"the engine process did not start: {detail[0]}")
+            device_type, max_model_len = detail
+            self.engine = RemoteEngine(self, self._settings, device_type, max_model_len)
+            self._configure_for(device_type)
             self._conn.send(("wait_for_sends", not self._overlap_sending))
         except BaseException as e:
             self._start_error = e
@@ -178,6 +185,7 @@ class EngineProcess(EngineThread):
 
 
 # -- the engine process ------------------------------------------------------------------------------
+
 class _Serve:
     """The engine process's loop: a thread applies the commands as they come (the engine's add_request
     and abort are thread-safe); the main thread steps while there is work and reports each step."""
@@ -277,7 +285,7 @@ def engine_main() -> None:
         logger.exception("the engine could not start")
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", engine.config.device_type))
+    conn.send(("ready", engine.config.device_type, engine.max_model_len))
     try:
         _Serve(engine, conn).run()
     finally:

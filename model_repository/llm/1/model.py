@@ -60,9 +60,35 @@ def _short_openmp_spin() -> None:
         os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
 
 
+def _settings_path(model_dir: str) -> str:
+    return os.environ.get("INFLIGHT_MODEL_JSON") or os.path.join(model_dir, "model.json")
+
+
+def _start_engine_process_early():
+    """The engine process (unless model.json says otherwise), started before this process imports torch
+    and transformers: both import at once (on a 2-core CI host each takes ~8 s). Only this light module
+    of the package loads here; its process waits for its settings from initialize()."""
+    try:
+        with open(_settings_path(os.path.dirname(os.path.abspath(__file__)))) as f:
+            if json.load(f).get("engine_process", True) is not True:
+                return None
+    except (OSError, ValueError):
+        return None  # initialize() says what is wrong
+    from inflight.launch import start_engine_process
+
+    return start_engine_process()
+
+
 ROOT = _project_root()
 _utf8_text_files()
 _short_openmp_spin()
+_early_engine_process = _start_engine_process_early()
+
+
+def _take_early_engine_process():
+    global _early_engine_process
+    started, _early_engine_process = _early_engine_process, None
+    return started
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
@@ -119,9 +145,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("model `llm` must use the decoupled transaction policy")
-        settings_path = os.environ.get("INFLIGHT_MODEL_JSON") or os.path.join(
-            args["model_repository"], args["model_version"], "model.json")
-        with open(settings_path) as f:
+        with open(_settings_path(os.path.join(args["model_repository"], args["model_version"]))) as f:
             settings = json.load(f)
         settings["model"] = os.environ.get("INFLIGHT_MODEL") or settings.get("model")
         if not os.path.isabs(settings["model"]):
@@ -142,7 +166,7 @@ class TritonPythonModel:
         # INFLIGHT_FAULTS makes engine stages raise at chosen steps: a test-only hook (inflight/faults.py).
         fault_spec = os.environ.get("INFLIGHT_FAULTS")
         if self.serving.engine_process:
-            self.thread = EngineProcess(engine_settings, fault_spec, **options)
+            self.thread = EngineProcess(engine_settings, fault_spec, started=_take_early_engine_process(), **options)
         else:
             self.thread = EngineThread(lambda: faults.inject(LLM(**engine_settings), fault_spec), **options)
         self.profile = self.thread.profile
@@ -183,8 +207,14 @@ class TritonPythonModel:
             self.long_prompts.submit(self._refusing_on_error, sender, self._enqueue, request, sender, parsed)
 
     def _enqueue(self, request, sender, parsed: ParsedRequest) -> None:
-        token_ids = parsed.prompt if isinstance(parsed.prompt, list) else self.engine.encode(parsed.prompt)
         cap = self.serving.max_prompt_tokens
+        if isinstance(parsed.prompt, list):
+            token_ids = parsed.prompt
+        elif cap is not None and cap < self.engine.max_model_len:
+            token_ids = self.engine.encode(parsed.prompt, max_tokens=cap, limit_name="max_prompt_tokens")
+        else:
+            token_ids = self.engine.encode(parsed.prompt, max_tokens=self.engine.max_model_len,
+                                           limit_name="max_model_len")
         if cap is not None and len(token_ids) > cap:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
         request_id = uuid.uuid4().hex
