@@ -49,24 +49,26 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     import sys
 
     out = tmp_path / "bench-gpu.md"
-    result = subprocess.run([sys.executable, str(ROOT / "client" / "bench_gpu.py"), "--smoke", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    # Without torch_compile's mode (half the run's time on a CI host; its engine is tested elsewhere), which
+    # --skip leaves out like any part.
+    result = subprocess.run([sys.executable, str(ROOT / "client" / "bench_gpu.py"), "--smoke", "--skip", "compile",
+                             "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     text = out.read_text()
     assert "| tiny (smoke), float32 | 12/12 (first 24.0 tokens agree) |" in text  # greedy agreement with HF
-    modes = ("CUDA graphs, async scheduling", "CUDA graphs + torch_compile, async",
-             "CUDA graphs, async, transformers' own layers", "CUDA graphs, one step at a time",
-             "eager, one step at a time")
+    modes = ("CUDA graphs, async scheduling", "CUDA graphs, async, transformers' own layers",
+             "CUDA graphs, one step at a time", "eager, one step at a time")
     rows = [f"| tiny (smoke), {mode} |" for mode in modes]
     rows.append(f"| tiny (smoke), {modes[0]}, sampling with temperature 0.7, top_p 0.9, repetition_penalty 1.1 |")
-    rows += [f"| inflight, {mode} (" for mode in modes[:4]] + ["| HF continuous batching", "| HF static batching"]
+    rows += [f"| inflight, {mode} (" for mode in modes[:3]] + ["| HF continuous batching", "| HF static batching"]
     for row in rows:
         assert row in text, text
+    assert "torch_compile" not in text, text
     assert "failed:" not in text, text  # a failing measurement is reported in its row, and the run goes on
-    # The issue's targets, checked on the defaults and with torch_compile: both shapes' decode step (one
-    # here), output tok/s and the ratio to HF continuous batching, each with its verdict.
+    # The issue's targets, checked on the defaults (and with torch_compile, left out here): both shapes'
+    # decode step (one here), output tok/s and the ratio to HF continuous batching, each with its verdict.
     verdicts = [line for line in text.splitlines() if line.endswith((" | yes |", " | no |"))]
-    assert len(verdicts) == 6, text
+    assert len(verdicts) == 3, text
     assert any(line.startswith("| offline, CUDA graphs, async scheduling: at least 6x") for line in verdicts), text
 
 

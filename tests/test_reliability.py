@@ -180,14 +180,14 @@ def test_cancellation_storm(server, reference):
 
 
 def test_cache_exhaustion_preempts_and_completes_everything(server, reference):
-    """24 requests needing ~3x the 1024-token pool: preemption, no failure, exact greedy output."""
+    """24 requests needing over 2x the 1024-token pool: preemption, no failure, exact greedy output."""
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(24)]
-    expected = reference(prompts, 120)
+    expected = reference(prompts, 80)
     before = server.metrics()["inflight_num_preemptions_total"]
     results = {}
 
     def run(i):
-        results[i] = generate(server.grpc_url, prompts[i], **greedy(120))
+        results[i] = generate(server.grpc_url, prompts[i], **greedy(80))
 
     with concurrently([lambda i=i: run(i) for i in range(len(prompts))], timeout=900):
         pass
@@ -241,7 +241,7 @@ def test_remote_code_is_refused_unless_enabled(tmp_path, default_model):
 
 def test_soak_one_minute(server):
     """perf_analyzer at concurrency 32 for a minute: no failure, bounded memory, no leak."""
-    result = soak(server, 60, concurrency=32)
+    result = soak(server, 60, concurrency=32, requests_per_run=64)  # short runs: it ends soon after the minute
     print(f"soak: {result.requests} requests in {result.seconds:.0f} s, RSS growth {result.rss_growth_mib:.1f} MiB")
     assert result.failed_runs == 0, result.failures[0]
     assert result.requests >= 160

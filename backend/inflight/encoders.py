@@ -7,6 +7,7 @@ while a long prompt is encoded."""
 
 import copy
 import queue
+import threading
 from contextlib import contextmanager
 
 # As many encodes can run at once (the Triton model runs at most two: a long prompt on a thread of its
@@ -21,7 +22,7 @@ class PromptTooLong(ValueError):
     pass
 
 
-def _copy_or_load(tokenizer, load):
+def copy_or_load(tokenizer, load):
     """A tokenizer of its own: a copy (0.25-0.4 s for the default model's against 0.65-1.3 s a load on a
     CI host), or a fresh load for one that cannot be copied (remote code)."""
     try:
@@ -31,20 +32,26 @@ def _copy_or_load(tokenizer, load):
 
 
 class Encoders:
-    def __init__(self, load, loaded=None, count: int = ENCODERS):
-        """`load()` loads the tokenizer; `loaded`, one already loaded and used elsewhere, is copied
-        instead (the encoders are then copies of it)."""
-        tokenizers = [] if loaded is not None else [load()]
-        loaded = loaded if loaded is not None else tokenizers[0]
-        while len(tokenizers) < count:
-            tokenizers.append(_copy_or_load(loaded, load))
+    def __init__(self, make, count: int = ENCODERS, made=()):
+        """`make()` returns a new tokenizer: called when every one made so far is in use, up to `count`
+        (an engine given only token ids never pays for one); `made`: tokenizers to start with."""
+        self._make = make
+        self._count = count
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
-        for tokenizer in tokenizers:
+        for tokenizer in made:
             self._idle.put(tokenizer)
+        self._made = len(made)
+        self._lock = threading.Lock()
 
     @contextmanager
     def borrow(self):
-        tokenizer = self._idle.get()
+        try:
+            tokenizer = self._idle.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                make = self._made < self._count
+                self._made += make
+            tokenizer = self._make() if make else self._idle.get()
         try:
             yield tokenizer
         finally:

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
-from .encoders import Encoders
+from .encoders import Encoders, copy_or_load
 from .input_buffers import to_device
 from .logprobs import MeasuredLogprobs, entries, measure
 from .model_runner import ModelRunner
@@ -63,13 +63,12 @@ class LLMEngine:
         self.config = EngineConfig(model=model, **settings)
         # The engine decodes its outputs with a tokenizer of its own; requests are encoded on the callers'
         # threads with others (a HF fast tokenizer must not be used by two threads at once), so a huge
-        # prompt holds up neither the streams' text nor the encoding of a short prompt beside it. They are
-        # copies of the first (the default model's: 0.25-0.4 s a copy against 0.65-1.3 s a load on a CI host).
-        load = lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=self.config.trust_remote_code)  # noqa: E731
-        self.tokenizer = load()
+        # prompt holds up neither the streams' text nor the encoding of a short prompt beside it. Those are
+        # copies of the engine's, made when first needed (encoders.py).
+        self.tokenizer = self._load_tokenizer()
         self._decode_lock = threading.Lock()
         self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode through the tokenizer
-        self._encoders = Encoders(load, loaded=self.tokenizer)
+        self._encoders = Encoders(self._copy_tokenizer)
         self.runner = ModelRunner(self.config) if self.config.tensor_parallel_size == 1 else \
             TensorParallelRunner(self.config)
         self.eos_token_ids = self._eos_token_ids(model)
@@ -99,6 +98,13 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model (prompts, recomputes, decodes)
         self.num_aborted = 0
         self.num_failed_requests = 0
+
+    def _load_tokenizer(self):
+        return AutoTokenizer.from_pretrained(self.config.model, trust_remote_code=self.config.trust_remote_code)
+
+    def _copy_tokenizer(self):
+        with self._decode_lock:  # not while a step decodes with it
+            return copy_or_load(self.tokenizer, self._load_tokenizer)
 
     def _eos_token_ids(self, model: str) -> list[int]:
         ids: set[int] = set()

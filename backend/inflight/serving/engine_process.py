@@ -27,7 +27,7 @@ import threading
 
 from transformers import AutoTokenizer
 
-from ..encoders import Encoders
+from ..encoders import Encoders, copy_or_load
 from ..engine import EngineDeadError
 from ..outputs import RequestDelta
 from ..launch import exit_with_parent, start_engine_process
@@ -38,16 +38,24 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
 
 
+def _encoders(settings: dict) -> Encoders:
+    """One encoder ready, more copied from a tokenizer that never encodes (copying one that encodes on
+    another thread is not safe)."""
+    trust = bool(settings.get("trust_remote_code", False))
+    load = lambda: AutoTokenizer.from_pretrained(settings["model"], trust_remote_code=trust)  # noqa: E731
+    template = load()
+    return Encoders(lambda: copy_or_load(template, load), made=[copy_or_load(template, load)])
+
+
 class RemoteEngine:
     """What the Triton model asks of the engine, answered in this process: encoding (its own
     tokenizers), the engine's last reported statistics, aborts (sent on)."""
 
-    def __init__(self, process: "EngineProcess", settings: dict, device_type: str, max_model_len: int):
+    def __init__(self, process: "EngineProcess", encoders: Encoders, device_type: str, max_model_len: int):
         self._process = process
+        self._encoders = encoders
         self.device_type = device_type
         self.max_model_len = max_model_len
-        trust = bool(settings.get("trust_remote_code", False))
-        self._encoders = Encoders(lambda: AutoTokenizer.from_pretrained(settings["model"], trust_remote_code=trust))
         self.last_stats: dict | None = None
         self.submitted_since_stats = 0  # requests sent since those statistics: counted as waiting
 
@@ -128,11 +136,17 @@ class EngineProcess(EngineThread):
             self._process, self._conn = self._started or start_engine_process()
             self._started = None
             self._conn.send((self._settings, self._faults))
+            try:
+                encoders = _encoders(self._settings)  # loaded while the engine process starts
+            except Exception as e:  # the engine process, loading the same files, says why first
+                encoders = e
             kind, *detail = self._receive()
             if kind != "ready":
                 raise RuntimeError(f"the engine process did not start: {detail[0]}")
+            if isinstance(encoders, Exception):
+                raise encoders
             device_type, max_model_len = detail
-            self.engine = RemoteEngine(self, self._settings, device_type, max_model_len)
+            self.engine = RemoteEngine(self, encoders, device_type, max_model_len)
             self._configure_for(device_type)
             self._conn.send(("wait_for_sends", not self._overlap_sending))
         except BaseException as e:
