@@ -93,12 +93,13 @@ def float32_error(case: str, **launch) -> float:
     return (got - expected).abs().max().item()
 
 
-@pytest.mark.parametrize("num_splits", [2, 4, 16, 64])
-@pytest.mark.parametrize("case", ["decode-only", "mixed", "sliding-window", "mqa", "head-dim-128"])
+@pytest.mark.parametrize("case, num_splits", [
+    (case, splits) for case in ("decode-only", "mixed", "sliding-window", "mqa", "head-dim-128")
+    for splits in (2, 4, 16, 64) if splits < 64 or case in ("decode-only", "mixed")])
 def test_split_kv_matches_torch(case, num_splits):
     """Contexts split across programs and merged (flash-decoding), split counts the engine may pick and
-    64, which the kernel sweep tries: some splits get no keys at all; float32 (what the interpreter
-    computes)."""
+    64, which the kernel sweep tries (on two cases: the interpreter runs each program in turn): some
+    splits get no keys at all; float32 (what the interpreter computes)."""
     err = float32_error(case, num_splits=num_splits)
     assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
 
