@@ -25,6 +25,7 @@ ENV INFLIGHT_ROOT=/opt/inflight \
     INFLIGHT_MODEL_JSON=/opt/inflight/docker/model.json \
     INFLIGHT_PYTHON=/usr/bin/python3
 EXPOSE 8000 8001 8002
-# Explicit model control: a model whose engine stopped unloads itself and reports not-ready.
+# Explicit model control: a model whose engine stopped unloads itself and reports not-ready. config.pbtxt
+# is complete: no stub started only to ask model.py to complete it (scripts/serve.py does the same).
 CMD ["tritonserver", "--model-repository=/opt/inflight/model_repository", "--allow-gpu-metrics=true", \
-     "--model-control-mode=explicit", "--load-model=*"]
+     "--model-control-mode=explicit", "--load-model=*", "--disable-auto-complete-config"]
