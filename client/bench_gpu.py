@@ -98,6 +98,8 @@ def engine(model_dir: str, device: str, dtype: str, **settings):
     from inflight import LLM
 
     settings.setdefault("kv_cache_memory", 16 << 30 if device == "cuda" else 256 << 20)
+    if device == "cpu":  # the smoke run: fused layers would compile C++ kernels that a GPU run never uses
+        settings["fused_layers"] = False  # (about half its time on a CI host; test_fused_layers.py has them)
     return LLM(model_dir, device=device, dtype=dtype, **settings)
 
 

@@ -19,7 +19,7 @@ PREFIX_CHARS_PER_TOKEN = 4
 
 
 class PromptTooLong(ValueError):
-    pass
+    """A text over its token limit, found by a prefix of it."""
 
 
 def copy_or_load(tokenizer, load):

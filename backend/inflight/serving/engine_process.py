@@ -199,7 +199,6 @@ class EngineProcess(EngineThread):
 
 
 # -- the engine process ------------------------------------------------------------------------------
-
 class _Serve:
     """The engine process's loop: a thread applies the commands as they come (the engine's add_request
     and abort are thread-safe); the main thread steps while there is work and reports each step."""
@@ -292,7 +291,10 @@ def engine_main() -> None:
     conn = multiprocessing.connection.Connection(int(sys.argv[1]))
     exit_with_parent(int(sys.argv[2]))
     logging.basicConfig(level=logging.WARNING, format="inflight engine: %(levelname)s %(message)s")
-    settings, fault_spec = conn.recv()
+    try:
+        settings, fault_spec = conn.recv()
+    except EOFError:  # started early by a Triton model process that is gone (or never needed it)
+        return
     try:
         engine = faults.inject(LLM(**settings), fault_spec)
     except BaseException as e:
