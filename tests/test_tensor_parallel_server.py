@@ -107,13 +107,19 @@ def test_a_killed_worker_ends_every_stream_with_an_error_and_the_model_unloads()
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "stub killed"])
-def test_server_exit_or_a_lost_stub_leaves_no_worker(how):
+def test_server_exit_or_a_lost_stub_leaves_no_worker(how, reference):
     server = TritonServer(**SETTINGS).start()
     try:
         processes = engine_processes(server)
         assert len(processes["worker"]) == 2
-        if how == "ctrl-c":  # to tritonserver alone, as a terminal's Ctrl-C; it unloads, then exits
-            os.kill(server.process.pid, signal.SIGINT)
+        if how == "ctrl-c":  # a terminal's, to the whole process group: tritonserver lets the stream in
+            # flight end (the engine process and the workers serve on), then unloads and exits
+            results = []
+            with concurrently([lambda: results.append(generate(server.grpc_url, PROMPTS[0], **greedy(48)))],
+                              timeout=120):
+                server.wait_for_metric("inflight_num_requests_running", lambda v: v == 1, timeout=60)
+                os.killpg(server.process.pid, signal.SIGINT)
+            assert results[0].error is None and results[0].text == reference([PROMPTS[0]], 48)[0], results[0]
             server.process.wait(timeout=90)
         else:  # the stub dies without a word: the workers notice their parent is gone
             processes["stub"][0].kill()

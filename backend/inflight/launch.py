@@ -5,6 +5,7 @@ the Triton model can start its engine process before it imports torch and transf
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ def python_executable() -> str:
 
 def start_python_process(module: str, function: str) -> tuple[subprocess.Popen, multiprocessing.connection.Connection]:
     """Run `module.function()` in a new Python process, given (in sys.argv) one end of a pipe and this
-    process's pid (see exit_with_parent); returns the process and this end of the pipe, which closes
+    process's pid (see tie_to_parent); returns the process and this end of the pipe, which closes
     (EOF) when the process exits."""
     ours, theirs = multiprocessing.Pipe()
     backend = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where `inflight` lives
@@ -38,8 +39,12 @@ def start_python_process(module: str, function: str) -> tuple[subprocess.Popen, 
     return process, ours
 
 
-def exit_with_parent(parent_pid: int) -> None:
-    """Leave when the parent is gone, whatever this process is doing (a collective may block for long)."""
+def tie_to_parent(parent_pid: int) -> None:
+    """This process leaves when its parent is gone, whatever it is doing (a collective may block for
+    long), and a ctrl-c does not end it: that reaches the terminal's whole process group, and tritonserver
+    then waits for the requests in flight, which this process must go on serving until its parent stops
+    it (a stop message, its pipe closing, or the parent's exit)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(0.5)

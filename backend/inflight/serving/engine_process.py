@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from ..encoders import Encoders, copy_or_load
 from ..engine import EngineDeadError
 from ..outputs import RequestDelta
-from ..launch import exit_with_parent, start_engine_process
+from ..launch import start_engine_process, tie_to_parent
 from .engine_thread import EngineThread
 from .profile import ServingProfile
 
@@ -289,7 +289,7 @@ def engine_main() -> None:
     from .. import LLM, faults
 
     conn = multiprocessing.connection.Connection(int(sys.argv[1]))
-    exit_with_parent(int(sys.argv[2]))
+    tie_to_parent(int(sys.argv[2]))
     logging.basicConfig(level=logging.WARNING, format="inflight engine: %(levelname)s %(message)s")
     try:
         settings, fault_spec = conn.recv()
