@@ -115,11 +115,11 @@ def test_server_exit_or_a_lost_stub_leaves_no_worker(how, reference):
         if how == "ctrl-c":  # a terminal's, to the whole process group: tritonserver lets the stream in
             # flight end (the engine process and the workers serve on), then unloads and exits
             results = []
-            with concurrently([lambda: results.append(generate(server.grpc_url, PROMPTS[0], **greedy(48)))],
+            with concurrently([lambda: results.append(generate(server.grpc_url, PROMPTS[0], **greedy(24)))],
                               timeout=120):
                 server.wait_for_metric("inflight_num_requests_running", lambda v: v == 1, timeout=60)
                 os.killpg(server.process.pid, signal.SIGINT)
-            assert results[0].error is None and results[0].text == reference([PROMPTS[0]], 48)[0], results[0]
+            assert results[0].error is None and results[0].text == reference([PROMPTS[0]], 24)[0], results[0]
             server.process.wait(timeout=90)
         else:  # the stub dies without a word: the workers notice their parent is gone
             processes["stub"][0].kill()

@@ -45,6 +45,7 @@ def tie_to_parent(parent_pid: int) -> None:
     then waits for the requests in flight, which this process must go on serving until its parent stops
     it (a stop message, its pipe closing, or the parent's exit)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(0.5)
