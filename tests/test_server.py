@@ -302,12 +302,14 @@ def test_n_completions_in_both_conventions(server, offline):
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
 
 
-@pytest.mark.parametrize("engine_process", [True, False], ids=["engine process", "engine thread"])
-def test_fused_layers_compile_where_the_engine_runs(offline_texts, engine_process):
-    """Fused layers (a GPU's default; asked for here) compile in whichever process runs the engine: its
-    own, or the Triton model's stub when the engine runs on a thread there, whose embedded Python reads
-    files as ASCII unless told otherwise (inductor's code templates are UTF-8)."""
-    for server in serve(**SETTINGS, fused_layers=True, engine_process=engine_process):
+def test_fused_layers_compile_in_the_triton_models_own_process(offline_texts):
+    """The engine on a thread of the Triton model's process (engine_process false) serves the offline
+    engine's text, with fused layers (a GPU's default; asked for here) compiled in the model's stub,
+    whose embedded Python reads files as ASCII unless told otherwise (inductor's code templates are
+    UTF-8). In an engine process of its own they compile as in any Python process (test_fused_layers.py);
+    a server for that cost CI a minute of cold C++ compiles (the stub's Python and the venv's share no
+    entries of inductor's cache)."""
+    for server in serve(**SETTINGS, fused_layers=True, engine_process=False):
         for prompt in PROMPTS[:2]:
             result = generate(server.grpc_url, prompt, **greedy())
             assert result.error is None, result.error

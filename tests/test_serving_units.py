@@ -363,10 +363,52 @@ def test_the_engine_process_dying_ends_every_request(tiny_models):
     process.stop()
 
 
+def test_the_engine_process_serves_on_through_sigterm_and_ctrl_c(tiny_models):
+    """A SIGTERM or a ctrl-c to the whole process group (systemd stopping the service, a terminal)
+    reaches the engine process too, from its first import on: it serves on, since tritonserver drains
+    the requests in flight, and leaves when it is stopped (launch.tie_to_parent)."""
+    from inflight.launch import start_engine_process
+
+    model = tiny_models["llama"]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    expected = LLM(model, num_kv_blocks=64).generate([[5, 6, 7]], params)[0].token_ids
+    started = start_engine_process()
+    time.sleep(1.0)  # it is importing torch
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        os.kill(started[0].pid, signum)
+
+    def submit(thread):
+        thread.submit("a", [5, 6, 7], params)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            os.kill(thread.pid, signum)
+        return ["a"]
+
+    _, results = collect(dict(settings=dict(model=model, num_kv_blocks=64), started=started), submit,
+                         thread_class=EngineProcess)
+    deltas, errors = results["a"]
+    assert [t for d in deltas for t in d.new_token_ids] == expected and errors == [None]
+    assert started[0].wait(10) == 0
+
+
 def test_an_engine_process_that_cannot_start_says_why(tmp_path):
     process = EngineProcess(dict(model=str(tmp_path / "missing")), None, on_delta=lambda delta: None)
     with pytest.raises(RuntimeError, match="the engine process did not start: .*missing"):
         process.start()
+
+
+def test_the_stub_that_only_completes_the_config_starts_no_engine_process():
+    """tritonserver 2.51's stub command lines (without --disable-auto-complete-config, it starts one for
+    the model to complete its config before each instance's): only the instance's starts an engine
+    process early (model.py)."""
+    from inflight.launch import started_to_complete_config
+
+    stub = ["/srv/backends/python/triton_python_backend_stub", "/srv/models/llm/1/model.py",
+            "triton_python_backend_shm_region_a0aa87f9", "1048576", "1048576", "20001", "/srv/backends/python",
+            "336"]
+    assert started_to_complete_config("llm", stub + ["llm", "DEFAULT", ""])
+    assert not started_to_complete_config("llm", stub + ["llm_0_0", "DEFAULT", ""])
+    assert not started_to_complete_config("llm", stub + ["llm_1_3", "DEFAULT", ""])
+    assert not started_to_complete_config("llm", [])
 
 
 def test_the_serving_profile_sums_threads_and_the_engine_process():

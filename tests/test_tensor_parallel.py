@@ -38,9 +38,12 @@ def test_three_ranks_match_one_across_chunks_preemption_prefix_caching_and_forks
     prompts = [shared + q for q in ("What is the capital of Japan?", "Why is the sky blue?",
                                     "Name three primary colors.", "What does a compiler do?")]
     prompts += ["In 1969, the first humans landed on", "def fibonacci(n):"]
-    params = [GREEDY] * 5 + [SamplingParams(n=2, max_tokens=24, temperature=0.0, ignore_eos=True)]
+    # 16 tokens each: three ranks on two cores take ~0.6 s a step (each all-reduce waits for a rank the
+    # scheduler has set aside), and this is enough for a preemption (its recompute hitting the cache).
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = [greedy] * 5 + [SamplingParams(n=2, max_tokens=16, temperature=0.0, ignore_eos=True)]
     # A small pool and budget: prompts are prefilled in chunks, sequences are preempted and recomputed,
-    # the shared prefix is reused, and the n=2 request copies its last prompt block on write.
+    # the prefix cache is hit, and the n=2 request copies its last prompt block on write.
     settings = dict(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=16, num_threads=1)
     expected = run_to_the_end(LLM(default_model, **settings), prompts, params)
     before = children()

@@ -34,7 +34,7 @@ SETTINGS = dict(device="cpu", tensor_parallel_size=3, num_threads=1, num_kv_bloc
 def engine_processes(server: TritonServer) -> dict[str, list[psutil.Process]]:
     """The Python backend's stub and the tensor-parallel workers it started, under tritonserver."""
     return {"stub": server.descendants("triton_python_backend_stub"),
-            "worker": server.descendants("inflight.parallel import worker_main")}
+            "worker": server.descendants("run_child('inflight.parallel', 'worker_main')")}
 
 
 def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
@@ -106,19 +106,21 @@ def test_a_killed_worker_ends_every_stream_with_an_error_and_the_model_unloads()
         assert server.alive()
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "stub killed"])
+@pytest.mark.parametrize("how", ["ctrl-c and SIGTERM", "stub killed"])
 def test_server_exit_or_a_lost_stub_leaves_no_worker(how, reference):
     server = TritonServer(**SETTINGS).start()
     try:
         processes = engine_processes(server)
         assert len(processes["worker"]) == 2
-        if how == "ctrl-c":  # a terminal's, to the whole process group: tritonserver lets the stream in
-            # flight end (the engine process and the workers serve on), then unloads and exits
+        if how == "ctrl-c and SIGTERM":  # to the whole process group, as a terminal's ctrl-c and systemd
+            # stopping a service send them: tritonserver lets the stream in flight end (the engine
+            # process and the workers serve on), then unloads and exits
             results = []
             with concurrently([lambda: results.append(generate(server.grpc_url, PROMPTS[0], **greedy(24)))],
                               timeout=120):
                 server.wait_for_metric("inflight_num_requests_running", lambda v: v == 1, timeout=60)
                 os.killpg(server.process.pid, signal.SIGINT)
+                os.killpg(server.process.pid, signal.SIGTERM)
             assert results[0].error is None and results[0].text == reference([PROMPTS[0]], 24)[0], results[0]
             server.process.wait(timeout=90)
         else:  # the stub dies without a word: the workers notice their parent is gone

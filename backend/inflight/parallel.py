@@ -29,7 +29,7 @@ from transformers import AutoConfig
 
 from .config import EngineConfig
 from .input_buffers import StepInputs
-from .launch import start_python_process, tie_to_parent
+from .launch import start_python_process
 from .model_runner import ModelRunner
 from .scheduler import ScheduledBatch
 
@@ -243,10 +243,9 @@ def _reap(process: subprocess.Popen) -> None:
 
 
 def worker_main() -> None:
-    """A worker rank (its process runs this, given the pipe's descriptor and the parent's pid): join the
-    group, load the shard, then run every step rank 0 sends until told to stop."""
+    """A worker rank (its process runs this through launch.run_child, given the pipe's descriptor): join
+    the group, load the shard, then run every step rank 0 sends until told to stop."""
     conn = multiprocessing.connection.Connection(int(sys.argv[1]))
-    tie_to_parent(int(sys.argv[2]))
     config, rank, port = conn.recv()
     logging.basicConfig(level=logging.WARNING, format=f"inflight rank {rank}: %(levelname)s %(message)s")
     try:

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from ..encoders import Encoders, copy_or_load
 from ..engine import EngineDeadError
 from ..outputs import RequestDelta
-from ..launch import start_engine_process, tie_to_parent
+from ..launch import start_engine_process
 from .engine_thread import EngineThread
 from .profile import ServingProfile
 
@@ -285,11 +285,10 @@ class _Serve:
 
 
 def engine_main() -> None:
-    """The engine process (started by EngineProcess with one end of a pipe and the parent's pid)."""
+    """The engine process (started by EngineProcess through launch.run_child, with one end of a pipe)."""
     from .. import LLM, faults
 
     conn = multiprocessing.connection.Connection(int(sys.argv[1]))
-    tie_to_parent(int(sys.argv[2]))
     logging.basicConfig(level=logging.WARNING, format="inflight engine: %(levelname)s %(message)s")
     try:
         settings, fault_spec = conn.recv()

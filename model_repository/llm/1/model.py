@@ -67,15 +67,19 @@ def _settings_path(model_dir: str) -> str:
 def _start_engine_process_early():
     """The engine process (unless model.json says otherwise), started before this process imports torch
     and transformers: both import at once (on a 2-core CI host each takes ~8 s). Only this light module
-    of the package loads here; its process waits for its settings from initialize()."""
+    of the package loads here; its process waits for its settings from initialize(). Not in the stub
+    that only completes the configuration, which never initializes a model."""
+    from inflight.launch import start_engine_process, started_to_complete_config
+
+    model_dir = os.path.dirname(os.path.abspath(__file__))
+    if started_to_complete_config(os.path.basename(os.path.dirname(model_dir))):
+        return None
     try:
-        with open(_settings_path(os.path.dirname(os.path.abspath(__file__)))) as f:
+        with open(_settings_path(model_dir)) as f:
             if json.load(f).get("engine_process", True) is not True:
                 return None
     except (OSError, ValueError):
         return None  # initialize() says what is wrong
-    from inflight.launch import start_engine_process
-
     return start_engine_process()
 
 
