@@ -328,6 +328,15 @@ def test_stop_strings_are_cut_also_across_tokens(llm):
     assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
     # No delta ever showed any part of the stop string.
     assert all(stop not in "".join(d.new_text for d in deltas[:k + 1]) for k in range(len(deltas)))
+    # include_stop_str_in_output: the text ends with the stop string, streamed as without stop strings
+    # (nothing held back); of two stop strings starting at one place, the shorter ends it.
+    unstopped = stream(llm, {"s": (PROMPT, SamplingParams(max_tokens=30, temperature=0.0))})["s"]
+    for stops, end in (([stop], cut_at + len(stop)), ([stop, stop[:3]], cut_at + 3)):
+        kept = stream(llm, {"s": (PROMPT, SamplingParams(max_tokens=30, temperature=0.0, stop=stops,
+                                                            include_stop_str_in_output=True))})["s"]
+        assert "".join(d.new_text for d in kept) == reference.text[:end]
+        assert kept[-1].finish_reason == "stop"
+        assert [d.new_text for d in kept[:-1]] == [d.new_text for d in unstopped[:len(kept) - 1]]
 
 
 def test_streamed_deltas_concatenate_to_the_full_decode(llm):
@@ -499,6 +508,13 @@ BAD_PARAMS = {
     "stop": dict(stop=[""]),
     "stop_token_ids": dict(stop_token_ids=["x"]),
     "ignore_eos": dict(ignore_eos="yes"),
+    "include_stop_str_in_output": dict(include_stop_str_in_output="yes"),
+    "logit_bias": dict(logit_bias={"seven": 1.0}),
+    "logit_bias NaN": dict(logit_bias={7: float("nan")}),
+    "logit_bias list": dict(logit_bias=[7]),
+    "allowed_token_ids": dict(allowed_token_ids=[]),
+    "allowed_token_ids negative": dict(allowed_token_ids=[3, -1]),
+    "truncate_prompt_tokens": dict(truncate_prompt_tokens=0),
 }
 
 
@@ -515,6 +531,10 @@ def test_unknown_field_and_strings():
     params = SamplingParams.from_dict({"max_tokens": "32", "temperature": "0.5", "ignore_eos": "true"},
                                       strings_allowed=True)
     assert (params.max_tokens, params.temperature, params.ignore_eos) == (32, 0.5, True)
+    params = SamplingParams.from_dict({"logit_bias": '{"5": -2, "9": 1.5}', "allowed_token_ids": "[5, 9]",
+                                       "stop_token_ids": "7", "truncate_prompt_tokens": "-1"}, strings_allowed=True)
+    assert (params.logit_bias, params.allowed_token_ids, params.stop_token_ids, params.truncate_prompt_tokens) == (
+        {5: -2.0, 9: 1.5}, [5, 9], [7], -1)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams.from_dict({"max_tokens": "lots"}, strings_allowed=True)
 

@@ -177,3 +177,77 @@ def test_n_completions_under_preemption_and_abort(model, async_scheduling):
     assert sorted(d.index for d in deltas) == [0, 1, 2, 3] and all(d.finish_reason == "abort" for d in deltas)
     assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
     tight.block_manager.check_all_free()
+
+
+@pytest.fixture(scope="module")
+def hf_model(model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+@PIPELINED
+def test_logit_bias_and_allowed_token_ids_equal_hf_generate(model, hf_model, async_scheduling):
+    """Greedy under logit_bias equals HF `generate` with the same bias on single tokens (its
+    sequence_bias), under allowed_token_ids HF `generate` with a prefix_allowed_tokens_fn that allows
+    the same; in one batch with requests that ask for neither, which stay as they were alone. A sampled
+    request draws only allowed tokens, and its logprobs stay the model's own."""
+    llm = LLM(model, num_kv_blocks=128, async_scheduling=async_scheduling)
+    prompts = random_prompts(3, 5, 24, vocab=512, seed=31)
+    greedy = dict(max_tokens=12, temperature=0.0)
+    plain = llm.generate(prompts, SamplingParams(**greedy))
+    bias = {plain[0].token_ids[0]: -30.0, 77: 4.0, 300: 2.5, 411: -1.0}
+    allowed = [9, 40, 77, 150, 222, 300, 401, 509]  # not EOS (2): HF's generate would stop there
+    outs = llm.generate([prompts[0], prompts[1], prompts[2], prompts[0]],
+                        [SamplingParams(logit_bias=bias, **greedy), SamplingParams(allowed_token_ids=allowed, **greedy),
+                         SamplingParams(**greedy),
+                         SamplingParams(allowed_token_ids=allowed, max_tokens=40, temperature=1.0, seed=3,
+                                        logprobs=0, ignore_eos=True)])
+
+    def hf(prompt: list[int], **options) -> list[int]:
+        with torch.inference_mode():
+            ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, **options)
+        return ids[0, len(prompt):].tolist()
+
+    assert outs[0].token_ids == hf(prompts[0], sequence_bias={(t,): b for t, b in bias.items()})
+    assert outs[0].token_ids != plain[0].token_ids
+    assert outs[1].token_ids == hf(prompts[1], prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+    assert set(outs[1].token_ids) <= set(allowed) and not set(plain[1].token_ids) <= set(allowed)
+    assert outs[2].token_ids == plain[2].token_ids
+    sampled = outs[3].outputs[0]
+    assert set(sampled.token_ids) <= set(allowed) and len(set(sampled.token_ids)) > 2
+    with torch.inference_mode():
+        reference = torch.log_softmax(hf_model(torch.tensor([prompts[0] + sampled.token_ids])).logits[0], dim=-1)
+    for i, (token, entry) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
+        assert abs(entry[token].logprob - reference[len(prompts[0]) + i - 1, token].item()) < 1e-4
+    llm.block_manager.check_all_free()
+
+
+def test_token_controls_out_of_the_vocabulary_or_leaving_nothing_are_refused(model):
+    llm = LLM(model, num_kv_blocks=32)
+    cases = {"logit_bias": SamplingParams(logit_bias={512: 1.0}),
+             "allowed_token_ids": SamplingParams(allowed_token_ids=[3, 600]),
+             "min_tokens": SamplingParams(allowed_token_ids=[2, 7], stop_token_ids=[7], min_tokens=1)}
+    for name, params in cases.items():
+        with pytest.raises(ValueError, match=name):
+            llm.add_request(name, [5, 6, 7], params)
+    assert not llm.has_unfinished()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model):
+    """The request runs as if its prompt were its last k tokens; -1 keeps max_model_len of them, so a
+    prompt too long for the model is cut rather than refused."""
+    llm = LLM(model, num_kv_blocks=64, max_model_len=256)
+    prompt = random_prompts(1, 40, 40, vocab=512, seed=33)[0]
+    params = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cut, alone = llm.generate([prompt, prompt[-9:]], [SamplingParams(truncate_prompt_tokens=9, **params),
+                                                     SamplingParams(**params)])
+    assert cut.token_ids == alone.token_ids and cut.prompt_token_ids == prompt[-9:]
+    whole = llm.generate([prompt], SamplingParams(truncate_prompt_tokens=100, **params))[0]
+    assert whole.prompt_token_ids == prompt
+    too_long = random_prompts(1, 300, 300, vocab=512, seed=34)[0]
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([too_long], SamplingParams(**params))
+    out = llm.generate([too_long], SamplingParams(truncate_prompt_tokens=-1, max_tokens=1))[0]
+    assert out.prompt_token_ids == too_long[-256:] and out.finish_reason == "length"
+    llm.block_manager.check_all_free()

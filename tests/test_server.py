@@ -302,6 +302,36 @@ def test_n_completions_in_both_conventions(server, offline):
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
 
 
+def test_token_controls_prompt_truncation_and_kept_stop_strings(server, offline):
+    """vllm_backend's sampling_parameters logit_bias, allowed_token_ids, truncate_prompt_tokens and
+    include_stop_str_in_output, and TensorRT-LLM's embedding_bias_words / _weights, served as the
+    offline engine generates them."""
+    from inflight import SamplingParams
+
+    prompt = PROMPTS[3]
+    plain = offline.generate([prompt], SamplingParams(**greedy()))[0]
+    first = plain.token_ids[0]
+    word = offline.tokenizer.decode([first])
+    cases = [  # (sampling_parameters, other inputs, the offline engine's SamplingParams)
+        ({"logit_bias": {str(first): -100, "1234": 3.5}}, {}, dict(logit_bias={first: -100.0, 1234: 3.5})),
+        ({"allowed_token_ids": plain.token_ids[2:9]}, {}, dict(allowed_token_ids=plain.token_ids[2:9])),
+        ({"truncate_prompt_tokens": 3}, {}, dict(truncate_prompt_tokens=3)),
+        ({"stop": [plain.text[5:9]], "include_stop_str_in_output": True}, {},
+         dict(stop=[plain.text[5:9]], include_stop_str_in_output=True)),
+        ({}, {"embedding_bias_words": [word, " the"], "embedding_bias_weights": np.array([-50, 4], np.float32)},
+         dict(logit_bias={first: -50.0, **{t: 4.0 for t in offline.encode(" the", add_special_tokens=False)}})),
+    ]
+    for sampling, inputs, params in cases:
+        expected = offline.generate([prompt], SamplingParams(**greedy(**params)))[0]
+        result = generate(server.grpc_url, prompt, sampling_parameters={**greedy(), **sampling},
+                          return_num_input_tokens=True, **inputs)
+        assert result.error is None and result.text == expected.text != plain.text, (sampling, inputs)
+        assert int(result.responses[0]["num_input_tokens"][0]) == len(expected.prompt_token_ids)
+    error = generate(server.grpc_url, prompt, sampling_parameters={"allowed_token_ids": [10**6]}).error
+    assert error and "allowed_token_ids" in error and "vocabulary" in error, error
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
+
+
 def test_fused_layers_compile_in_the_triton_models_own_process(offline_texts):
     """The engine on a thread of the Triton model's process (engine_process false) serves the offline
     engine's text, with fused layers (a GPU's default; asked for here) compiled in the model's stub,

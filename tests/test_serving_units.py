@@ -17,7 +17,7 @@ from inflight.serving.engine_process import EngineProcess
 from inflight.serving.engine_thread import EngineThread
 from inflight.serving.metrics import TritonMetrics
 from inflight.serving.profile import PARTS, ServingProfile
-from inflight.serving.request import parse_request
+from inflight.serving.request import parse_request, with_word_bias
 from inflight.config import EngineConfig
 from inflight.serving.settings import place_instance, split_settings
 
@@ -42,6 +42,29 @@ def test_parse_tensorrtllm_style():
     p = parsed.params
     assert (p.max_tokens, p.min_tokens, p.stop_token_ids, p.stop, p.bad_words) == (7, 3, [2], ["END"], ["darn"])
     assert p.seed == 42
+
+
+def test_parse_tensorrtllm_embedding_bias_words():
+    """Each word's weight goes to every token of the word (TensorRT-LLM's reading), added to the
+    logit_bias from sampling_parameters; an empty word is skipped."""
+    parsed = parse_request({"text_input": text("hi"), "sampling_parameters": text('{"logit_bias": {"11": 1.0}}'),
+                            "embedding_bias_words": np.array([b"ab", b"", b"c"], dtype=np.object_),
+                            "embedding_bias_weights": np.array([2.0, 9.0, -0.5], np.float32)})
+    assert parsed.bias_words == [("ab", 2.0), ("c", -0.5)]
+    tokens = {"ab": [11, 12, 12], "c": [13]}
+    params = with_word_bias(parsed.params, parsed.bias_words, tokens.__getitem__)
+    assert params.logit_bias == {11: 3.0, 12: 4.0, 13: -0.5} and parsed.params.logit_bias == {11: 1.0}
+    assert with_word_bias(parsed.params, [], tokens.__getitem__) is parsed.params
+    words = np.array([b"ab", b"c"], dtype=np.object_)
+    for inputs, error in (({"embedding_bias_words": words}, "go together"),
+                          ({"embedding_bias_words": words, "embedding_bias_weights": np.array([1.0], np.float32)},
+                           "for each of the 2"),
+                          ({"embedding_bias_words": words, "embedding_bias_weights": np.array([1, 2], np.int32)},
+                           "FP32"),
+                          ({"embedding_bias_words": words, "embedding_bias_weights": np.array([1, np.nan], np.float32)},
+                           "finite")):
+        with pytest.raises(ValueError, match=error):
+            parse_request({"text_input": text("hi"), **inputs})
 
 
 def test_cancellation_polls_spread_over_the_interval():
@@ -104,6 +127,10 @@ def test_input_sizes_are_limited_by_the_settings():
         ({"text_input": text("hi"), "sampling_parameters": text('{"bad_words": ["a", "b", "c", "d"]}')}, "max_words"),
         ({"text_input": text("hi"), "sampling_parameters": text('{"stop": ["abcdef"]}')}, "max_word_chars"),
         ({"text_input": text("hi"), "max_tokens": np.array([51], np.int32)}, "limit of 50"),
+        ({"text_input": text("hi"), "embedding_bias_words": words("a", "b", "c", "d"),
+          "embedding_bias_weights": np.ones(4, np.float32)}, "max_words"),
+        ({"text_input": text("hi"), "embedding_bias_words": words("abcdef"),
+          "embedding_bias_weights": np.ones(1, np.float32)}, "max_word_chars"),
     ]
     for inputs, words_in_error in cases:
         with pytest.raises(ValueError, match=words_in_error):

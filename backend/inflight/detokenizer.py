@@ -138,11 +138,12 @@ class IncrementalDetokenizer:
         return after[len(before):]
 
 
-def find_stop_string(text: str, stop: list[str], search_from: int) -> int:
-    """Index of the earliest stop string that ends after `search_from`, or -1."""
-    best = -1
+def find_stop_string(text: str, stop: list[str], search_from: int) -> tuple[int, int] | None:
+    """Where the earliest stop string that ends after `search_from` starts and ends (the shortest of
+    those starting there), or None."""
+    best = None
     for s in stop:
         i = text.find(s, max(0, search_from - len(s) + 1))
-        if i != -1 and (best == -1 or i < best):
-            best = i
+        if i != -1 and (best is None or (i, i + len(s)) < best):
+            best = (i, i + len(s))
     return best

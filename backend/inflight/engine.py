@@ -135,15 +135,23 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2**31:
             raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
         self._check_alive()
+        vocab = self.runner.hf_config.vocab_size
+        params.check_token_ids(vocab)
+        if (params.allowed_token_ids is not None and params.min_tokens
+                and set(params.allowed_token_ids) <= {*self.eos_token_ids, *params.stop_token_ids}):
+            raise ValueError("allowed_token_ids holds only end tokens (EOS or stop_token_ids), which min_tokens "
+                             "forbids before its count: nothing could be generated")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            token_ids = self.encode(prompt, max_tokens=self.max_model_len, limit_name="max_model_len")
+            # (a prompt to truncate is encoded whole: its length is no reason to refuse it)
+            limit = None if params.truncate_prompt_tokens else self.max_model_len
+            token_ids = self.encode(prompt, max_tokens=limit, limit_name="max_model_len")
         else:
             token_ids = list(prompt)
-            vocab = self.runner.hf_config.vocab_size
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        token_ids = params.truncated(token_ids, self.max_model_len)
         if not token_ids:
             raise ValueError("prompt must not be empty")
         if len(token_ids) > self.max_model_len:
@@ -537,9 +545,9 @@ class LLMEngine:
         if reason is not None:
             seq.output_text += seq.detokenizer.flush()  # text held back for an incomplete character
         if p.stop and num_out >= p.min_tokens:
-            cut = find_stop_string(seq.output_text, p.stop, text_before)
-            if cut != -1:
-                seq.output_text = seq.output_text[:cut]  # the stop string and all after it go
+            found = find_stop_string(seq.output_text, p.stop, text_before)
+            if found is not None:  # all after the stop string goes, and the string too unless asked for
+                seq.output_text = seq.output_text[:found[1] if p.include_stop_str_in_output else found[0]]
                 reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -555,7 +563,7 @@ class LLMEngine:
             if request_finished:
                 self._requests.pop(seq.request_id, None)
         else:
-            text_end = max(seq.num_text_sent, len(seq.output_text) - max(0, seq.params.max_stop_length - 1))
+            text_end = max(seq.num_text_sent, len(seq.output_text) - seq.params.stop_hold_back)
         p = seq.params
         delta = RequestDelta(
             request_id=seq.request_id,

@@ -47,7 +47,8 @@ class LLM(LLMEngine):
         by_request: dict[str, list[RequestDelta]] = {request_id: [] for request_id in ids}
         for delta in coalesce(steps):  # one delta per completion
             by_request.get(delta.request_id, []).append(delta)
-        prompt_ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
+        prompt_ids = [p.truncated(ids if isinstance(ids, list) else self.encode(ids), self.max_model_len)
+                      for ids, p in zip(prompts, params)]
         outputs = []
         for k, request_id in enumerate(ids):
             parts = sorted(by_request[request_id], key=lambda d: d.index)

@@ -3,7 +3,10 @@
 import json
 import math
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
+
+import numpy as np
 
 from .logprobs import MAX_LOGPROBS
 
@@ -23,7 +26,11 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     bad_words: list[str] = field(default_factory=list)  # never generated (TensorRT-LLM's bad_words)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before any other processing
+    allowed_token_ids: list[int] | None = None  # only these tokens can be generated
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as max_model_len)
     skip_special_tokens: bool = True
     # One of {"json": schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}
     # (structured_output.py); checked and compiled when the request is added.
@@ -64,7 +71,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         self._check_float("presence_penalty", minimum=-2.0, maximum=2.0)
         self._check_float("frequency_penalty", minimum=-2.0, maximum=2.0)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if len(self.stop) > self.MAX_STOP_STRINGS:
@@ -90,19 +97,75 @@ class SamplingParams:
                 self._check_int(name, minimum=0)
                 if getattr(self, name) > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {getattr(self, name)}")
+        self._check_token_controls()
         self._check_int("n", minimum=1)
         if self.n > self.MAX_N:
             raise ValueError(f"n must be at most {self.MAX_N}, got {self.n}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
             raise ValueError(f"structured_outputs must be an object, got {self.structured_outputs!r}")
 
+    def _check_token_controls(self) -> None:
+        """logit_bias (JSON's keys are strings: integers written as strings are read as such),
+        allowed_token_ids and truncate_prompt_tokens; the ids' upper bound is the model's vocabulary,
+        which the engine checks (`check_token_ids`)."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be an object of token id -> bias, got {self.logit_bias!r}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                token = _token_id("logit_bias", token, strings_allowed=True)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {value!r} for token {token}")
+                if token in bias:
+                    raise ValueError(f"logit_bias gives token {token} twice")
+                bias[token] = float(value)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = [_token_id("allowed_token_ids", t) for t in self.allowed_token_ids]
+        if self.truncate_prompt_tokens is not None:
+            if self.truncate_prompt_tokens != -1:
+                self._check_int("truncate_prompt_tokens", minimum=1)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The token ids of logit_bias and allowed_token_ids are within the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+            beyond = sorted(t for t in ids if t >= vocab_size)
+            if beyond:
+                raise ValueError(f"{name} holds token ids beyond the vocabulary of {vocab_size}: {beyond[:8]}")
+
+    @cached_property
+    def allowed_array(self) -> np.ndarray:
+        """allowed_token_ids as a sorted array without repeats (the sampler's form)."""
+        return np.unique(np.asarray(self.allowed_token_ids, dtype=np.int64))
+
+    @cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids, float32 biases)."""
+        bias = self.logit_bias or {}
+        return np.fromiter(bias.keys(), np.int64, len(bias)), np.fromiter(bias.values(), np.float32, len(bias))
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (all of them when it is not set)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        keep = max_model_len if keep == -1 else keep
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
-    def max_stop_length(self) -> int:
-        return max((len(s) for s in self.stop), default=0)
+    def stop_hold_back(self) -> int:
+        """Characters of a running sequence's text kept from its stream: those that could be the start
+        of a stop string, which would be cut. None when the stop string is kept: a match then cuts only
+        what follows it, which has not been sent."""
+        if self.include_stop_str_in_output:
+            return 0
+        return max((len(s) - 1 for s in self.stop), default=0)
 
     def _check_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)
@@ -139,8 +202,25 @@ class SamplingParams:
                 else value for name, value in values.items()}
 
 
+def _token_id(name: str, value: Any, strings_allowed: bool = False) -> int:
+    if strings_allowed and isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"{name} keys must be token ids, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must hold non-negative integer token ids, got {value!r}")
+    return value
+
+
 def _parse_string(name: str, text: str, annotation: Any) -> Any:
     kind = str(annotation)
+    if "list[int]" in kind:  # token ids: a JSON list, or one id
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"{name} could not be read from the string {text!r}") from None
+        return value if isinstance(value, list) else [value]
     if "list" in kind:
         return [text]  # a single stop string or bad word
     if "dict" in kind:

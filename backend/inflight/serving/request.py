@@ -10,7 +10,8 @@ server's limits (ServingSettings) before anything is tokenized.
 
 import json
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -39,8 +40,10 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_nu
          "return_log_probs")  # TensorRT-LLM's: outputs output_log_probs and cum_log_probs
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
+BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM's logit bias by words
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
-                "priority", "beam_width", "num_return_sequences", *SCALAR_PARAMS, *FLAGS, *GUIDE_INPUTS}
+                "priority", "beam_width", "num_return_sequences", *SCALAR_PARAMS, *FLAGS, *GUIDE_INPUTS,
+                *BIAS_INPUTS}
 
 
 @dataclass
@@ -57,6 +60,7 @@ class ParsedRequest:
     return_cumulative_logprob: bool = False
     return_log_probs: bool = False
     per_completion_responses: bool = False  # TensorRT-LLM's num_return_sequences: a response per completion
+    bias_words: list[tuple[str, float]] = field(default_factory=list)  # (word, bias), for `with_word_bias`
 
 
 def _scalar(name: str, array: np.ndarray):
@@ -84,12 +88,16 @@ def _text(name: str, value, max_bytes: int) -> str:
         raise ValueError(f"input '{name}' is not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
-def _word_list(name: str, array: np.ndarray, settings: ServingSettings) -> list[str]:
+def _words(name: str, array: np.ndarray, settings: ServingSettings) -> list[str]:
+    """The words of a BYTES input, empty ones included."""
     if array.size > settings.max_words:
         raise ValueError(f"input '{name}' holds {array.size} words; this server accepts at most "
                          f"{settings.max_words} (max_words)")
-    words = [_text(name, v, settings.max_input_bytes) for v in array.reshape(-1)]
-    return [w for w in words if w]
+    return [_text(name, v, settings.max_input_bytes) for v in array.reshape(-1)]
+
+
+def _word_list(name: str, array: np.ndarray, settings: ServingSettings) -> list[str]:
+    return [w for w in _words(name, array, settings) if w]
 
 
 def _check_words(field: str, words: list, settings: ServingSettings) -> None:
@@ -118,6 +126,32 @@ def _guide(inputs: dict[str, np.ndarray], max_bytes: int) -> dict:
         raise ValueError(f"input 'guided_decoding_guide' is required for guide type {kind!r}")
     return {key: _text("guided_decoding_guide", _scalar("guided_decoding_guide", inputs["guided_decoding_guide"]),
                        max_bytes)}
+
+
+def _bias_words(inputs: dict[str, np.ndarray], settings: ServingSettings) -> list[tuple[str, float]]:
+    """TensorRT-LLM's embedding_bias_words with their embedding_bias_weights, one weight a word."""
+    if not all(name in inputs for name in BIAS_INPUTS):
+        raise ValueError("inputs 'embedding_bias_words' and 'embedding_bias_weights' go together")
+    words = _words("embedding_bias_words", inputs["embedding_bias_words"], settings)
+    _check_words("embedding_bias_words", words, settings)
+    weights = inputs["embedding_bias_weights"]
+    if weights.dtype.kind != "f" or weights.size != len(words) or not np.isfinite(weights).all():
+        raise ValueError(f"input 'embedding_bias_weights' must hold a finite FP32 number for each of the "
+                         f"{len(words)} embedding_bias_words, got {weights.dtype} {list(weights.shape)}")
+    return [(word, float(w)) for word, w in zip(words, weights.reshape(-1)) if word]
+
+
+def with_word_bias(params: SamplingParams, bias_words: list[tuple[str, float]],
+                   encode: Callable[[str], list[int]]) -> SamplingParams:
+    """`params` with each word's bias added to the logit bias of every token of the word (as the
+    TensorRT-LLM backend reads embedding_bias_words; `encode` without special tokens)."""
+    if not bias_words:
+        return params
+    bias = dict(params.logit_bias or {})
+    for word, weight in bias_words:
+        for token in encode(word):
+            bias[token] = bias.get(token, 0.0) + weight
+    return replace(params, logit_bias=bias)
 
 
 def _prompt(inputs: dict[str, np.ndarray], max_bytes: int) -> str | list[int]:
@@ -193,15 +227,15 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     from_json = SamplingParams.parse_fields(from_json, strings_allowed=True)
     values.update(from_json)
 
-    given = {field: ("sampling_parameters", value) for field, value in from_json.items()}
-    for name, field in SCALAR_PARAMS.items():
+    given = {name: ("sampling_parameters", value) for name, value in from_json.items()}
+    for name, target in SCALAR_PARAMS.items():
         if name not in inputs:
             continue
         value = _scalar(name, inputs[name])
-        if field in given and given[field][1] != value:
-            raise ValueError(f"inputs '{given[field][0]}' and '{name}' disagree ({given[field][1]} vs {value})")
-        given[field] = (name, value)
-        values[field] = value
+        if target in given and given[target][1] != value:
+            raise ValueError(f"inputs '{given[target][0]}' and '{name}' disagree ({given[target][1]} vs {value})")
+        given[target] = (name, value)
+        values[target] = value
     if "end_id" in inputs:
         values["stop_token_ids"] = list(values.get("stop_token_ids", [])) + [_scalar("end_id", inputs["end_id"])]
     if "stop_words" in inputs:
@@ -209,9 +243,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     if "bad_words" in inputs:
         values["bad_words"] = list(values.get("bad_words", [])) + _word_list("bad_words", inputs["bad_words"],
                                                                              settings)
-    for field in ("stop", "bad_words"):
-        if isinstance(values.get(field), (list, tuple)):
-            _check_words(field, values[field], settings)
+    for name in ("stop", "bad_words"):
+        if isinstance(values.get(name), (list, tuple)):
+            _check_words(name, values[name], settings)
     if any(name in inputs for name in GUIDE_INPUTS):
         if "structured_outputs" in from_json:
             raise ValueError("give structured outputs either in 'sampling_parameters' or as "
@@ -239,6 +273,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     elif isinstance(prompt, list) and values.get("n", 1) != 1:
         raise ValueError("with 'input_ids', several completions come from 'num_return_sequences' (a response "
                          "per completion, each with its output_ids), not from n")
+    bias_words = _bias_words(inputs, settings) if any(name in inputs for name in BIAS_INPUTS) else []
     if any(flags.get(name) for name in ("return_logprobs", "return_cumulative_logprob", "return_log_probs")):
         values.setdefault("logprobs", 0)  # the sampled tokens' logprobs at least
     params = SamplingParams(**values)
@@ -246,4 +281,4 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this server's limit of "
                          f"{settings.max_tokens_limit}")
     return ParsedRequest(prompt=prompt, params=params, priority=priority,
-                         per_completion_responses="num_return_sequences" in inputs, **flags)
+                         per_completion_responses="num_return_sequences" in inputs, bias_words=bias_words, **flags)

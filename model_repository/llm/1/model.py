@@ -102,7 +102,7 @@ from inflight.serving.cancellation import POLL_TICK_S, CancellationPoller  # noq
 from inflight.serving.engine_process import EngineProcess  # noqa: E402
 from inflight.serving.engine_thread import EngineThread  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
-from inflight.serving.request import ParsedRequest, parse_request  # noqa: E402
+from inflight.serving.request import ParsedRequest, parse_request, with_word_bias  # noqa: E402
 from inflight.serving.response import RequestResponses  # noqa: E402
 from inflight.serving.settings import place_instance, split_settings  # noqa: E402
 
@@ -214,18 +214,23 @@ class TritonPythonModel:
         cap = self.serving.max_prompt_tokens
         if isinstance(parsed.prompt, list):
             token_ids = parsed.prompt
+        elif parsed.params.truncate_prompt_tokens:  # encoded whole (max_input_bytes bounds it), then cut
+            token_ids = self.engine.encode(parsed.prompt)
         elif cap is not None and cap < self.engine.max_model_len:
             token_ids = self.engine.encode(parsed.prompt, max_tokens=cap, limit_name="max_prompt_tokens")
         else:
             token_ids = self.engine.encode(parsed.prompt, max_tokens=self.engine.max_model_len,
                                            limit_name="max_model_len")
+        token_ids = parsed.params.truncated(token_ids, self.engine.max_model_len)
         if cap is not None and len(token_ids) > cap:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
+        params = with_word_bias(parsed.params, parsed.bias_words,
+                                lambda word: self.engine.encode(word, add_special_tokens=False))
         request_id = uuid.uuid4().hex
         self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(),
                                                 frozenset(request.requested_output_names()))
         try:
-            self.thread.submit(request_id, token_ids, parsed.params, parsed.priority)
+            self.thread.submit(request_id, token_ids, params, parsed.priority)
         except Exception:
             del self.active[request_id]
             raise
