@@ -208,11 +208,37 @@ def test_stop_suppression_and_bad_words_over_a_batch(device):
                                                                                   (3, 10)]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
+def test_allowed_tokens_and_logit_bias_over_a_batch(device):
+    """Each row as its own definition says, computed for the whole batch at once: allowed_token_ids leave
+    only their logits, logit_bias adds to its tokens' (after the allowed ones are chosen), other rows
+    stay as they were."""
+    from types import SimpleNamespace
+
+    from inflight.sampler import apply_token_controls
+
+    params = [SamplingParams(allowed_token_ids=[3, 17, 3, 9]), SamplingParams(),
+              SamplingParams(logit_bias={0: 2.5, 19: -1.0, 4: 0.25}),
+              SamplingParams(allowed_token_ids=[5, 6], logit_bias={6: 1.5, 11: 4.0}), SamplingParams(logit_bias={})]
+    logits = torch.randn(len(params), 20, generator=torch.Generator().manual_seed(0))
+    expected = logits.clone()
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            banned = [t for t in range(20) if t not in p.allowed_token_ids]
+            expected[row, banned] = float("-inf")
+        for token, bias in (p.logit_bias or {}).items():
+            expected[row, token] += bias
+    on_device = logits.to(device)
+    apply_token_controls(on_device, [SimpleNamespace(params=p) for p in params])
+    assert torch.equal(on_device.cpu(), expected)
+
+
 @ON_A_GPU
 def test_sampling_on_cuda_never_waits_for_the_gpu():
     """Under async scheduling the sampler runs while the step in flight does: with every option that
     pipelines (temperature, top-k, top-p, min-p, seeds, penalties counting in-flight tokens, min_tokens,
-    bad words), no operation may wait for the device (a plain host-to-GPU copy would)."""
+    bad words, allowed tokens and logit bias), no operation may wait for the device (a plain host-to-GPU
+    copy would)."""
     from types import SimpleNamespace
 
     from inflight.sampler import sample
@@ -220,7 +246,8 @@ def test_sampling_on_cuda_never_waits_for_the_gpu():
     device = torch.device("cuda")
     options = [dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, seed=3), dict(top_k=40, min_p=0.05),
                dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3),
-               dict(temperature=0.9, min_tokens=4, top_p=0.95), dict(temperature=0.0)]
+               dict(temperature=0.9, min_tokens=4, top_p=0.95), dict(temperature=0.0),
+               dict(temperature=0.8, allowed_token_ids=[3, 9, 40]), dict(temperature=0.0, logit_bias={5: 30.0})]
     seqs = [SimpleNamespace(params=SamplingParams(**o), token_array=np.array([5, 6, 7]), output_array=np.array([7]),
                             num_output_tokens=2, num_pending=1, pending_row=i, matcher=None,
                             bad_words_ids=[[7, 9]] if i == 5 else [],
@@ -237,6 +264,7 @@ def test_sampling_on_cuda_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert tokens.shape == (len(seqs),) and tokens.device.type == "cuda"
+    assert tokens[6].item() in (3, 9, 40) and tokens[7].item() == 5
 
 
 @ON_A_GPU
