@@ -297,6 +297,8 @@ SAMPLING_CASES = {
                                                          frequency_penalty=0.5),
     # Penalties read every token a sequence has seen: at long contexts that is most of their cost.
     "greedy, repetition_penalty 1.1, 2,048 tokens seen": dict(temperature=0.0, repetition_penalty=1.1, seen=2048),
+    "greedy, logit_bias on 100 tokens": dict(temperature=0.0, logit_bias={t: 1.5 for t in range(1000, 1100)}),
+    "greedy, 1,000 allowed_token_ids": dict(temperature=0.0, allowed_token_ids=list(range(1000, 2000))),
 }
 
 

@@ -195,8 +195,9 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 
 
 def test_structured_outputs_in_both_conventions(server):
-    """vllm_backend's `structured_outputs` in sampling_parameters (schema as an object or as JSON text)
-    and TensorRT-LLM's guided decoding inputs, streamed: the same valid JSON."""
+    """vllm_backend's `structured_outputs` in sampling_parameters (schema as an object or as JSON text),
+    its older `guided_decoding` (as a serialized GuidedDecodingParams: a backend, other fields null) and
+    TensorRT-LLM's guided decoding inputs, streamed: the same valid JSON."""
     import jsonschema
 
     prompt = "The capital of France, as JSON:"
@@ -207,17 +208,21 @@ def test_structured_outputs_in_both_conventions(server):
                                   "max_tokens": "64", "temperature": "0"}),
         dict(guided_decoding_guide_type="json_schema", guided_decoding_guide=json.dumps(CITY), max_tokens=64,
              temperature=0.0),
+        dict(sampling_parameters={"guided_decoding": {"json": CITY, "regex": None, "backend": "xgrammar",
+                                                      "whitespace_pattern": None}, "max_tokens": 64, "temperature": 0}),
     ):
         result = generate(server.grpc_url, prompt, return_finish_reason=True, **inputs)
         assert result.error is None and result.finish_reason == "stop" and len(result.chunks) > 1, result
         jsonschema.validate(json.loads(result.text), CITY)
         texts.append(result.text)
-    assert texts[0] == texts[1] == texts[2]
+    assert texts[0] == texts[1] == texts[2] == texts[3]
     choice = generate(server.grpc_url, prompt, max_tokens=8, guided_decoding_guide_type="regex",
                       guided_decoding_guide="(Paris|Lyon)")
     assert choice.text in ("Paris", "Lyon")
     for inputs, words in ((dict(guided_decoding_guide_type="yaml", guided_decoding_guide="x"), "yaml"),
                           (dict(sampling_parameters={"structured_outputs": {"regex": "a("}}), "regex"),
+                          (dict(sampling_parameters={"guided_decoding": {"regex": "a", "backend": "outlines"}}),
+                           "outlines"),
                           (dict(guided_decoding_guide_type="json_schema"), "guided_decoding_guide")):
         error = generate(server.grpc_url, prompt, max_tokens=4, **inputs).error
         assert error and words in error, error

@@ -1,6 +1,7 @@
 """The Triton-free pieces of the serving layer: request parsing, the engine thread and process, the
 metrics and the serving profile."""
 
+import json
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ from inflight.serving.engine_thread import EngineThread
 from inflight.serving.metrics import TritonMetrics
 from inflight.serving.profile import PARTS, ServingProfile
 from inflight.serving.request import parse_request, with_word_bias
+from inflight.structured_output import canonical_spec
 from inflight.config import EngineConfig
 from inflight.serving.settings import place_instance, split_settings
 
@@ -65,6 +67,24 @@ def test_parse_tensorrtllm_embedding_bias_words():
                            "finite")):
         with pytest.raises(ValueError, match=error):
             parse_request({"text_input": text("hi"), **inputs})
+
+
+def test_parse_vllms_older_guided_decoding():
+    """vLLM's older name for structured_outputs, as vllm_backend still reads it: an object or its JSON
+    text, its xgrammar backend dropped and its options that ask for nothing (null, false) ignored."""
+    spec = {"regex": "[0-9]+", "backend": "xgrammar", "json": None, "disable_fallback": False}
+    for sampling in ({"guided_decoding": spec}, {"guided_decoding": json.dumps(spec)}):
+        parsed = parse_request({"text_input": text("hi"), "sampling_parameters": text(json.dumps(sampling))})
+        assert canonical_spec(parsed.params.structured_outputs) == ("regex", "[0-9]+")
+    over_http = parse_request({"text_input": text("hi")}, parameters={"guided_decoding": '{"choice": ["a", "b"]}'})
+    assert over_http.params.structured_outputs == {"choice": ["a", "b"]}
+    for sampling, error in (({"guided_decoding": {"regex": "a", "backend": "outlines"}}, "outlines"),
+                            ({"guided_decoding": {"regex": "a"}, "structured_outputs": {"regex": "b"}}, "not both"),
+                            ({"guided_decoding": "{oops"}, "guided_decoding is not valid JSON")):
+        with pytest.raises(ValueError, match=error):
+            parse_request({"text_input": text("hi"), "sampling_parameters": text(json.dumps(sampling))})
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        canonical_spec({"regex": "a", "whitespace_pattern": "[ ]"})
 
 
 def test_cancellation_polls_spread_over_the_interval():

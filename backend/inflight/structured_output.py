@@ -30,7 +30,9 @@ def canonical_spec(spec) -> tuple[str, str]:
         raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}, got "
                          f"{type(spec).__name__}")
     given = [k for k in spec if spec[k] is not None and spec[k] is not False]
-    unknown = sorted(set(spec) - set(KINDS))
+    # (vLLM's options beyond these may come along null or false, as a serialized StructuredOutputsParams
+    # has them: they ask for nothing)
+    unknown = sorted(set(given) - set(KINDS))
     if unknown:
         raise ValueError(f"unknown structured_outputs key(s): {', '.join(unknown)}; use one of {', '.join(KINDS)}")
     if len(given) != 1:

@@ -192,6 +192,30 @@ def _priority(from_json, inputs: dict[str, np.ndarray]) -> int:
     return values[0] if values else 0
 
 
+# The grammar backends a request may name under vLLM's older `guided_decoding`: ours is xgrammar.
+XGRAMMAR_BACKENDS = ("xgrammar", "xgrammar:no-fallback", "auto")
+
+
+def _rename_guided_decoding(values: dict) -> None:
+    """vLLM's older name for structured_outputs, which vllm_backend still reads (a JSON object or its
+    text), with its `backend` when that is xgrammar."""
+    guided = values.pop("guided_decoding")
+    if "structured_outputs" in values:
+        raise ValueError("give either 'structured_outputs' or 'guided_decoding' in sampling_parameters, not both")
+    if isinstance(guided, str):
+        try:
+            guided = json.loads(guided)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"guided_decoding is not valid JSON: {e.msg} at position {e.pos}") from None
+    if isinstance(guided, dict) and "backend" in guided:
+        guided = dict(guided)
+        backend = guided.pop("backend")
+        if backend is not None and backend not in XGRAMMAR_BACKENDS:
+            raise ValueError(f"guided_decoding.backend {backend!r} is not available: this server's grammars are "
+                             f"xgrammar's ({', '.join(XGRAMMAR_BACKENDS)})")
+    values["structured_outputs"] = guided
+
+
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
                   settings: ServingSettings | None = None) -> ParsedRequest:
     """`inputs` maps each input name the request carried to its numpy array; `parameters` are the
@@ -206,7 +230,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     # vllm_backend does; anything else among them is an error (HTTP generate turns misspelt inputs
     # into parameters, which must not pass silently).
     parameters = {k: v for k, v in (parameters or {}).items() if not k.startswith("triton_")}
-    allowed = set() if "sampling_parameters" in inputs else SAMPLING_FIELDS | {"priority"}
+    allowed = set() if "sampling_parameters" in inputs else SAMPLING_FIELDS | {"priority", "guided_decoding"}
     unknown = sorted(set(parameters) - allowed)
     if unknown:
         raise ValueError(f"unknown parameter(s): {', '.join(unknown)}; inputs are: {', '.join(sorted(KNOWN_INPUTS))}")
@@ -224,6 +248,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     else:
         from_json = dict(parameters)
     priority = _priority(from_json.pop("priority", None), inputs)
+    if "guided_decoding" in from_json:
+        _rename_guided_decoding(from_json)
     from_json = SamplingParams.parse_fields(from_json, strings_allowed=True)
     values.update(from_json)
 
