@@ -4,6 +4,7 @@ import json
 import time
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -334,6 +335,13 @@ def test_token_controls_prompt_truncation_and_kept_stop_strings(server, offline)
         assert int(result.responses[0]["num_input_tokens"][0]) == len(expected.prompt_token_ids)
     error = generate(server.grpc_url, prompt, sampling_parameters={"allowed_token_ids": [10**6]}).error
     assert error and "allowed_token_ids" in error and "vocabulary" in error, error
+    # Constraints that leave no token: an error for that request alone, the one beside it served.
+    impossible = {"allowed_token_ids": [first], "structured_outputs": {"regex": "[0-9]+"}, "max_tokens": 4}
+    with ThreadPoolExecutor(2) as pool:
+        failed, served = pool.map(lambda sampling: generate(server.grpc_url, prompt, sampling_parameters=sampling),
+                                  (impossible, greedy()))
+    assert failed.error and "no token can follow" in failed.error, failed.error
+    assert served.error is None and served.text == plain.text
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
 
 

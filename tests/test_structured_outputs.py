@@ -86,6 +86,25 @@ def test_unconstrained_requests_beside_constrained_ones_are_unchanged(llm, perso
     assert [o.token_ids for o in mixed[:4]] == [o.token_ids for o in alone]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "pipelined"])
+def test_constraints_that_leave_no_token_end_that_request_alone(default_model, llm, async_scheduling):
+    """A grammar with allowed_token_ids it cannot use, or allowed tokens that are all bad words, leave a
+    row no token: that request ends with an error of its own (bad input), its blocks free; the request
+    batched with it is served as alone, and the engine goes on."""
+    engine = LLM(default_model, num_kv_blocks=128, async_scheduling=True) if async_scheduling else llm
+    x, y = (engine.encode(c, add_special_tokens=False)[0] for c in "xy")
+    plain = SamplingParams(max_tokens=12, temperature=0.0)
+    alone = engine.generate(["The capital of France is"], plain)[0]
+    failed_before = engine.stats()["requests_failed_total"]
+    for impossible in (SamplingParams(max_tokens=8, structured_outputs={"regex": "[0-9]+"}, allowed_token_ids=[x]),
+                       SamplingParams(max_tokens=8, temperature=0.8, allowed_token_ids=[x, y], bad_words=["x", "y"])):
+        failed, served = engine.generate(["Pick:", "The capital of France is"], [impossible, plain])
+        assert failed.finish_reason == "error" and "no token can follow" in failed.error and failed.token_ids == []
+        assert served.token_ids == alone.token_ids
+    engine.block_manager.check_all_free()
+    assert engine.stats()["requests_failed_total"] == failed_before + 2 and engine.dead_reason is None
+
+
 def test_chunked_prefill_and_preemption_keep_the_constraint(default_model, llm, person_prompts):
     params = SamplingParams(max_tokens=120, temperature=0.0, structured_outputs={"json": PERSON})
     roomy = llm.generate(person_prompts[:8], params)

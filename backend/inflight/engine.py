@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 EARLY_ABORT_MEMORY_S = 60.0
 
 
+NO_TOKEN_LEFT = ("no token can follow: the request's constraints together (structured_outputs, "
+                 "allowed_token_ids, bad_words, min_tokens) allow none at this point of its output")
+
+
 class EngineDeadError(RuntimeError):
     """The engine failed persistently and takes no more requests."""
 
@@ -337,6 +341,11 @@ class LLMEngine:
             seq.num_pending -= 1
             if seq.is_finished:  # ended while the step ran (aborted, or finished the step before)
                 continue
+            if not self._possible(seq, token):  # its constraints left no token: it alone ends, with an error
+                for s in self._requests.get(seq.request_id, [seq]):
+                    if not s.is_finished:
+                        deltas.append(self._fail(s, NO_TOKEN_LEFT, "invalid"))
+                continue
             self._record_logprobs(seq, token, entry)
             seq.append_token(token)
             self.num_generated_tokens += 1
@@ -488,7 +497,8 @@ class LLMEngine:
                 if not seq.is_finished:
                     deltas.append(self._fail(seq, self.dead_reason or message))
 
-    def _fail(self, seq: Sequence, message: str) -> RequestDelta:
+    def _fail(self, seq: Sequence, message: str, kind: str | None = None) -> RequestDelta:
+        """End `seq` with an error (`kind`: see RequestDelta.error_kind)."""
         seq.forks_left = 0
         try:
             self.scheduler.finish(seq, "error")
@@ -498,7 +508,7 @@ class LLMEngine:
             self._die(f"the KV block pool is inconsistent after: {message}")
         self.num_failed_requests += 1
         delta = self._delta(seq)
-        delta.error = message
+        delta.error, delta.error_kind = message, kind
         return delta
 
     def _die(self, reason: str) -> None:
@@ -527,14 +537,21 @@ class LLMEngine:
         return deltas
 
     # -- stop conditions and deltas -----------------------------------------------------------------
+    @staticmethod
+    def _possible(seq: Sequence, token: int) -> bool:
+        """Whether `token` is one the sequence's constraints allow (its grammar then takes it): a row
+        whose constraints together ban every token samples one of them anyway."""
+        allowed = seq.params.allowed_token_ids
+        if allowed is not None and token not in seq.params.allowed_set:
+            return False
+        return seq.matcher is None or seq.matcher.accept_token(token)
+
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
         text_before = len(seq.output_text)
         seq.output_text += self._detokenize(seq, [token])
         num_out = len(seq.output_token_ids)
         reason = None
-        if seq.matcher is not None and not seq.matcher.accept_token(token):
-            raise RuntimeError(f"token {token} broke the grammar of request {seq.request_id!r}")
         if seq.matcher is not None and seq.matcher.is_terminated():
             reason = "stop"  # the grammar ended (with EOS, which it allows only where it can end)
         elif num_out >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos)

@@ -141,6 +141,10 @@ class SamplingParams:
         return np.unique(np.asarray(self.allowed_token_ids, dtype=np.int64))
 
     @cached_property
+    def allowed_set(self) -> frozenset[int]:
+        return frozenset(self.allowed_token_ids)
+
+    @cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """logit_bias as (token ids, float32 biases)."""
         bias = self.logit_bias or {}
