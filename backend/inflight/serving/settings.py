@@ -16,8 +16,8 @@ class ServingSettings:
     default_max_tokens: int = 16  # max_tokens of a request that does not say
     # Input sizes, checked before any tokenization (the engine's own ceilings: SamplingParams).
     max_input_bytes: int = 1 << 20  # each text input (the prompt, sampling_parameters, each word)
-    max_words: int = SamplingParams.MAX_STOP_STRINGS  # stop words, and bad words, per request
-    max_word_chars: int = SamplingParams.MAX_STOP_LENGTH  # characters in one stop or bad word
+    max_words: int = SamplingParams.MAX_STOP_STRINGS  # stop, bad and embedding bias words, each per request
+    max_word_chars: int = SamplingParams.MAX_STOP_LENGTH  # characters in one stop, bad or embedding bias word
     # Asking Triton whether a request was cancelled is a message per request: at most this often.
     cancel_poll_interval_s: float = 0.2
     # The engine's metrics go to the server at most this often while it steps: each update is a message
