@@ -125,6 +125,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--tokenizer", default=str(ROOT / "models" / "SmolLM2-135M-Instruct"))
+    parser.add_argument("--sampling-parameters", metavar="JSON",
+                        help="more sampling parameters, with vLLM's names (a JSON object), e.g. "
+                             '\'{"logit_bias": {"19081": -100}, "stop": ["."]}\'')
     args = parser.parse_args()
     prompt = args.prompt
     if args.chat:
@@ -133,8 +136,13 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                add_generation_prompt=True)
-    result = generate(args.url, prompt, on_text=lambda t: print(t, end="", flush=True),
-                      max_tokens=args.max_tokens, temperature=args.temperature,
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.sampling_parameters:
+        given = json.loads(args.sampling_parameters)
+        if not isinstance(given, dict):
+            sys.exit("error: --sampling-parameters must be a JSON object")
+        sampling.update(given)
+    result = generate(args.url, prompt, on_text=lambda t: print(t, end="", flush=True), sampling_parameters=sampling,
                       return_num_output_tokens=True, return_finish_reason=True)
     print()
     if result.error:
