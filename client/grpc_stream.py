@@ -138,7 +138,10 @@ def main() -> None:
                                                add_generation_prompt=True)
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.sampling_parameters:
-        given = json.loads(args.sampling_parameters)
+        try:
+            given = json.loads(args.sampling_parameters)
+        except json.JSONDecodeError as e:
+            sys.exit(f"error: --sampling-parameters is not valid JSON: {e}")
         if not isinstance(given, dict):
             sys.exit("error: --sampling-parameters must be a JSON object")
         sampling.update(given)

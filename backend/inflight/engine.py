@@ -39,8 +39,7 @@ logger = logging.getLogger(__name__)
 
 # An abort may overtake its request (a client that cancels at once): it waits this long for it.
 EARLY_ABORT_MEMORY_S = 60.0
-
-
+# The error of a request whose constraints banned every token (its row sampled a banned one anyway).
 NO_TOKEN_LEFT = ("no token can follow: the request's constraints together (structured_outputs, "
                  "allowed_token_ids, bad_words, min_tokens) allow none at this point of its output")
 
