@@ -124,9 +124,9 @@ class SamplingParams:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise ValueError(f"allowed_token_ids must be a non-empty list, got {self.allowed_token_ids!r}")
             self.allowed_token_ids = [_token_id("allowed_token_ids", t) for t in self.allowed_token_ids]
-        if self.truncate_prompt_tokens is not None:
-            if self.truncate_prompt_tokens != -1:
-                self._check_int("truncate_prompt_tokens", minimum=1)
+        keep = self.truncate_prompt_tokens
+        if keep is not None and not (type(keep) is int and keep == -1):
+            self._check_int("truncate_prompt_tokens", minimum=1)
 
     def check_token_ids(self, vocab_size: int) -> None:
         """The token ids of logit_bias and allowed_token_ids are within the model's vocabulary."""
