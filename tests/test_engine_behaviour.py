@@ -563,6 +563,15 @@ def test_unknown_field_and_strings():
                                        "stop_token_ids": "7", "truncate_prompt_tokens": "-1"}, strings_allowed=True)
     assert (params.logit_bias, params.allowed_token_ids, params.stop_token_ids, params.truncate_prompt_tokens) == (
         {5: -2.0, 9: 1.5}, [5, 9], [7], -1)
+    # Nulls are defaults (as vllm_backend reads them); vLLM's fields that the engine lacks pass at the values
+    # that ask for nothing, as a client sending every field of vLLM's SamplingParams has them.
+    params = SamplingParams.from_dict({"max_tokens": None, "seed": None, "n": "2", "best_of": 2, "detokenize": True,
+                                       "spaces_between_special_tokens": "true"}, strings_allowed=True)
+    assert (params.max_tokens, params.seed, params.n) == (16, None, 2)
+    for values, name in (({"best_of": 3}, "best_of"), ({"n": 2, "best_of": True}, "best_of"),
+                         ({"detokenize": False}, "detokenize"), ({"spaces_between_special_tokens": 0}, "spaces")):
+        with pytest.raises(ValueError, match=f"{name}.* not supported"):
+            SamplingParams.from_dict(values)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams.from_dict({"max_tokens": "lots"}, strings_allowed=True)
 

@@ -333,6 +333,11 @@ def test_token_controls_prompt_truncation_and_kept_stop_strings(server, offline)
                           return_num_input_tokens=True, **inputs)
         assert result.error is None and result.text == expected.text != plain.text, (sampling, inputs)
         assert int(result.responses[0]["num_input_tokens"][0]) == len(expected.prompt_token_ids)
+    # A client that sends every field of vLLM's SamplingParams: nulls and the defaults of fields we lack.
+    every_field = {**greedy(), "seed": None, "logit_bias": None, "best_of": None, "detokenize": True,
+                   "spaces_between_special_tokens": True, "guided_decoding": None}
+    result = generate(server.grpc_url, prompt, sampling_parameters=every_field)
+    assert result.error is None and result.text == plain.text, result.error
     error = generate(server.grpc_url, prompt, sampling_parameters={"allowed_token_ids": [10**6]}).error
     assert error and "allowed_token_ids" in error and "vocabulary" in error, error
     # Constraints that leave no token: an error for that request alone, the one beside it served.

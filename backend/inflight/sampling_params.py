@@ -198,12 +198,34 @@ class SamplingParams:
         `strings_allowed`, read scalar values sent as strings (genai-perf sends {"max_tokens": "32"})."""
         if not isinstance(values, dict):
             raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
+        values = {name: value for name, value in values.items() if value is not None}  # null: the default
+        _drop_vllm_defaults(values, strings_allowed)
         types = {f.name: f.type for f in fields(cls)}
         unknown = sorted(set(values) - set(types))
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return {name: _parse_string(name, value, types[name]) if strings_allowed and isinstance(value, str)
                 else value for name, value in values.items()}
+
+
+def _drop_vllm_defaults(values: dict[str, Any], strings_allowed: bool) -> None:
+    """vLLM's SamplingParams fields that this engine does not have, taken out of `values` when they ask
+    for nothing (a client that sends every field of vLLM's sends them): `detokenize` and
+    `spaces_between_special_tokens` true, `best_of` equal to n. Any other value is refused by name."""
+    def read(name: str, kind: type) -> Any:
+        value = values[name]
+        return _parse_string(name, value, kind) if strings_allowed and isinstance(value, str) else value
+
+    for name in ("detokenize", "spaces_between_special_tokens"):
+        if name in values:
+            if read(name, bool) is not True:
+                raise ValueError(f"{name} is not supported but at its default, true; got {values[name]!r}")
+            del values[name]
+    if "best_of" in values:
+        n, best_of = read("n", int) if "n" in values else 1, read("best_of", int)
+        if isinstance(best_of, bool) or best_of != n:
+            raise ValueError(f"best_of is not supported but equal to n ({n!r}); got {values['best_of']!r}")
+        del values["best_of"]
 
 
 def _token_id(name: str, value: Any, strings_allowed: bool = False) -> int:

@@ -39,6 +39,8 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_nu
          "return_logprobs", "return_cumulative_logprob",  # vllm_backend's
          "return_log_probs")  # TensorRT-LLM's: outputs output_log_probs and cum_log_probs
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+# Also read as sampling parameters: vLLM's names that SamplingParams takes out or vllm_backend renames.
+VLLM_PARAMETERS = {"priority", "guided_decoding", "best_of", "detokenize", "spaces_between_special_tokens"}
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
 BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM's logit bias by words
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
@@ -200,6 +202,8 @@ def _rename_guided_decoding(values: dict) -> None:
     """vLLM's older name for structured_outputs, which vllm_backend still reads (a JSON object or its
     text), with its `backend` when that is xgrammar."""
     guided = values.pop("guided_decoding")
+    if guided is None:
+        return
     if "structured_outputs" in values:
         raise ValueError("give either 'structured_outputs' or 'guided_decoding' in sampling_parameters, not both")
     if isinstance(guided, str):
@@ -230,7 +234,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     # vllm_backend does; anything else among them is an error (HTTP generate turns misspelt inputs
     # into parameters, which must not pass silently).
     parameters = {k: v for k, v in (parameters or {}).items() if not k.startswith("triton_")}
-    allowed = set() if "sampling_parameters" in inputs else SAMPLING_FIELDS | {"priority", "guided_decoding"}
+    allowed = set() if "sampling_parameters" in inputs else SAMPLING_FIELDS | VLLM_PARAMETERS
     unknown = sorted(set(parameters) - allowed)
     if unknown:
         raise ValueError(f"unknown parameter(s): {', '.join(unknown)}; inputs are: {', '.join(sorted(KNOWN_INPUTS))}")
