@@ -204,7 +204,7 @@ def _rename_guided_decoding(values: dict) -> None:
     guided = values.pop("guided_decoding")
     if guided is None:
         return
-    if "structured_outputs" in values:
+    if values.get("structured_outputs") is not None:
         raise ValueError("give either 'structured_outputs' or 'guided_decoding' in sampling_parameters, not both")
     if isinstance(guided, str):
         try:
