@@ -18,15 +18,18 @@ def model(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(model):
-    """log_softmax of HF's logits at every position of a token sequence (float32)."""
+def hf_model(model):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
+
+@pytest.fixture(scope="module")
+def hf_logprobs(hf_model):
+    """log_softmax of HF's logits at every position of a token sequence (float32)."""
     def compute(tokens: list[int]) -> torch.Tensor:
         with torch.inference_mode():
-            return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
+            return torch.log_softmax(hf_model(torch.tensor([tokens])).logits[0].float(), dim=-1)
 
     return compute
 
@@ -179,15 +182,8 @@ def test_n_completions_under_preemption_and_abort(model, async_scheduling):
     tight.block_manager.check_all_free()
 
 
-@pytest.fixture(scope="module")
-def hf_model(model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-
-
 @PIPELINED
-def test_logit_bias_and_allowed_token_ids_equal_hf_generate(model, hf_model, async_scheduling):
+def test_logit_bias_and_allowed_token_ids_equal_hf_generate(model, hf_model, hf_logprobs, async_scheduling):
     """Greedy under logit_bias equals HF `generate` with the same bias on single tokens (its
     sequence_bias), under allowed_token_ids HF `generate` with a prefix_allowed_tokens_fn that allows
     the same; in one batch with requests that ask for neither, which stay as they were alone. A sampled
@@ -216,8 +212,7 @@ def test_logit_bias_and_allowed_token_ids_equal_hf_generate(model, hf_model, asy
     assert outs[2].token_ids == plain[2].token_ids
     sampled = outs[3].outputs[0]
     assert set(sampled.token_ids) <= set(allowed) and len(set(sampled.token_ids)) > 2
-    with torch.inference_mode():
-        reference = torch.log_softmax(hf_model(torch.tensor([prompts[0] + sampled.token_ids])).logits[0], dim=-1)
+    reference = hf_logprobs(prompts[0] + sampled.token_ids)
     for i, (token, entry) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
         assert abs(entry[token].logprob - reference[len(prompts[0]) + i - 1, token].item()) < 1e-4
     llm.block_manager.check_all_free()

@@ -141,7 +141,7 @@ class LLMEngine:
         vocab = self.runner.hf_config.vocab_size
         params.check_token_ids(vocab)
         if (params.allowed_token_ids is not None and params.min_tokens
-                and set(params.allowed_token_ids) <= {*self.eos_token_ids, *params.stop_token_ids}):
+                and params.allowed_set <= {*self.eos_token_ids, *params.stop_token_ids}):
             raise ValueError("allowed_token_ids holds only end tokens (EOS or stop_token_ids), which min_tokens "
                              "forbids before its count: nothing could be generated")
         if isinstance(prompt, str):

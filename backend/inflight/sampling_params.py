@@ -165,7 +165,7 @@ class SamplingParams:
     @property
     def stop_hold_back(self) -> int:
         """Characters of a running sequence's text kept from its stream: those that could be the start
-        of a stop string, which would be cut. None when the stop string is kept: a match then cuts only
+        of a stop string, which would be cut. Nothing when the stop string is kept: a match then cuts only
         what follows it, which has not been sent."""
         if self.include_stop_str_in_output:
             return 0
