@@ -1,7 +1,7 @@
 """Throughput benchmark: the same fixed-seed workload through HF static batching, HF continuous
 batching and inflight (offline, and through tritonserver when asked), in one process on one model and
-dtype, the prefix-caching workload and the cost of structured outputs. Prints markdown tables for the
-README.
+dtype, the prefix-caching workload and the cost of structured outputs and of LoRA adapters. Prints
+markdown tables for the README.
 
     make bench                        # everything, 64 requests
     .venv/bin/python client/bench.py --num-requests 24 --peers inflight,hf-cb --repeats 1
@@ -221,6 +221,34 @@ def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[st
     return result
 
 
+def bench_lora(model_dir: str, work: Workload, repeats: int) -> dict[str, float]:
+    """A quarter of the workload without LoRA, with two adapters loaded (ranks 8 and 4 over 6 of a layer's
+    7 projections between them) and every request on the base model, and with the requests spread over
+    the base model and both adapters; output tok/s, medians of alternating runs, each engine built once."""
+    import tempfile
+
+    from inflight import SamplingParams
+    from lora_adapters import LORA_ADAPTERS, make_lora_adapters
+
+    k = max(3, len(work.prompts) // 4)
+    prompts, params = work.prompts[:k], [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                                         for m in work.output_lens[:k]]
+    spread = [(None, *LORA_ADAPTERS)[i % 3] for i in range(k)]
+    with tempfile.TemporaryDirectory() as folder:
+        plain, with_lora = make_llm(model_dir), make_llm(model_dir, lora_modules=make_lora_adapters(model_dir,
+                                                                                                     Path(folder)))
+        seconds = alternating({
+            "no adapters": lambda: timed(plain.generate, prompts, params),
+            "2 adapters loaded, base requests": lambda: timed(with_lora.generate, prompts, params),
+            "2 adapters loaded, requests spread over base and both": lambda: timed(
+                lambda: with_lora.generate(prompts, params, lora_name=spread)),
+        }, repeats)
+    tokens = sum(work.output_lens[:k])
+    result = {label: tokens / statistics.median(times) for label, times in seconds.items()}
+    print(f"  LoRA ({k} requests, {tokens} tokens): {result}", file=sys.stderr)
+    return result
+
+
 def bench_structured_outputs(model_dir: str, n: int, repeats: int) -> dict:
     """n chat requests for a person record, all under one JSON schema, against the same requests
     unconstrained and cut to the same lengths (so both runs make the same tokens in the same batches),
@@ -385,10 +413,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers",
-                        default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,tp,detok,sampling",
+                        default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,tp,detok,sampling",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
-                             "tp (tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), sampling "
-                             "(the sampler's cost for 128 streams)")
+                             "lora (the cost of serving two LoRA adapters), tp (tensor parallelism: 1 and 3 "
+                             "ranks), detok (detokenizing 128 streams), sampling (the sampler's cost for 128 "
+                             "streams)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -479,6 +508,12 @@ def main() -> None:
               f"|---|---:|\n| 4 separate requests per prompt | {r['4 separate requests']:.1f} |\n"
               f"| one request with n=4 (the prompt computed once) | {r['n=4']:.1f} "
               f"({r['n=4'] / r['4 separate requests']:.2f}x) |")
+    if "lora" in peers:
+        r = bench_lora(args.model, work, args.repeats)
+        base = r["no adapters"]
+        print(f"\n| {max(3, len(work.prompts) // 4)} requests, median of {args.repeats} | output tok/s |\n|---|---:|")
+        for label, tps in r.items():
+            print(f"| {label} | {tps:.1f}" + (f" ({tps / base - 1:+.1%})" if tps is not base else "") + " |")
     if "structured" in peers:
         r = bench_structured_outputs(args.model, args.num_requests, args.repeats)
         cost = 1 - r["constrained_tok_s"] / r["unconstrained_tok_s"]

@@ -20,6 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "client"))  # the clients and helpers the tests share with the benchmarks
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 
 torch.set_num_threads(int(os.environ.get("INFLIGHT_TEST_THREADS", "2")))
@@ -132,7 +133,6 @@ def concurrently(calls, timeout: float):
 def serve(env: dict | None = None, **settings):
     """Body of a module-scoped fixture: a real tritonserver with these engine settings (and extra
     environment variables), which must still be alive when the module's tests are done."""
-    sys.path.insert(0, str(ROOT / "client"))
     from server_process import TritonServer
 
     settings.setdefault("device", "cpu")
@@ -183,7 +183,6 @@ def stream_to_the_end(url: str, prompt: str, quiet_s: float = 1.0, **inputs) -> 
     error and how many responses came after the final one (there must be none)."""
     import tritonclient.grpc as grpcclient
 
-    sys.path.insert(0, str(ROOT / "client"))
     from grpc_stream import make_inputs
 
     client = grpcclient.InferenceServerClient(url)

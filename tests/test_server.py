@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate  # noqa: E402
 from conftest import concurrently, serve  # noqa: E402
+from lora_adapters import make_lora_adapters  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -31,16 +32,22 @@ SETTINGS = dict(num_kv_blocks=256, kv_cache_memory=None, max_num_seqs=64, max_nu
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from serve(**SETTINGS)
+def lora_modules(default_model, tmp_path_factory):
+    """Two LoRA adapters of the default model, served beside it."""
+    return make_lora_adapters(default_model, tmp_path_factory.mktemp("lora"))
 
 
 @pytest.fixture(scope="module")
-def offline(default_model):
+def server(lora_modules):
+    yield from serve(**SETTINGS, lora_modules=lora_modules)
+
+
+@pytest.fixture(scope="module")
+def offline(default_model, lora_modules):
     """The offline engine, under the same settings."""
     from inflight import LLM
 
-    return LLM(default_model, **SETTINGS)
+    return LLM(default_model, **SETTINGS, lora_modules=lora_modules)
 
 
 @pytest.fixture(scope="module")
@@ -347,6 +354,29 @@ def test_token_controls_prompt_truncation_and_kept_stop_strings(server, offline)
                                   (impossible, greedy()))
     assert failed.error and "no token can follow" in failed.error, failed.error
     assert served.error is None and served.text == plain.text
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
+
+
+def test_lora_adapters_by_name_beside_the_base_model(server, offline):
+    """vllm_backend's lora_name (in sampling_parameters; over HTTP also as a parameter): requests of each
+    adapter and of the base model at once, each served as the offline engine generates it; an adapter
+    the server does not have is refused by name."""
+    from inflight import SamplingParams
+
+    prompt = PROMPTS[4]
+    expected = {name: offline.generate([prompt], SamplingParams(**greedy()), lora_name=name)[0].text
+                for name in (None, "alpha", "beta")}
+    assert len(set(expected.values())) == 3, expected
+    named = lambda name: {"lora_name": name} if name else {}  # noqa: E731
+    with ThreadPoolExecutor(len(expected)) as pool:
+        results = list(pool.map(lambda name: generate(server.grpc_url, prompt,
+                                                      sampling_parameters={**greedy(), **named(name)}), expected))
+    assert [(r.error, r.text) for r in results] == [(None, text) for text in expected.values()]
+    events = http_generate_stream(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                           "stream": True, "lora_name": "beta"})
+    assert "error" not in events[-1] and "".join(e["text_output"] for e in events) == expected["beta"]
+    error = generate(server.grpc_url, prompt, sampling_parameters={"lora_name": "gamma"}).error
+    assert error and "unknown LoRA adapter 'gamma'" in error, error
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
 
 

@@ -21,7 +21,7 @@ from inflight.serving.profile import PARTS, ServingProfile
 from inflight.serving.request import parse_request, with_word_bias
 from inflight.structured_output import canonical_spec
 from inflight.config import EngineConfig
-from inflight.serving.settings import place_instance, split_settings
+from inflight.serving.settings import place_instance, resolve_lora_modules, split_settings
 
 
 def text(s: str | bytes) -> np.ndarray:
@@ -166,6 +166,39 @@ def test_unknown_parameters_are_refused_but_triton_ones_pass():
     with pytest.raises(ValueError, match="colour"):
         parse_request({"text_input": text("hi")}, parameters={"colour": "blue"})
     assert parse_request({"text_input": text("hi")}, parameters={"triton_enable_empty_final_response": True})
+
+
+def test_parse_lora_name_in_both_places():
+    """vllm_backend's lora_name in sampling_parameters, and over HTTP as a parameter of the request."""
+    parsed = parse_request({"text_input": text("hi"), "sampling_parameters": text('{"lora_name": "sql", "top_k": 3}')})
+    assert (parsed.lora_name, parsed.params.top_k) == ("sql", 3)
+    assert parse_request({"text_input": text("hi")}, parameters={"lora_name": "sql"}).lora_name == "sql"
+    assert parse_request({"text_input": text("hi")}).lora_name is None
+    for bad in ('{"lora_name": 3}', '{"lora_name": ""}'):
+        with pytest.raises(ValueError, match="lora_name must be the name of a LoRA adapter"):
+            parse_request({"text_input": text("hi"), "sampling_parameters": text(bad)})
+
+
+def test_lora_modules_from_model_json_or_multi_lora_json(tmp_path):
+    """model.json's lora_modules, or (enable_lora, vllm_backend's convention) multi_lora.json beside it;
+    relative folders are taken from the project root."""
+    root = str(tmp_path / "root")
+    assert resolve_lora_modules(None, False, str(tmp_path), root) is None
+    assert resolve_lora_modules({"a": "adapters/a", "b": "/abs/b"}, False, str(tmp_path), root) == {
+        "a": os.path.join(root, "adapters/a"), "b": "/abs/b"}
+    with pytest.raises(ValueError, match="multi_lora.json.*could not be read"):
+        resolve_lora_modules(None, True, str(tmp_path), root)
+    (tmp_path / "multi_lora.json").write_text(json.dumps({"doctor": "/w/doctor", "sql": "sql"}))
+    _, serving = split_settings({"model": "m", "enable_lora": "true"})  # as vllm_backend's model.json writes it
+    assert resolve_lora_modules(None, serving.enable_lora, str(tmp_path), root) == {
+        "doctor": "/w/doctor", "sql": os.path.join(root, "sql")}
+    with pytest.raises(ValueError, match="leave lora_modules out"):
+        resolve_lora_modules({"a": "a"}, True, str(tmp_path), root)
+    (tmp_path / "multi_lora.json").write_text("{nope")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        resolve_lora_modules(None, True, str(tmp_path), root)
+    with pytest.raises(ValueError, match="enable_lora"):
+        split_settings({"model": "m", "enable_lora": "yes"})
 
 
 def test_settings_split_and_unknown_keys():

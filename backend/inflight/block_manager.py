@@ -1,6 +1,7 @@
 """The KV block pool: block tables, reference counts and automatic prefix caching.
 
-A full block is identified by a chained hash of (its parent's hash, its token ids). A block whose last
+A full block is identified by a chained hash of (its parent's hash, its token ids); the first block's
+parent is the sequence's LoRA adapter, whose KV differs from the base model's. A block whose last
 user is gone keeps its contents and its hash in the free pool, so a later prompt with the same prefix
 can take it back; when a fresh block is needed, blocks with no cached contents go first, then cached
 ones in least-recently-freed order.
@@ -19,6 +20,7 @@ class Block:
     hash: int | None = None  # set while the block is registered in the prefix cache
     token_ids: tuple[int, ...] | None = None
     parent_id: int | None = None  # the block before it in the sequence that filled it
+    lora_id: int = 0  # the LoRA adapter of the sequence that filled it
 
 
 class BlockManager:
@@ -114,6 +116,11 @@ class BlockManager:
     def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
         return hash((parent_hash, token_ids))
 
+    @staticmethod
+    def _root_hash(seq: Sequence) -> int | None:
+        """The first block's parent: none for the base model, the adapter for a LoRA sequence."""
+        return hash(("lora", seq.lora_id)) if seq.lora_id else None
+
     def match_prefix(self, seq: Sequence) -> int:
         """For a sequence without blocks: take the longest run of cached full blocks of its tokens and
         mark them computed. The last token is always left to compute, so that there is a token to sample
@@ -122,7 +129,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need every prompt position computed
         tokens = seq.token_ids
-        parent_hash, parent_id = None, None
+        parent_hash, parent_id = self._root_hash(seq), None
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start:start + self.block_size])
             h = self.hash_block(parent_hash, chunk)
@@ -131,7 +138,7 @@ class BlockManager:
                 break
             block = self.blocks[block_id]
             # Compare contents, not only hashes: a collision must never hand out wrong KV.
-            if block.token_ids != chunk or block.parent_id != parent_id:
+            if block.token_ids != chunk or block.parent_id != parent_id or block.lora_id != seq.lora_id:
                 break
             if block.ref_count == 0:
                 del self._free_cached[block_id]
@@ -150,7 +157,7 @@ class BlockManager:
         start = len(seq.block_hashes)
         if num_full <= start:
             return
-        parent_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        parent_hash = seq.block_hashes[-1] if seq.block_hashes else self._root_hash(seq)
         for i in range(start, num_full):
             chunk = tuple(seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
             h = self.hash_block(parent_hash, chunk)
@@ -160,7 +167,7 @@ class BlockManager:
             # a match (which checks parent ids) proves the whole prefix is identical.
             parent_cached = parent_id is None or self.blocks[parent_id].hash == parent_hash
             if parent_cached and h not in self._cached and block.hash is None:
-                block.hash, block.token_ids, block.parent_id = h, chunk, parent_id
+                block.hash, block.token_ids, block.parent_id, block.lora_id = h, chunk, parent_id, seq.lora_id
                 self._cached[h] = block.block_id
             seq.block_hashes.append(h)
             parent_hash = h

@@ -55,6 +55,9 @@ class EngineConfig:
     # A step that raises fails its own requests and the engine goes on; this many failed steps in a
     # row (a sticky device error, say) and the engine stops: every request ends with an error.
     max_consecutive_failed_steps: int = 3
+    # LoRA adapters served beside the base model: name -> peft adapter folder (lora.py). A request names
+    # one (`lora_name`) or none; every adapter is loaded at start-up.
+    lora_modules: dict[str, str] | None = None
 
     # Share of free memory given to the KV pool when neither a block count nor bytes are set.
     # A GPU holds little else; on a CPU host the rest of the machine needs its memory.
@@ -108,6 +111,7 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (the workers would need the GPU's "
                              "sampled tokens)")
+        self._check_lora_modules()
         pool_sizes = [name for name in ("num_kv_blocks", "kv_cache_memory", "kv_cache_memory_fraction")
                       if getattr(self, name) is not None]
         if len(pool_sizes) > 1:
@@ -133,6 +137,18 @@ class EngineConfig:
                 or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)):
             raise ValueError(f"gpu_device_ids must list {self.tensor_parallel_size} distinct GPU indices "
                              f"(one per rank of tensor_parallel_size), got {ids!r}")
+
+    def _check_lora_modules(self) -> None:
+        modules = self.lora_modules
+        if modules is None:
+            return
+        if (not isinstance(modules, dict) or not modules
+                or any(not isinstance(k, str) or not k or not isinstance(v, str) or not v for k, v in modules.items())):
+            raise ValueError(f"lora_modules must map adapter names to adapter folders, got {modules!r}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("lora_modules needs tensor_parallel_size 1 (the adapters are not sharded)")
+        if self.torch_compile:
+            raise ValueError("lora_modules and torch_compile: set one (LoRA layers run as hooks, not compiled)")
 
     @property
     def device_type(self) -> str:

@@ -32,11 +32,15 @@ def bucket_sizes(max_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Callable[[StepTensors], torch.Tensor], buffers: InputBuffers, max_seqs: int):
+    def __init__(self, forward: Callable[[StepTensors], torch.Tensor], buffers: InputBuffers, max_seqs: int,
+                 lora: bool = False):
         self._forward = forward  # step tensors -> float32 logits, one row per token
         self._buffers = buffers
         self.sizes = bucket_sizes(max_seqs)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # With LoRA adapters, each bucket twice: steps with an adapter, and steps of the base model alone,
+        # which then pay nothing for the adapters (lora.py).
+        self._variants = (False, True) if lora else (False,)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # decode steps run by a graph
 
     @torch.inference_mode()
@@ -45,17 +49,18 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            tensors = self._buffers.load(empty_step(), pad_seqs=size)
-            self._forward(tensors)  # compiles this bucket's kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(tensors)
-            self._graphs[size] = (graph, logits)
+            for lora in self._variants:
+                tensors = self._buffers.load(empty_step(lora), pad_seqs=size)
+                self._forward(tensors)  # compiles this bucket's kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(tensors)
+                self._graphs[size, lora] = (graph, logits)
         torch.cuda.synchronize()
-        logger.info("CUDA graphs: %d decode batch sizes (1 to %d) captured in %.1f s, %.0f MiB",
-                    len(self.sizes), self.sizes[-1], time.perf_counter() - started,
-                    (free_before - torch.cuda.mem_get_info()[0]) / 2**20)
+        logger.info("CUDA graphs: %d decode batch sizes (1 to %d)%s captured in %.1f s, %.0f MiB",
+                    len(self.sizes), self.sizes[-1], ", with and without LoRA," if len(self._variants) > 1 else "",
+                    time.perf_counter() - started, (free_before - torch.cuda.mem_get_info()[0]) / 2**20)
 
     def covers(self, inputs: StepInputs) -> bool:
         """A decode step of at most the largest bucket, sampling every row in order."""
@@ -67,7 +72,7 @@ class DecodeGraphs:
         """The step's logits [sequences, vocab]: a view of the graph's output, valid until its next replay."""
         seqs = len(inputs.seq_lens)
         size = self.sizes[bisect.bisect_left(self.sizes, seqs)]
-        graph, logits = self._graphs[size]
+        graph, logits = self._graphs[size, inputs.lora_ids is not None]
         self._buffers.load(inputs, pad_seqs=size, sampled=sampled)
         graph.replay()
         self.replays += 1

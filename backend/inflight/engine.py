@@ -129,10 +129,12 @@ class LLMEngine:
         return self._encoders.encode(text, add_special_tokens, max_tokens, limit_name)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
-        """Validate and queue a request. A lower `priority` is served earlier. Raises ValueError naming
-        the problem (EngineDeadError once the engine has stopped); nothing is queued then."""
+                    priority: int = 0, lora_name: str | None = None) -> None:
+        """Validate and queue a request. A lower `priority` is served earlier; `lora_name`: one of the
+        adapters of `lora_modules` (none: the base model). Raises ValueError naming the problem
+        (EngineDeadError once the engine has stopped); nothing is queued then."""
         params = params or SamplingParams()
+        lora_id = self.lora_id(lora_name)
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2**31:
@@ -162,7 +164,8 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): its completions "
                              "run at once")
-        seq = self._new_sequence(request_id, token_ids, params, self._bad_words_ids(params.bad_words), priority)
+        seq = self._new_sequence(request_id, token_ids, params, self._bad_words_ids(params.bad_words), priority,
+                                 lora_id=lora_id)
         seq.forks_left = params.n - 1
         with self._lock:
             self._check_alive()
@@ -171,8 +174,18 @@ class LLMEngine:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox.append(seq)
 
+    def lora_id(self, lora_name: str | None) -> int:
+        """The adapter's id in the step inputs (0: the base model); ValueError for a name not served."""
+        if lora_name is None:
+            return 0
+        names = list(self.config.lora_modules or {})
+        if lora_name not in names:
+            served = f"this server has {', '.join(map(repr, names))}" if names else "this server has none"
+            raise ValueError(f"unknown LoRA adapter {lora_name!r}: {served} (lora_modules)")
+        return names.index(lora_name) + 1
+
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      bad_words_ids: list[list[int]], priority: int, index: int = 0) -> Sequence:
+                      bad_words_ids: list[list[int]], priority: int, index: int = 0, lora_id: int = 0) -> Sequence:
         """Completion `index` of a request: its own detokenizer, grammar matcher, and generator (seeded
         with seed + index)."""
         generator = None
@@ -189,6 +202,7 @@ class LLMEngine:
             matcher=self.grammars().matcher(params.structured_outputs) if params.structured_outputs else None,
             priority=priority,
             index=index,
+            lora_id=lora_id,
         )
 
     def grammars(self) -> StructuredOutputs:
@@ -361,7 +375,7 @@ class LLMEngine:
             index = parent.params.n - parent.forks_left
             parent.forks_left -= 1
             child = self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params,
-                                       parent.bad_words_ids, parent.priority, index)
+                                       parent.bad_words_ids, parent.priority, index, parent.lora_id)
             child.arrival = parent.arrival
             self.block_manager.fork(parent, child)
             self.scheduler.add_running(child)

@@ -36,6 +36,7 @@ class StepInputs:
     # and each one's row in the previous step's sampled tokens, which the runner reads it from.
     pending_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    lora_ids: np.ndarray | None = None  # [T] each token's LoRA adapter (0: none); None: none at all
 
     @property
     def is_decode(self) -> bool:
@@ -65,8 +66,10 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[in
         tables[row, :len(seq.block_table)] = seq.block_table
     token_rows = np.repeat(np.arange(len(seqs)), counts)
     slot_mapping = tables[token_rows, positions // block_size] * block_size + positions % block_size
+    adapters = np.fromiter((s.lora_id for s in seqs), np.int64, len(seqs))
     return StepInputs(input_ids, positions, slot_mapping, cu_seqlens, starts + counts, tables,
-                      np.asarray(logits_at, dtype=np.int64), list(block_copies or []))
+                      np.asarray(logits_at, dtype=np.int64), list(block_copies or []),
+                      lora_ids=np.repeat(adapters, counts) if adapters.any() else None)
 
 
 @dataclass
@@ -80,13 +83,15 @@ class StepTensors:
     seq_lens: torch.Tensor  # [S]
     block_tables: torch.Tensor  # [S, W], rows max_blocks apart
     logits_at: torch.Tensor | None  # [L]; None: every token's logits
+    lora_ids: torch.Tensor | None  # [T] each token's LoRA adapter, 0 for none; None: no token has one
 
 
-def empty_step() -> StepInputs:
+def empty_step(lora: bool = False) -> StepInputs:
     """A decode step of no sequences: loaded with padding (InputBuffers.load's pad_seqs), it is a batch
-    of harmless rows, for capturing graphs and compiling."""
+    of harmless rows, for capturing graphs and compiling. `lora`: a step whose LoRA layers compute."""
     none = np.zeros(0, dtype=np.int64)
-    return StepInputs(none, none, none, np.zeros(1, dtype=np.int64), none, np.zeros((0, 0), dtype=np.int64), none)
+    return StepInputs(none, none, none, np.zeros(1, dtype=np.int64), none, np.zeros((0, 0), dtype=np.int64), none,
+                      lora_ids=none if lora else None)
 
 
 def empty_prefill(tokens: int, block_size: int, seqs: int = 1, sampled: bool = True) -> StepInputs:
@@ -114,8 +119,8 @@ class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         sizes = dict(input_ids=max_tokens, positions=max_tokens, slot_mapping=max_tokens, logits_at=max_tokens,
-                     cu_seqlens=max_seqs + 1, seq_lens=max_seqs, pending_at=max_seqs, pending_rows=max_seqs,
-                     block_tables=max_seqs * max_blocks)
+                     lora_ids=max_tokens, cu_seqlens=max_seqs + 1, seq_lens=max_seqs, pending_at=max_seqs,
+                     pending_rows=max_seqs, block_tables=max_seqs * max_blocks)
         self._offsets, start = {}, 0
         for name, size in sizes.items():
             self._offsets[name] = (start, start + size)
@@ -158,6 +163,7 @@ class InputBuffers:
             values = getattr(inputs, name)
             begin = self._offsets[name][0]
             host[begin:begin + len(values)] = values
+        self._field(host, "lora_ids")[:tokens] = 0 if inputs.lora_ids is None else inputs.lora_ids
         begin = self._offsets["cu_seqlens"][0]
         host[begin:begin + seqs + 1] = inputs.cu_seqlens
         begin = self._offsets["seq_lens"][0]
@@ -167,7 +173,7 @@ class InputBuffers:
         if rows > seqs:
             assert tokens == seqs, "only decode steps are padded"
             pad = slice(seqs, rows)
-            for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
+            for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("lora_ids", 0)):
                 self._field(host, name)[pad] = value
             self._field(host, "cu_seqlens")[seqs + 1:rows + 1] = np.arange(seqs + 1, rows + 1)
             self._field(host, "seq_lens")[pad] = 1
@@ -181,14 +187,16 @@ class InputBuffers:
             at = self._field(self.device, "pending_at")[:pending]
             source = self._field(self.device, "pending_rows")[:pending]
             self._field(self.device, "input_ids").index_copy_(0, at, sampled.index_select(0, source))
+        lora = inputs.lora_ids is not None
         if pad_seqs is None:
-            return self.views(tokens, seqs, width, len(inputs.logits_at))
-        return self.views(rows, rows, self.max_blocks, None)  # what a captured graph reads: every row's logits
+            return self.views(tokens, seqs, width, len(inputs.logits_at), lora)
+        return self.views(rows, rows, self.max_blocks, None, lora)  # what a captured graph reads: every row's logits
 
-    def views(self, tokens: int, seqs: int, width: int, logits: int | None) -> StepTensors:
+    def views(self, tokens: int, seqs: int, width: int, logits: int | None, lora: bool = False) -> StepTensors:
         """New view objects each call (torch_ops caches its plan by the identity of these tensors)."""
         field = lambda name, n: self._field(self.device, name)[:n]  # noqa: E731
         return StepTensors(field("input_ids", tokens), field("positions", tokens), field("slot_mapping", tokens),
                            field("cu_seqlens", seqs + 1), field("seq_lens", seqs),
                            self.tables(self.device)[:seqs, :width],
-                           None if logits is None else field("logits_at", logits))
+                           None if logits is None else field("logits_at", logits),
+                           field("lora_ids", tokens) if lora else None)

@@ -14,9 +14,11 @@ class LLM(LLMEngine):
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None,
+                 lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in the order of `prompts`. `priority`:
-        one per prompt, lower served earlier."""
+        one per prompt, lower served earlier. `lora_name`: the LoRA adapter of every prompt, or one per
+        prompt (None: the base model)."""
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -25,10 +27,13 @@ class LLM(LLMEngine):
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        adapters = list(lora_name) if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} LoRA adapter names for {len(prompts)} prompts")
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
         for k, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):
             try:
-                self.add_request(request_id, prompt, p, priority[k])
+                self.add_request(request_id, prompt, p, priority[k], adapters[k])
             except ValueError as e:
                 for queued in ids[:k]:  # leave nothing behind for a batch that is refused
                     self.abort(queued)

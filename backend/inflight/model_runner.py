@@ -22,6 +22,7 @@ from .cuda_graphs import DecodeGraphs
 from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
 from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, to_device
 from .kernel_warmup import compile_attention_kernels
+from .lora import LoRAAdapters
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                     -(-self.max_model_len // self.block_size), self.device)
+        # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
+        self.lora = LoRAAdapters(self.model, config.lora_modules, dtype, self.device) if config.lora_modules else None
         if self._use_packed_weights():
             # A step samples one row a sequence: the output head needs no more rows, prompt logprobs aside.
             pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens,
@@ -86,7 +89,7 @@ class ModelRunner:
                                       self.num_kv_heads, self.block_size, num_sms)
         self.graphs = None
         if self._use_cuda_graphs():
-            self.graphs = DecodeGraphs(self._forward, self.buffers, config.max_num_seqs)
+            self.graphs = DecodeGraphs(self._forward, self.buffers, config.max_num_seqs, lora=self.lora is not None)
             self.graphs.capture()
 
     def _compile(self) -> None:
@@ -226,6 +229,8 @@ class ModelRunner:
         return self._forward(self.buffers.load(inputs, sampled=sampled))
 
     def _forward(self, step: StepTensors) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.begin_step(step.lora_ids)
         context = AttentionContext(
             kv_caches=self.kv_caches,
             slot_mapping=step.slot_mapping,

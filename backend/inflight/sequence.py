@@ -32,6 +32,7 @@ class Sequence:
     arrival: int = 0  # order of arrival, among equal priorities
     index: int = 0  # which of the request's n completions
     forks_left: int = 0  # completions still to fork from this one once its prompt is computed
+    lora_id: int = 0  # its LoRA adapter (1, 2, ... in the order of lora_modules); 0: the base model
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -8,7 +8,8 @@ milliseconds, each step 128 responses) the two together need more than one core'
 `EngineProcess` is an EngineThread (same callbacks, same responder, same coalescing) whose stepping
 thread receives the engine process's steps instead of running them. Messages are pickled tuples on a
 pipe:
-  to the engine:   ("wait_for_sends", bool) once; then ("add", request_id, token_ids, params, priority),
+  to the engine:   ("wait_for_sends", bool) once; then ("add", request_id, token_ids, params, priority,
+                   lora_name),
                    ("abort", request_id), ("sent",) (a step's responses are out: when told to, the
                    engine waits for it before the next step, see engine_thread.py), ("stop",)
   from the engine: ("ready", device_type, max_model_len) or ("failed", reason) once; then ("step", deltas, stats),
@@ -92,9 +93,9 @@ class EngineProcess(EngineThread):
         self._stopped = False
 
     # -- called by the Triton model ----------------------------------------------------------------
-    def submit(self, request_id: str, prompt, params, priority: int = 0) -> None:
+    def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None) -> None:
         """Send a request on; the engine's refusal comes back as its final delta."""
-        self._send(("add", request_id, prompt, params, priority))
+        self._send(("add", request_id, prompt, params, priority, lora_name))
         self.engine.submitted_since_stats += 1
 
     def abort(self, request_id: str) -> None:
@@ -242,9 +243,9 @@ class _Serve:
                 self.sends_done.release()  # a step waiting for its sends must not hold up the stop
                 return
 
-    def add(self, request_id: str, prompt: list[int], params, priority: int) -> None:
+    def add(self, request_id: str, prompt: list[int], params, priority: int, lora_name: str | None) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, priority)
+            self.engine.add_request(request_id, prompt, params, priority, lora_name)
         except EngineDeadError as e:
             self.refuse(request_id, str(e), "unavailable")
         except ValueError as e:

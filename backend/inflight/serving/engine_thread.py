@@ -92,9 +92,9 @@ class EngineThread:
         self._responder.start()
         return self.engine
 
-    def submit(self, request_id: str, prompt, params, priority: int = 0) -> None:
+    def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None) -> None:
         """Queue a request; raises ValueError (from the engine's validation) without queueing it."""
-        self.engine.add_request(request_id, prompt, params, priority)
+        self.engine.add_request(request_id, prompt, params, priority, lora_name)
         with self._wake:
             self._wake.notify()
 

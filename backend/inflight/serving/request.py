@@ -40,7 +40,8 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_nu
          "return_log_probs")  # TensorRT-LLM's: outputs output_log_probs and cum_log_probs
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # Also read as sampling parameters: vLLM's names that SamplingParams takes out or vllm_backend renames.
-VLLM_PARAMETERS = {"priority", "guided_decoding", "best_of", "detokenize", "spaces_between_special_tokens"}
+VLLM_PARAMETERS = {"priority", "lora_name", "guided_decoding", "best_of", "detokenize",
+                   "spaces_between_special_tokens"}
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
 BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM's logit bias by words
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
@@ -53,6 +54,7 @@ class ParsedRequest:
     prompt: str | list[int]  # text, or token ids (input_ids)
     params: SamplingParams
     priority: int = 0
+    lora_name: str | None = None  # vllm_backend's: the LoRA adapter (one of the server's lora_modules)
     stream: bool = False
     exclude_input_in_output: bool = False
     return_finish_reason: bool = False
@@ -252,6 +254,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     else:
         from_json = dict(parameters)
     priority = _priority(from_json.pop("priority", None), inputs)
+    lora_name = from_json.pop("lora_name", None)
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise ValueError(f"lora_name must be the name of a LoRA adapter, got {lora_name!r}")
     if "guided_decoding" in from_json:
         _rename_guided_decoding(from_json)
     from_json = SamplingParams.parse_fields(from_json, strings_allowed=True)
@@ -310,5 +315,5 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     if params.max_tokens > settings.max_tokens_limit:
         raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this server's limit of "
                          f"{settings.max_tokens_limit}")
-    return ParsedRequest(prompt=prompt, params=params, priority=priority,
+    return ParsedRequest(prompt=prompt, params=params, priority=priority, lora_name=lora_name,
                          per_completion_responses="num_return_sequences" in inputs, bias_words=bias_words, **flags)

@@ -2,6 +2,8 @@
 names of `LLM(...)`) plus the serving settings: admission and input-size limits, cancellation polling,
 and whether responses are sent while the next step runs."""
 
+import json
+import os
 from dataclasses import dataclass, fields
 
 from ..config import EngineConfig, resolve_device
@@ -34,15 +36,20 @@ class ServingSettings:
     engine_process: bool = True
     # Threads sending responses at once, each for its share of the requests (null: 1 on CPU, 4 on a GPU).
     sender_threads: int | None = None
+    # vllm_backend's convention: the LoRA adapters come from multi_lora.json beside model.json
+    # ({name: folder}) instead of lora_modules. Also "true" / "false" as vllm_backend writes it.
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
+        if self.enable_lora in ("true", "false"):
+            self.enable_lora = self.enable_lora == "true"
         if self.overlap_sending is not None and not isinstance(self.overlap_sending, bool):
             raise ValueError(f"overlap_sending must be true, false or null, got {self.overlap_sending!r}")
         for name in ("cancel_poll_interval_s", "metrics_interval_s"):
             interval = getattr(self, name)
             if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 10:
                 raise ValueError(f"{name} must be a number of seconds in [0, 10], got {interval!r}")
-        for name in ("serving_profile", "engine_process"):
+        for name in ("serving_profile", "engine_process", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         threads = self.sender_threads
@@ -71,6 +78,28 @@ def split_settings(settings: dict) -> tuple[dict, ServingSettings]:
         raise ValueError(f"unknown setting(s) in model.json: {', '.join(unknown)}")
     serving = ServingSettings(**{k: v for k, v in settings.items() if k in serving_keys})
     return {k: v for k, v in settings.items() if k in engine_keys}, serving
+
+
+def resolve_lora_modules(lora_modules, enable_lora: bool, settings_dir: str, root: str):
+    """The LoRA adapters to serve: model.json's lora_modules or, with enable_lora, multi_lora.json's
+    (in the folder of model.json); a relative folder is taken from the project root, as `model` is.
+    Anything but a mapping of names to folders is left for EngineConfig to refuse."""
+    if enable_lora:
+        if lora_modules is not None:
+            raise ValueError("enable_lora reads the adapters from multi_lora.json: leave lora_modules out of "
+                             "model.json (or leave enable_lora out)")
+        path = os.path.join(settings_dir, "multi_lora.json")
+        try:
+            with open(path) as f:
+                lora_modules = json.load(f)
+        except OSError as e:
+            raise ValueError(f"enable_lora is set, but {path} could not be read: {e.strerror}") from None
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(lora_modules, dict):
+        return lora_modules
+    return {name: os.path.join(root, folder) if isinstance(folder, str) and folder and not os.path.isabs(folder)
+            else folder for name, folder in lora_modules.items()}
 
 
 def place_instance(engine_settings: dict, instance_kind: str, device_id: int, instance_count: int) -> dict:

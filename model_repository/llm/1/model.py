@@ -104,7 +104,7 @@ from inflight.serving.engine_thread import EngineThread  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
 from inflight.serving.request import ParsedRequest, parse_request, with_word_bias  # noqa: E402
 from inflight.serving.response import RequestResponses  # noqa: E402
-from inflight.serving.settings import place_instance, split_settings  # noqa: E402
+from inflight.serving.settings import place_instance, resolve_lora_modules, split_settings  # noqa: E402
 
 
 def _error(message: str, code_name: str = "INVALID_ARG"):
@@ -149,12 +149,16 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("model `llm` must use the decoupled transaction policy")
-        with open(_settings_path(os.path.join(args["model_repository"], args["model_version"]))) as f:
+        settings_path = _settings_path(os.path.join(args["model_repository"], args["model_version"]))
+        with open(settings_path) as f:
             settings = json.load(f)
         settings["model"] = os.environ.get("INFLIGHT_MODEL") or settings.get("model")
         if not os.path.isabs(settings["model"]):
             settings["model"] = os.path.join(ROOT, settings["model"])
         engine_settings, self.serving = split_settings(settings)
+        engine_settings["lora_modules"] = resolve_lora_modules(engine_settings.get("lora_modules"),
+                                                               self.serving.enable_lora,
+                                                               os.path.dirname(settings_path), ROOT)
         instances = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
         engine_settings = place_instance(engine_settings, args.get("model_instance_kind", "MODEL"),
                                          int(args.get("model_instance_device_id", 0)), instances)
@@ -230,7 +234,7 @@ class TritonPythonModel:
         self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(),
                                                 frozenset(request.requested_output_names()))
         try:
-            self.thread.submit(request_id, token_ids, params, parsed.priority)
+            self.thread.submit(request_id, token_ids, params, parsed.priority, parsed.lora_name)
         except Exception:
             del self.active[request_id]
             raise
