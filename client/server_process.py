@@ -107,6 +107,11 @@ class TritonServer:
                 values[m.group(1)] = float(m.group(3))
         return values
 
+    def labeled(self, name: str, label: str) -> dict[str, float]:
+        """The samples of the metric `name`, by the value of its label `label`."""
+        pattern = re.compile(rf'^{name}\{{[^}}]*\b{label}="([^"]*)"[^}}]*\}}\s+(\S+)$')
+        return {m.group(1): float(m.group(2)) for m in map(pattern.match, self._metrics_text().splitlines()) if m}
+
     def serving_profile(self) -> dict[str, tuple[float, float, float]]:
         """The serving process's profile so far (backend/inflight/serving/profile.py): part -> (wall
         seconds, CPU seconds, times run)."""

@@ -130,6 +130,7 @@ def test_the_prefix_cache_keeps_each_adapters_kv_apart(model, adapters, peft_ref
         assert out.token_ids == peft_reference(prompt, name), f"adapter {name}"
         hits.append(llm.stats()["prefix_cache_hit_tokens"] - sum(hits))
     assert hits == [0, 0, 0, 64, 64], hits
+    assert llm.stats()["lora_requests"] == {"alpha": (0, 0, 2), "beta": (0, 0, 1)}  # (running, waiting, total)
     llm.block_manager.check_all_free()
 
 
@@ -156,6 +157,14 @@ def test_unknown_adapters_and_settings_are_refused(model, adapters):
     with pytest.raises(ValueError, match="unknown LoRA adapter 'alpha': this server has none"):
         plain.generate([[5, 6, 7]], GREEDY, lora_name="alpha")
     assert not llm.has_unfinished() and not plain.has_unfinished()
+    assert "lora_requests" not in plain.stats()
+    llm.add_request("n2", [5, 6, 7], SamplingParams(max_tokens=50, n=2), lora_name="beta")
+    assert llm.stats()["lora_requests"] == {"alpha": (0, 0, 0), "beta": (0, 1, 1)}  # a request once, not per completion
+    llm.step()
+    assert llm.stats()["lora_requests"] == {"alpha": (0, 0, 0), "beta": (1, 0, 1)}
+    llm.abort("n2")
+    llm.step()
+    assert llm.stats()["lora_requests"]["beta"] == (0, 0, 1)
     for settings, message in ((dict(lora_modules={"a": ""}), "lora_modules must map adapter names"),
                               (dict(lora_modules=["a"]), "lora_modules must map adapter names"),
                               (dict(lora_modules=adapters, tensor_parallel_size=2), "tensor_parallel_size 1"),

@@ -378,6 +378,11 @@ def test_lora_adapters_by_name_beside_the_base_model(server, offline):
     error = generate(server.grpc_url, prompt, sampling_parameters={"lora_name": "gamma"}).error
     assert error and "unknown LoRA adapter 'gamma'" in error, error
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
+    deadline = time.monotonic() + 10  # the engine reports its state once idle
+    while server.labeled("inflight_lora_requests_total", "adapter") != {"alpha": 1, "beta": 2}:
+        assert time.monotonic() < deadline, server.labeled("inflight_lora_requests_total", "adapter")
+        time.sleep(0.1)
+    assert server.labeled("inflight_lora_requests_running", "adapter") == {"alpha": 0, "beta": 0}
 
 
 def test_fused_layers_compile_in_the_triton_models_own_process(offline_texts):

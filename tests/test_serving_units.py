@@ -525,10 +525,14 @@ class FakeMetricsApi:
                 self.name, self.labels = name, labels
 
             def increment(self, value):
-                api.messages.append(("increment", self.name, self.labels.get("part", self.labels.get("le")), value))
+                api.messages.append(("increment", self.name, self.label, value))
 
             def set(self, value):
-                api.messages.append(("set", self.name, self.labels.get("part"), value))
+                api.messages.append(("set", self.name, self.label, value))
+
+            @property
+            def label(self):  # the label that tells a family's metrics apart
+                return next((self.labels[k] for k in ("part", "le", "adapter") if k in self.labels), None)
 
             def observe(self, value):  # a message per observation, as tritonserver 2.51's histograms
                 api.messages.append(("observe", self.name, None, value))
@@ -572,3 +576,14 @@ def test_metrics_send_latencies_in_one_batch_and_only_what_changed():
     metrics.update(stats, {**profile, "send_response": (0.5, 0.1, 7)})
     assert 0 < len(api.messages) <= 15
     assert ("increment", "inflight_inter_token_latency_seconds_count", None, 10_000) in api.messages
+    # Each LoRA adapter's requests, by an `adapter` label, made when an engine with adapters first reports.
+    api.messages.clear()
+    metrics.update({**stats, "lora_requests": {"alpha": (2, 1, 5), "beta": (0, 0, 0)}})
+    assert sorted(api.messages) == [("increment", "inflight_lora_requests_total", "alpha", 5),
+                                    ("set", "inflight_lora_requests_running", "alpha", 2),
+                                    ("set", "inflight_lora_requests_waiting", "alpha", 1)]
+    api.messages.clear()
+    metrics.update({**stats, "lora_requests": {"alpha": (0, 0, 6), "beta": (0, 0, 0)}})
+    assert sorted(api.messages) == [("increment", "inflight_lora_requests_total", "alpha", 1),
+                                    ("set", "inflight_lora_requests_running", "alpha", 0),
+                                    ("set", "inflight_lora_requests_waiting", "alpha", 0)]

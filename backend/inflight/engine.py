@@ -101,6 +101,7 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model (prompts, recomputes, decodes)
         self.num_aborted = 0
         self.num_failed_requests = 0
+        self.num_lora_requests = [0] * (1 + len(self.config.lora_modules or {}))  # admitted, by adapter id
 
     def _load_tokenizer(self):
         return AutoTokenizer.from_pretrained(self.config.model, trust_remote_code=self.config.trust_remote_code)
@@ -173,6 +174,7 @@ class LLMEngine:
             if request_id in self._requests or any(s.request_id == request_id for s in self._inbox):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox.append(seq)
+            self.num_lora_requests[lora_id] += 1
 
     def lora_id(self, lora_name: str | None) -> int:
         """The adapter's id in the step inputs (0: the base model); ValueError for a name not served."""
@@ -630,4 +632,14 @@ class LLMEngine:
             "requests_aborted_total": self.num_aborted,
             "requests_failed_total": self.num_failed_requests,
             "failed_steps_total": self.num_failed_steps,
+            **({"lora_requests": self._lora_requests()} if self.config.lora_modules else {}),
         }
+
+    def _lora_requests(self) -> dict[str, tuple[int, int, int]]:
+        """Each adapter's requests: (running, waiting, admitted since start)."""
+        running, waiting = ([0] * len(self.num_lora_requests) for _ in range(2))
+        for seqs, counts in ((self.scheduler.running, running), ((*self.scheduler.waiting, *self._inbox), waiting)):
+            for seq in seqs:
+                counts[seq.lora_id] += seq.index == 0  # a request once, however many completions
+        return {name: (running[i], waiting[i], self.num_lora_requests[i])
+                for i, name in enumerate(self.config.lora_modules, start=1)}

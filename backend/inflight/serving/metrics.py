@@ -71,6 +71,7 @@ class TritonMetrics:
         # Latencies not yet sent: the responder appends, the engine thread takes (deques: thread-safe).
         self._pending = {"ttft": deque(), "itl": deque()}
         self._profile = None  # the serving profile's counters (profile.py), made when first sent
+        self._lora: dict[str, tuple[_Sent, _Sent, _Sent]] = {}  # each adapter's, made when first sent
 
     def _metric(self, name: str, description: str, kind, labels: dict | None = None, **options):
         family = self._families_by_name.get(name)
@@ -118,6 +119,19 @@ class TritonMetrics:
             counter.advance(stats[key])
         queried = stats["prefix_cache_queried_tokens"]
         self._hit_rate.set(stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
+        for adapter, (running, waiting, total) in stats.get("lora_requests", {}).items():
+            sent = self._lora.get(adapter) or self._lora_metrics(adapter)
+            sent[0].set(running)
+            sent[1].set(waiting)
+            sent[2].advance(total)
+
+    def _lora_metrics(self, adapter: str) -> tuple["_Sent", "_Sent", "_Sent"]:
+        kinds, labels = self._pb_utils.MetricFamily, {**self._labels, "adapter": adapter}
+        self._lora[adapter] = tuple(_Sent(self._metric(name, desc, kind, labels=labels)) for name, desc, kind in (
+            ("inflight_lora_requests_running", "Requests of the LoRA adapter holding KV blocks", kinds.GAUGE),
+            ("inflight_lora_requests_waiting", "Requests of the LoRA adapter waiting to be scheduled", kinds.GAUGE),
+            ("inflight_lora_requests_total", "Requests admitted for the LoRA adapter", kinds.COUNTER)))
+        return self._lora[adapter]
 
     def _send_profile(self, profile: dict) -> None:
         if self._profile is None:
