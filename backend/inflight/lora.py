@@ -72,7 +72,7 @@ def load_adapter(name: str, path: str, model: torch.nn.Module, adapter_id: int) 
     _check_config(name, config)
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
-    head_name = next((n for n, m in modules.items() if m is head and head is not None), None)
+    head_name = next((n for n, m in modules.items() if m is head), None) if head is not None else None
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in weights.items():
         match = _KEY.match(key)
@@ -87,7 +87,8 @@ def load_adapter(name: str, path: str, model: torch.nn.Module, adapter_id: int) 
         if not isinstance(module, torch.nn.Linear):
             raise ValueError(f"LoRA adapter {name!r} targets {module_name!r}: not a linear layer of this model")
         if set(pair) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {name!r} lacks lora_{'AB'[('A' in pair)]} of {module_name!r}")
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise ValueError(f"LoRA adapter {name!r} lacks {missing} of {module_name!r}")
         a, b = pair["A"], pair["B"]
         rank = a.shape[0]
         if a.shape != (rank, module.in_features) or b.shape != (module.out_features, rank):
@@ -114,7 +115,6 @@ class LoRAAdapters:
         layouts: dict[tuple, int] = {}  # (adapter id, rank, scale) of each adapter of a layer -> layout index
         self._layouts: list[tuple[torch.Tensor, torch.Tensor]] = []  # each column's adapter id, its scale
         self._masks: list[torch.Tensor] | None = None  # this step's, one per layout; None: no adapter in it
-        self._hooks = []
         modules = dict(model.named_modules())
         for module_name, adapters in by_layer.items():
             key = tuple((x.adapter_id, x.a.shape[0], x.scale) for x in adapters)
@@ -126,7 +126,7 @@ class LoRAAdapters:
                                       torch.tensor(scales, dtype=dtype, device=device)))
             a = torch.cat([x.a for x in adapters]).to(device, dtype)
             b = torch.cat([x.b for x in adapters], dim=1).to(device, dtype)
-            self._hooks.append(modules[module_name].register_forward_hook(self._hook(layouts[key], a, b)))
+            modules[module_name].register_forward_hook(self._hook(layouts[key], a, b))
         logger.info("LoRA: %d adapter(s) (%s) on %d layers", len(self.names), ", ".join(self.names), len(by_layer))
 
     def _hook(self, layout: int, a: torch.Tensor, b: torch.Tensor):
@@ -151,8 +151,3 @@ class LoRAAdapters:
             return
         ids = lora_ids[:, None]
         self._masks = [torch.where(owners == ids, scales, 0) for owners, scales in self._layouts]
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
