@@ -29,13 +29,16 @@ def free_ports(n: int) -> list[int]:
 
 
 class TritonServer:
-    def __init__(self, env: dict | None = None, **settings):
-        """`settings` override the shipped model.json; `env` adds environment variables."""
+    def __init__(self, env: dict | None = None, repository: Path | None = None, **settings):
+        """`settings` override the shipped model.json; `env` adds environment variables. `repository`: a
+        copy of the model repository to serve, its model.json rewritten with the settings (where an
+        operator would edit it); by default this project's, the settings in a model.json of its own."""
         self.extra_env = dict(env or {})
-        base = json.loads((ROOT / "model_repository" / "llm" / "1" / "model.json").read_text())
+        self.repository = repository or ROOT / "model_repository"
+        base = json.loads((self.repository / "llm" / "1" / "model.json").read_text())
         base.update(settings)
         self._dir = tempfile.TemporaryDirectory(prefix="inflight-server-")
-        self.settings_path = Path(self._dir.name) / "model.json"
+        self.settings_path = (self.repository / "llm" / "1" if repository else Path(self._dir.name)) / "model.json"
         self.settings_path.write_text(json.dumps(base))
         self.settings = base
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
@@ -51,7 +54,7 @@ class TritonServer:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout: float = 180.0) -> "TritonServer":
-        command, env = server_command(ROOT / "model_repository", self.http_port, self.grpc_port, self.metrics_port)
+        command, env = server_command(self.repository, self.http_port, self.grpc_port, self.metrics_port)
         env["INFLIGHT_MODEL_JSON"] = str(self.settings_path)
         env.update(self.extra_env)
         self._log = open(self.log_path, "wb")

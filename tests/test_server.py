@@ -385,6 +385,44 @@ def test_lora_adapters_by_name_beside_the_base_model(server, offline):
     assert server.labeled("inflight_lora_requests_running", "adapter") == {"alpha": 0, "beta": 0}
 
 
+def test_adapters_added_by_loading_the_model_again(tmp_path, lora_modules, offline):
+    """vllm_backend's way of adding adapters to a running server: list them in multi_lora.json beside
+    model.json, turn on enable_lora, and load the model again. tritonserver starts a new engine while the
+    old one serves; a stream in flight ends complete on the old one, the next requests reach the
+    adapters, and the old engine's processes are gone once its last stream has ended."""
+    import shutil
+
+    from inflight import SamplingParams
+    from server_process import TritonServer
+
+    shutil.copytree(ROOT / "model_repository", tmp_path / "repository", ignore=shutil.ignore_patterns("__pycache__"))
+    long_params = dict(max_tokens=160, temperature=0.0, ignore_eos=True)
+    expected_long = offline.generate([PROMPTS[0]], SamplingParams(**long_params))[0].text
+    expected_alpha = offline.generate([PROMPTS[4]], SamplingParams(**greedy()), lora_name="alpha")[0].text
+    with TritonServer(repository=tmp_path / "repository", device="cpu", **SETTINGS) as server:
+        error = generate(server.grpc_url, PROMPTS[4], sampling_parameters={**greedy(), "lora_name": "alpha"}).error
+        assert error and "this server has none" in error, error
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(generate, server.grpc_url, PROMPTS[0], sampling_parameters=long_params)
+            time.sleep(1.0)
+            (server.settings_path.parent / "multi_lora.json").write_text(json.dumps(lora_modules))
+            server.settings_path.write_text(json.dumps({**json.loads(server.settings_path.read_text()),
+                                                        "enable_lora": True}))
+            request = urllib.request.Request(f"{server.http_url}/v2/repository/models/llm/load", data=b"{}",
+                                             method="POST")
+            assert not in_flight.done(), "the stream was meant to be in flight when the model loads again"
+            with urllib.request.urlopen(request, timeout=300) as reply:
+                assert reply.status == 200
+            served = generate(server.grpc_url, PROMPTS[4], sampling_parameters={**greedy(), "lora_name": "alpha"})
+            assert (served.error, served.text) == (None, expected_alpha)
+            long = in_flight.result(timeout=300)
+        assert (long.error, long.text) == (None, expected_long)
+        deadline = time.monotonic() + 30
+        while len(server.descendants("triton_python_backend_stub")) > 1 or len(server.descendants("run_child")) > 1:
+            assert time.monotonic() < deadline, "the old engine's processes are still running"
+            time.sleep(0.2)
+
+
 def test_fused_layers_compile_in_the_triton_models_own_process(offline_texts):
     """The engine on a thread of the Triton model's process (engine_process false) serves the offline
     engine's text, with fused layers (a GPU's default; asked for here) compiled in the model's stub,
