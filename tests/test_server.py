@@ -3,6 +3,7 @@
 import json
 import time
 import sys
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -385,11 +386,12 @@ def test_lora_adapters_by_name_beside_the_base_model(server, offline):
     assert server.labeled("inflight_lora_requests_running", "adapter") == {"alpha": 0, "beta": 0}
 
 
-def test_adapters_added_by_loading_the_model_again(tmp_path, lora_modules, offline):
+def test_adapters_added_by_loading_the_model_again(tmp_path, lora_modules, offline, offline_texts):
     """vllm_backend's way of adding adapters to a running server: list them in multi_lora.json beside
     model.json, turn on enable_lora, and load the model again. tritonserver starts a new engine while the
     old one serves; a stream in flight ends complete on the old one, the next requests reach the
-    adapters, and the old engine's processes are gone once its last stream has ended."""
+    adapters, and the old engine's processes are gone once its last stream has ended. A load that fails
+    (an adapter that cannot be read) says why and leaves the running engine serving."""
     import shutil
 
     from inflight import SamplingParams
@@ -402,16 +404,23 @@ def test_adapters_added_by_loading_the_model_again(tmp_path, lora_modules, offli
     with TritonServer(repository=tmp_path / "repository", device="cpu", **SETTINGS) as server:
         error = generate(server.grpc_url, PROMPTS[4], sampling_parameters={**greedy(), "lora_name": "alpha"}).error
         assert error and "this server has none" in error, error
+        load = urllib.request.Request(f"{server.http_url}/v2/repository/models/llm/load", data=b"{}", method="POST")
+        adapters_file = server.settings_path.parent / "multi_lora.json"
+        server.settings_path.write_text(json.dumps({**json.loads(server.settings_path.read_text()),
+                                                    "enable_lora": True}))
+        # An adapter that cannot be loaded: the load fails saying why, and the running engine serves on.
+        adapters_file.write_text(json.dumps({**lora_modules, "broken": str(tmp_path / "nowhere")}))
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(load, timeout=300)
+        assert "LoRA adapter 'broken' could not be read" in failed.value.read().decode()
+        assert server.model_ready()
+        assert generate(server.grpc_url, PROMPTS[4], **greedy()).text == offline_texts[PROMPTS[4]]
         with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(generate, server.grpc_url, PROMPTS[0], sampling_parameters=long_params)
             time.sleep(1.0)
-            (server.settings_path.parent / "multi_lora.json").write_text(json.dumps(lora_modules))
-            server.settings_path.write_text(json.dumps({**json.loads(server.settings_path.read_text()),
-                                                        "enable_lora": True}))
-            request = urllib.request.Request(f"{server.http_url}/v2/repository/models/llm/load", data=b"{}",
-                                             method="POST")
+            adapters_file.write_text(json.dumps(lora_modules))
             assert not in_flight.done(), "the stream was meant to be in flight when the model loads again"
-            with urllib.request.urlopen(request, timeout=300) as reply:
+            with urllib.request.urlopen(load, timeout=300) as reply:
                 assert reply.status == 200
             served = generate(server.grpc_url, PROMPTS[4], sampling_parameters={**greedy(), "lora_name": "alpha"})
             assert (served.error, served.text) == (None, expected_alpha)
