@@ -1,5 +1,7 @@
 """Automatic prefix caching: same greedy outputs with and without it, real reuse, no leaks."""
 
+import time
+
 import pytest
 
 from conftest import random_prompts
@@ -55,6 +57,24 @@ def test_identical_prompts_reuse_all_but_the_last_token(tiny_models):
     assert second == first
     # The last block holds the last prompt token, which is recomputed to sample from: 3 blocks hit.
     assert llm.stats()["prefix_cache_hit_tokens"] - before == 3 * BLOCK
+    assert_no_leak(llm)
+
+
+def test_each_request_reports_what_the_cache_held_and_when_it_passed_each_stage(tiny_models):
+    """RequestOutput.metrics: the prompt tokens and blocks found in the prefix cache at admission (none
+    the first time), the blocks held at the end, and its times in order; for n completions, in the
+    request's output once."""
+    llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=True)
+    prompt = random_prompts(1, 70, 70, vocab=512, seed=4)[0]  # 4 full blocks and 6 tokens
+    started = time.time_ns()
+    outs = [llm.generate([prompt], GREEDY)[0] for _ in range(2)] + [
+        llm.generate([prompt], SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=1, ignore_eos=True))[0]]
+    for out, reused in zip(outs, (0, 4, 4)):
+        m = out.metrics
+        assert (out.num_cached_tokens, m.kv_reused_blocks) == (reused * BLOCK, reused)
+        assert (m.kv_total_blocks, m.kv_new_blocks) == (6, 6 - reused)  # KV of 70 + 11 tokens (not the last one)
+        times = [m.arrival_time_ns, m.first_scheduled_time_ns, m.first_token_time_ns, m.last_token_time_ns]
+        assert started <= times[0] and times == sorted(times) and times[-1] <= time.time_ns()
     assert_no_leak(llm)
 
 

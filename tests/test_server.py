@@ -358,6 +358,32 @@ def test_token_controls_prompt_truncation_and_kept_stop_strings(server, offline)
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
 
 
+def test_tensorrt_llm_perf_metrics_in_the_final_response(server):
+    """return_perf_metrics: the final response carries the request's times, in order, and its KV blocks;
+    the same prompt again finds all its full blocks but the last token's in the prefix cache."""
+    prompt = "A prompt of its own, for the perf metrics: " + PROMPTS[3] * 5
+    names = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+    started = time.time_ns()
+    reused = []
+    for _ in range(2):
+        result = generate(server.grpc_url, prompt, return_perf_metrics=True, return_num_input_tokens=True,
+                          **greedy(ignore_eos=True))
+        assert result.error is None
+        assert not any("arrival_time_ns" in r for r in result.responses[:-1])  # the final response only
+        final = result.responses[-1]
+        times = [int(final[name][0]) for name in names]
+        assert started <= times[0] and times == sorted(times) and times[-1] <= time.time_ns()
+        blocks = {name: int(final[f"kv_cache_{name}"][0]) for name in ("alloc_new_blocks", "reused_blocks",
+                                                                       "alloc_total_blocks")}
+        prompt_tokens = int(final["num_input_tokens"][0])
+        assert blocks["alloc_total_blocks"] == -(-(prompt_tokens + MAX_TOKENS - 1) // 16)
+        assert blocks["alloc_new_blocks"] + blocks["reused_blocks"] == blocks["alloc_total_blocks"]
+        reused.append((blocks["reused_blocks"], (prompt_tokens - 1) // 16))
+    assert reused[0][0] == 0 and reused[1][0] == reused[1][1] > 0, reused
+    plain = generate(server.grpc_url, prompt, **greedy())
+    assert not any("arrival_time_ns" in r for r in plain.responses)
+
+
 def test_lora_adapters_by_name_beside_the_base_model(server, offline):
     """vllm_backend's lora_name (in sampling_parameters; over HTTP also as a parameter): requests of each
     adapter and of the base model at once, each served as the offline engine generates it; an adapter

@@ -587,13 +587,14 @@ class LLMEngine:
     def _delta(self, seq: Sequence) -> RequestDelta:
         """What `seq` gained since its last delta. While it runs, text that could be the start of a
         stop string is held back."""
-        request_finished = False
+        request_finished, metrics = False, None
         if seq.is_finished:
             text_end = len(seq.output_text)
             seqs = self._requests.get(seq.request_id, [seq])
             request_finished = all(s.is_finished and not s.forks_left for s in seqs)
             if request_finished:
                 self._requests.pop(seq.request_id, None)
+                metrics = next((s.metrics for s in seqs if s.index == 0), seq.metrics)
         else:
             text_end = max(seq.num_text_sent, len(seq.output_text) - seq.params.stop_hold_back)
         p = seq.params
@@ -608,6 +609,7 @@ class LLMEngine:
             new_logprobs=None if p.logprobs is None else seq.output_logprobs[seq.num_tokens_sent:],
             cumulative_logprob=None if p.logprobs is None else seq.cumulative_logprob,
             index=seq.index,
+            metrics=metrics,
         )
         if p.prompt_logprobs is not None and seq.index == 0 and seq.num_tokens_sent == 0 and seq.output_token_ids:
             delta.prompt_logprobs = seq.prompt_logprobs or [None]  # with the first generated token

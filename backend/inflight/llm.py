@@ -60,5 +60,7 @@ class LLM(LLMEngine):
             completions = [CompletionOutput(d.index, d.new_text, d.new_token_ids, d.finish_reason, d.new_logprobs,
                                             d.cumulative_logprob) for d in parts]
             error = next((d.error for d in parts if d.error), None)
-            outputs.append(RequestOutput(request_id, prompt_ids[k], completions, parts[0].prompt_logprobs, error))
+            metrics = next((d.metrics for d in parts if d.metrics), None)
+            outputs.append(RequestOutput(request_id, prompt_ids[k], completions, parts[0].prompt_logprobs, error,
+                                         metrics=metrics))
         return outputs

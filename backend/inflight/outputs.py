@@ -15,6 +15,25 @@ TokenLogprobs = dict[int, Logprob]
 
 
 @dataclass
+class RequestMetrics:
+    """When a request reached each stage, in nanoseconds since the epoch (time.time_ns, so that another
+    process can compare them with its own clock), and what the prefix cache held of its prompt:
+    TensorRT-LLM's per-request perf metrics, vLLM's num_cached_tokens."""
+
+    arrival_time_ns: int  # added to the engine
+    first_scheduled_time_ns: int | None = None  # first admitted to a step
+    first_token_time_ns: int | None = None  # its first generated token known
+    last_token_time_ns: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    kv_reused_blocks: int = 0  # the KV blocks holding them
+    kv_total_blocks: int = 0  # the most KV blocks its (first) completion held
+
+    @property
+    def kv_new_blocks(self) -> int:
+        return self.kv_total_blocks - self.kv_reused_blocks
+
+
+@dataclass
 class RequestDelta:
     """What one step added to one completion of a request. The concatenation of a completion's deltas
     is its output."""
@@ -34,6 +53,7 @@ class RequestDelta:
     cumulative_logprob: float | None = None  # over every token so far, when logprobs were asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first delta, when asked for
     index: int = 0  # which completion (of n)
+    metrics: RequestMetrics | None = None  # in the request's final delta
 
     def followed_by(self, later: "RequestDelta") -> "RequestDelta":
         """This delta and a later one of the same request, as one."""
@@ -77,6 +97,12 @@ class RequestOutput:
     # With an error: "invalid" (the request was refused: bad input) or "unavailable" (the engine has
     # stopped); None: the engine failed while serving it.
     error_kind: str | None = None
+    metrics: RequestMetrics | None = None  # its timings and what the prefix cache held
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (vLLM's name)."""
+        return self.metrics.num_cached_tokens if self.metrics else 0
 
     # The first completion's, for the common case of one.
     @property

@@ -9,6 +9,7 @@ the running ones' growth. A lower priority value is served earlier (vLLM's conve
 """
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -99,6 +100,10 @@ class Scheduler:
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += hit
             budget -= n
+            if seq.metrics.first_scheduled_time_ns is None:
+                seq.metrics.first_scheduled_time_ns = time.time_ns()
+                seq.metrics.num_cached_tokens = hit
+                seq.metrics.kv_reused_blocks = hit // self.block_manager.block_size
         return batch
 
     def _reserved_blocks(self) -> int:
@@ -134,7 +139,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the tokens, requeue at the front."""
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_queue_order)
         self.num_preemptions += 1
@@ -145,9 +150,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # not queued if never added
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _free(self, seq: Sequence) -> None:
+        seq.metrics.kv_total_blocks = max(seq.metrics.kv_total_blocks, len(seq.block_table))
+        self.block_manager.free(seq)
 
 
 def _queue_order(seq: Sequence) -> tuple[int, int]:

@@ -1,12 +1,14 @@
 """A request's state inside the engine: its tokens, how many of them have KV in the cache, its blocks."""
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
 
 
@@ -33,6 +35,7 @@ class Sequence:
     index: int = 0  # which of the request's n completions
     forks_left: int = 0  # completions still to fork from this one once its prompt is computed
     lora_id: int = 0  # its LoRA adapter (1, 2, ... in the order of lora_modules); 0: the base model
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time_ns()))
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -61,6 +64,9 @@ class Sequence:
     def append_token(self, token: int) -> None:
         """A sampled token whose value is now known."""
         self.output_token_ids.append(token)
+        self.metrics.last_token_time_ns = time.time_ns()
+        if self.metrics.first_token_time_ns is None:
+            self.metrics.first_token_time_ns = self.metrics.last_token_time_ns
         if self._token_array is not None:
             known = len(self.prompt_token_ids) + len(self.output_token_ids)
             if known > len(self._token_array):

@@ -37,7 +37,8 @@ SCALAR_PARAMS = {
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
          "return_num_output_tokens",
          "return_logprobs", "return_cumulative_logprob",  # vllm_backend's
-         "return_log_probs")  # TensorRT-LLM's: outputs output_log_probs and cum_log_probs
+         "return_log_probs",  # TensorRT-LLM's: outputs output_log_probs and cum_log_probs
+         "return_perf_metrics")  # TensorRT-LLM's: the request's timings and KV cache reuse, at its end
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # Also read as sampling parameters: vLLM's names that SamplingParams takes out or vllm_backend renames.
 VLLM_PARAMETERS = {"priority", "lora_name", "guided_decoding", "best_of", "detokenize",
@@ -63,6 +64,7 @@ class ParsedRequest:
     return_logprobs: bool = False
     return_cumulative_logprob: bool = False
     return_log_probs: bool = False
+    return_perf_metrics: bool = False
     per_completion_responses: bool = False  # TensorRT-LLM's num_return_sequences: a response per completion
     bias_words: list[tuple[str, float]] = field(default_factory=list)  # (word, bias), for `with_word_bias`
 

@@ -1,14 +1,14 @@
 """Turn a request's deltas into the output tensors of its Triton responses (name -> numpy array), in
 the conventions of vllm_backend (`text_output`, `finish_reason`, `logprobs` as JSON,
 `cumulative_logprob`, token counts; with `n` completions, one entry per completion in every output) and
-the TensorRT-LLM backend (`output_ids`, `output_log_probs`, `cum_log_probs`; with
+the TensorRT-LLM backend (`output_ids`, `output_log_probs`, `cum_log_probs`, the perf metrics; with
 `num_return_sequences`, each completion in responses of its own, marked by `sequence_index`)."""
 
 import json
 
 import numpy as np
 
-from ..outputs import RequestDelta, TokenLogprobs
+from ..outputs import RequestDelta, RequestMetrics, TokenLogprobs
 from .request import ParsedRequest
 
 
@@ -16,6 +16,16 @@ def logprobs_json(entries: list[TokenLogprobs]) -> str:
     """vllm_backend's format: per token, {token_id: {"logprob", "rank", "decoded_token"}}."""
     return json.dumps([{str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
                         for token_id, lp in entry.items()} for entry in entries])
+
+
+def perf_outputs(metrics: RequestMetrics) -> list[tuple[str, int, type]]:
+    """TensorRT-LLM's perf metrics outputs: (name, value, dtype). Times are nanoseconds since the epoch
+    (0: never reached), as INT64: a float cannot hold them to the nanosecond."""
+    times = [(name, getattr(metrics, name) or 0, np.int64) for name in
+             ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")]
+    return [("kv_cache_alloc_new_blocks", metrics.kv_new_blocks, np.int32),
+            ("kv_cache_reused_blocks", metrics.kv_reused_blocks, np.int32),
+            ("kv_cache_alloc_total_blocks", metrics.kv_total_blocks, np.int32), *times]
 
 
 class RequestResponses:
@@ -97,6 +107,10 @@ class RequestResponses:
                 outputs["output_log_probs"] = np.array(sampled, dtype=np.float32)
             if wants("cum_log_probs"):
                 outputs["cum_log_probs"] = np.array([delta.cumulative_logprob], dtype=np.float32)
+        metrics = next((d.metrics for d in parts if d.metrics), None)  # the request's final response
+        if parsed.return_perf_metrics and metrics is not None:
+            outputs.update((name, np.array([value], dtype=dtype)) for name, value, dtype in perf_outputs(metrics)
+                           if wants(name))
         return outputs
 
     def _wants(self, name: str) -> bool:
