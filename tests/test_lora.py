@@ -109,6 +109,17 @@ def test_adapters_and_the_base_model_batched_equal_peft(model, adapters, peft_re
     llm.block_manager.check_all_free()
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_model_families_with_adapters_equal_peft(tiny_models, tmp_path, family):
+    """Qwen2 (biased projections), Qwen3 (query and key norms) and Mistral (sliding window) too."""
+    adapters = make_lora_adapters(tiny_models[family], tmp_path)
+    reference = PeftReference(tiny_models[family], adapters)
+    prompts = random_prompts(4, 1, 90, vocab=512, seed=6)
+    llm = LLM(tiny_models[family], dtype="float32", device="cpu", num_kv_blocks=128, lora_modules=adapters)
+    for (prompt, name), out in generate_each(llm, prompts).items():
+        assert out.token_ids == reference(list(prompt), name), f"adapter {name}, prompt of {len(prompt)} tokens"
+
+
 @pytest.mark.slow
 def test_default_model_with_adapters_equals_peft(default_model, tmp_path):
     adapters = make_lora_adapters(default_model, tmp_path)

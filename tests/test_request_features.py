@@ -243,6 +243,6 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model):
     too_long = random_prompts(1, 300, 300, vocab=512, seed=34)[0]
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([too_long], SamplingParams(**params))
-    out = llm.generate([too_long], SamplingParams(truncate_prompt_tokens=-1, max_tokens=1))[0]
+    out = llm.generate([too_long], SamplingParams(truncate_prompt_tokens=-1, max_tokens=1, ignore_eos=True))[0]
     assert out.prompt_token_ids == too_long[-256:] and out.finish_reason == "length"
     llm.block_manager.check_all_free()
