@@ -640,7 +640,9 @@ class LLMEngine:
     def _lora_requests(self) -> dict[str, tuple[int, int, int]]:
         """Each adapter's requests: (running, waiting, admitted since start)."""
         running, waiting = ([0] * len(self.num_lora_requests) for _ in range(2))
-        for seqs, counts in ((self.scheduler.running, running), ((*self.scheduler.waiting, *self._inbox), waiting)):
+        with self._lock:  # (add_request appends to the inbox from other threads)
+            arrived = list(self._inbox)
+        for seqs, counts in ((self.scheduler.running, running), ((*self.scheduler.waiting, *arrived), waiting)):
             for seq in seqs:
                 counts[seq.lora_id] += seq.index == 0  # a request once, however many completions
         return {name: (running[i], waiting[i], self.num_lora_requests[i])
