@@ -184,9 +184,12 @@ def test_unknown_adapters_and_settings_are_refused(model, adapters):
             EngineConfig(model, device="cpu", **settings)
 
 
-@pytest.mark.parametrize("case", ["dora", "head", "missing", "not-lora"])
-def test_adapters_that_cannot_be_served_exactly_are_refused_at_start_up(model, tmp_path, case):
-    if case == "dora":
+@pytest.mark.parametrize("case", ["dora", "head", "missing", "not-lora", "another-model"])
+def test_adapters_that_cannot_be_served_exactly_are_refused_at_start_up(model, tiny_models, tmp_path, case):
+    if case == "another-model":  # Qwen3's tiny checkpoint: 4 heads of 32, Llama's of 16
+        path, message = make_lora_adapter(tiny_models["qwen3"], tmp_path / "q", 1, r=4, target_modules=["q_proj"]), \
+            "do not fit the layer"
+    elif case == "dora":
         path, message = make_lora_adapter(model, tmp_path / "d", 1, r=4, target_modules=["q_proj"], use_dora=True), \
             "uses use_dora"
     elif case == "head":
