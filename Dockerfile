@@ -1,5 +1,5 @@
 # inflight on a GPU machine: NVIDIA's Triton image (24.10 = tritonserver 2.51, Python 3.10) plus
-# CUDA torch, the triton compiler torch pins, and transformers.
+# CUDA torch, the triton compiler torch pins, transformers, xgrammar and peft (LoRA adapters).
 #
 #   docker build -t inflight .
 #   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 \
@@ -10,7 +10,7 @@
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 RUN python3 -m pip install --no-cache-dir \
-        torch==2.13.0 transformers==5.18.0 xgrammar==0.2.9 safetensors accelerate psutil tqdm \
+        torch==2.13.0 transformers==5.18.0 xgrammar==0.2.9 peft==0.21.2 safetensors accelerate psutil tqdm \
     && python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 WORKDIR /opt/inflight
