@@ -513,7 +513,7 @@ def main() -> None:
         base = r["no adapters"]
         print(f"\n| {max(3, len(work.prompts) // 4)} requests, median of {args.repeats} | output tok/s |\n|---|---:|")
         for label, tps in r.items():
-            print(f"| {label} | {tps:.1f}" + (f" ({tps / base - 1:+.1%})" if tps is not base else "") + " |")
+            print(f"| {label} | {tps:.1f}" + ("" if label == "no adapters" else f" ({tps / base - 1:+.1%})") + " |")
     if "structured" in peers:
         r = bench_structured_outputs(args.model, args.num_requests, args.repeats)
         cost = 1 - r["constrained_tok_s"] / r["unconstrained_tok_s"]
