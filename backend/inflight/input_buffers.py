@@ -163,7 +163,8 @@ class InputBuffers:
             values = getattr(inputs, name)
             begin = self._offsets[name][0]
             host[begin:begin + len(values)] = values
-        self._field(host, "lora_ids")[:tokens] = 0 if inputs.lora_ids is None else inputs.lora_ids
+        if inputs.lora_ids is not None:  # (otherwise nothing reads them: the views leave them out)
+            self._field(host, "lora_ids")[:tokens] = inputs.lora_ids
         begin = self._offsets["cu_seqlens"][0]
         host[begin:begin + seqs + 1] = inputs.cu_seqlens
         begin = self._offsets["seq_lens"][0]
