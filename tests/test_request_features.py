@@ -163,6 +163,18 @@ def test_n_seeded_completions_reproduce_and_equal_separate_requests(model, async
     llm.block_manager.check_all_free()
 
 
+def test_n_completions_keep_their_seats_from_admission(model):
+    """The completions a prompt will fork count against max_num_seqs from its admission: requests
+    admitted beside it never leave a step with more sequences than max_num_seqs (before, that step
+    failed every request in it)."""
+    llm = LLM(model, num_kv_blocks=64, max_num_seqs=4)
+    outs = llm.generate([PROMPT[:6]] * 4, [SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1)]
+                        + [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)] * 3)
+    assert [len(out.outputs) for out in outs] == [3, 1, 1, 1] and llm.num_failed_steps == 0
+    assert all(c.finish_reason != "error" for out in outs for c in out.outputs)
+    llm.block_manager.check_all_free()
+
+
 @PIPELINED
 def test_n_completions_under_preemption_and_abort(model, async_scheduling):
     params = SamplingParams(n=3, max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)

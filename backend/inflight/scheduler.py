@@ -84,7 +84,7 @@ class Scheduler:
         reserve = self._reserved_blocks()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + 1 + seq.forks_left > self.max_num_seqs:  # room for its n completions
+            if self._seats_taken() + 1 + seq.forks_left > self.max_num_seqs:  # room for its n completions
                 break
             hit = self.block_manager.match_prefix(seq)
             wanted = min(seq.num_uncomputed_tokens, budget)
@@ -105,6 +105,11 @@ class Scheduler:
                 seq.metrics.num_cached_tokens = hit
                 seq.metrics.kv_reused_blocks = hit // self.block_manager.block_size
         return batch
+
+    def _seats_taken(self) -> int:
+        """Running sequences and the completions they will fork: a request's sequences run at
+        once, so the seats it will need are kept from its admission on."""
+        return len(self.running) + sum(seq.forks_left for seq in self.running)
 
     def _reserved_blocks(self) -> int:
         """Running sequences whose next tokens will not fit in the blocks they hold."""
