@@ -260,7 +260,8 @@ def test_token_ids_in_and_out_with_tensorrt_llm_logprobs(server, offline):
                      temperature=0.0, ignore_eos=True, outputs=["output_ids"])
     assert named.error is None and {name for r in named.responses for name in r} == {"output_ids"}
     assert [int(t) for r in named.responses for t in r["output_ids"]] == expected.token_ids
-    for bad, name in ((dict(beam_width=4), "beam_width"), (dict(num_return_sequences=0), "num_return_sequences")):
+    for bad, name in ((dict(beam_width=4, beam_search_diversity_rate=0.5), "beam_search_diversity_rate"),
+                      (dict(num_return_sequences=0), "num_return_sequences")):
         error = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), **bad).error
         assert error and name in error, error
 
@@ -313,6 +314,47 @@ def test_n_completions_in_both_conventions(server, offline):
     cancelled = generate(server.grpc_url, PROMPTS[2], sampling_parameters={"n": 4, "max_tokens": 2000,
                                                                            "ignore_eos": True}, cancel_after=2)
     assert cancelled.error == "cancelled"
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
+
+
+def test_beam_search_in_both_conventions(server, offline):
+    """Beam search served as the offline engine searches: vLLM's use_beam_search with best_of beams
+    (or beam_width) with every returned beam in each output, text in the stream's last response;
+    TensorRT-LLM's beam_width, len_penalty and early_stopping with input_ids, each beam in a response of
+    its own (sequence_index); a cancelled search frees every block."""
+    from inflight import SamplingParams
+
+    params = SamplingParams(max_tokens=12, beam_width=3, n=2, length_penalty=0.5, early_stopping=True)
+    expected = offline.generate([PROMPTS[4]], params)[0].outputs
+    result = generate(server.grpc_url, PROMPTS[4], return_cumulative_logprob=True, sampling_parameters={
+        "use_beam_search": True, "best_of": 3, "n": 2, "max_tokens": 12, "length_penalty": 0.5,
+        "early_stopping": True})
+    assert result.error is None
+    texts = ["".join(r["text_output"][i].decode() for r in result.responses) for i in range(2)]
+    assert texts == [c.text for c in expected] and texts[0] != texts[1]
+    assert np.allclose(result.responses[-1]["cumulative_logprob"], [c.cumulative_logprob for c in expected],
+                       atol=1e-4)
+
+    prompt_ids = offline.encode(PROMPTS[4])
+    result = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), beam_width=3,
+                      num_return_sequences=2, max_tokens=12, len_penalty=0.5, early_stopping=True,
+                      return_log_probs=True)
+    assert result.error is None
+    ids = {i: [] for i in range(2)}
+    for r in result.responses:
+        ids[int(r["sequence_index"][0])] += [int(t) for t in r["output_ids"]]
+    assert [ids[i] for i in range(2)] == [c.token_ids for c in expected]
+    # A search streams nothing before its end: cancelled while it runs, its blocks all come back.
+    import tritonclient.grpc as grpcclient
+    from grpc_stream import make_inputs
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda **_: None)
+    client.async_stream_infer("llm", make_inputs(PROMPTS[2], sampling_parameters={
+        "beam_width": 4, "max_tokens": 2000, "ignore_eos": True}), request_id="cancelled-search")
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v > 0, timeout=30)
+    client.stop_stream(cancel_requests=True)
+    client.close()
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
 
 

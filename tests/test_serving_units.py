@@ -46,6 +46,32 @@ def test_parse_tensorrtllm_style():
     assert p.seed == 42
 
 
+def test_parse_beam_search_in_both_conventions():
+    """TensorRT-LLM's beam_width returns every beam unless num_return_sequences says fewer (with
+    input_ids, a response per beam); vLLM's use_beam_search takes best_of beams and returns n."""
+    ids = np.array([5, 6], np.int32)
+    beams = {"beam_width": np.array([4], np.int32), "len_penalty": np.array([0.5], np.float32),
+             "early_stopping": np.array([True])}
+    parsed = parse_request({"text_input": text("hi"), **beams})
+    p = parsed.params
+    assert (p.beam_width, p.n, p.length_penalty, p.early_stopping) == (4, 4, 0.5, True)
+    assert not parsed.per_completion_responses
+    parsed = parse_request({"input_ids": ids, **beams, "num_return_sequences": np.array([2], np.int32)})
+    assert (parsed.params.beam_width, parsed.params.n, parsed.per_completion_responses) == (4, 2, True)
+    assert parse_request({"input_ids": ids, **beams}).per_completion_responses
+    parsed = parse_request({"text_input": text("hi")}, parameters={"use_beam_search": True, "best_of": 3, "n": 2,
+                                                                    "early_stopping": "never"})
+    assert (parsed.params.beam_width, parsed.params.n, parsed.params.early_stopping) == (3, 2, "never")
+    assert parse_request({"text_input": text("hi"), "beam_width": np.array([1], np.int32)}).params.n == 1
+    for inputs, words in (({"beam_search_diversity_rate": np.array([0.3], np.float32)}, "diverse beam search"),
+                          ({"beam_width": np.array([2], np.int32), "top_p": np.array([0.5], np.float32)},
+                           "top_p is not supported with beam search"),
+                          ({"beam_width": np.array([2], np.int32), "num_return_sequences": np.array([3], np.int32)},
+                           "must not exceed beam_width")):
+        with pytest.raises(ValueError, match=words):
+            parse_request({"text_input": text("hi"), **inputs})
+
+
 def test_parse_tensorrtllm_embedding_bias_words():
     """Each word's weight goes to every token of the word (TensorRT-LLM's reading), added to the
     logit_bias from sampling_parameters; an empty word is skipped."""

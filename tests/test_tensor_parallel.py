@@ -62,14 +62,16 @@ def test_three_ranks_match_one_across_chunks_preemption_prefix_caching_and_forks
 
 @pytest.mark.parametrize("ranks, fused", [(2, False), (4, False), (2, True)])
 def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused):
-    """fused: each rank with fused layers (on by default on GPUs), inside transformers' sharded modules."""
+    """fused: each rank with fused layers (on by default on GPUs), inside transformers' sharded modules.
+    The last prompt is a beam search (its beams fork and copy blocks on every rank)."""
     model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
     prompts = random_prompts(6, 3, 40, 512, seed=ranks)
+    params = [GREEDY] * 5 + [SamplingParams(beam_width=3, n=2, max_tokens=24, ignore_eos=True)]
     settings = dict(num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1)
-    expected = run_to_the_end(LLM(model, **settings), prompts, GREEDY)
+    expected = run_to_the_end(LLM(model, **settings), prompts, params)
     llm = LLM(model, tensor_parallel_size=ranks, fused_layers=fused, **settings)
     try:
-        assert run_to_the_end(llm, prompts, GREEDY) == expected
+        assert run_to_the_end(llm, prompts, params) == expected
     finally:
         llm.close()
 

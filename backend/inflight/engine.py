@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from . import beam_search
+from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
@@ -59,6 +61,8 @@ class _InFlight:
     copied: "torch.cuda.Event | None"  # recorded after the copy
     logprobs: MeasuredLogprobs | None = None  # of the sequences that asked for them, copied like `host`
     prompt_logprobs: tuple | None = None  # what _measure_prompt_logprobs measured, copied like `host`
+    beams: list[Sequence] | None = None  # the beams (beam search) whose rows the step measured
+    beam_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # beam_search.measure's, copied like `host`
 
 
 class LLMEngine:
@@ -162,12 +166,15 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs}): its completions "
+        width, what = (params.beam_width, "beam_width") if params.beam_search else (params.n, "n")
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"{what} ({width}) exceeds max_num_seqs ({self.config.max_num_seqs}): its sequences "
                              "run at once")
         seq = self._new_sequence(request_id, token_ids, params, self._bad_words_ids(params.bad_words), priority,
                                  lora_id=lora_id)
-        seq.forks_left = params.n - 1
+        seq.forks_left = width - 1  # (a beam search's other beams: seats kept for them at admission)
+        if params.beam_search:
+            self._start_beam_search(seq, vocab)
         with self._lock:
             self._check_alive()
             seq.arrival = next(self._arrivals)
@@ -175,6 +182,12 @@ class LLMEngine:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox.append(seq)
             self.num_lora_requests[lora_id] += 1
+
+    def _start_beam_search(self, seq: Sequence, vocab_size: int) -> None:
+        p = seq.params
+        ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
+        seq.beam = BeamSearch(p, max(1, min(p.max_tokens, self.max_model_len - seq.num_prompt_tokens)), ends,
+                              vocab_size, seats=[seq])
 
     def lora_id(self, lora_name: str | None) -> int:
         """The adapter's id in the step inputs (0: the base model); ValueError for a name not served."""
@@ -252,6 +265,8 @@ class LLMEngine:
         batch = None
         try:
             self._drain_inbox(deltas)
+            if self._in_flight is not None and self._in_flight.beams:
+                self._complete_in_flight(deltas)  # the beams it ranks decide what the next step computes
             if self.dead_reason is None:
                 batch = self.scheduler.schedule()
                 launched = self._launch(batch, deltas)
@@ -311,8 +326,10 @@ class LLMEngine:
         prompt_logprobs = self._measure_prompt_logprobs(logits[len(sampling):], prompt_positions)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
+        logits, sampling, beams, beam_rows = self._measure_beams(logits[:len(sampling)], sampling)
         if not sampling:
-            return _InFlight(batch, [], None, None, None, prompt_logprobs=prompt_logprobs)
+            return _InFlight(batch, [], None, None, self._copy_event(logits), prompt_logprobs=prompt_logprobs,
+                             beams=beams, beam_rows=beam_rows)
         # A prompt with n completions is computed once: its other completions fork from it here and
         # draw their first tokens from the same logits.
         rows = list(range(len(sampling)))
@@ -320,7 +337,7 @@ class LLMEngine:
             for child in self._fork(seq):
                 sampling.append(child)
                 rows.append(row)
-        logits = logits[to_device(rows, logits.device)] if len(rows) > len(logits_at) else logits[:len(rows)]
+        logits = logits[to_device(rows, logits.device)] if len(rows) > len(logits) else logits
         if any((s.matcher is not None or s.bad_words_ids) and s.num_pending for s in sampling):
             self._complete_in_flight(deltas)  # their masks follow from the tokens in flight
         tokens, logprobs = self._sample(logits, sampling,
@@ -328,14 +345,35 @@ class LLMEngine:
         for row, seq in enumerate(sampling):
             seq.num_pending += 1
             seq.pending_row = row
-        host, copied = tokens, None
+        host = tokens
         logprobs = logprobs.to_host() if logprobs is not None else None
         if tokens.device.type == "cuda":
             host = self._token_buffers[self.num_steps % 2][:len(sampling)]
             host.copy_(tokens, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        return _InFlight(batch, sampling, tokens, host, copied, logprobs, prompt_logprobs)
+        return _InFlight(batch, sampling, tokens, host, self._copy_event(tokens), logprobs, prompt_logprobs,
+                         beams, beam_rows)
+
+    @staticmethod
+    def _copy_event(like: torch.Tensor) -> "torch.cuda.Event | None":
+        """On a GPU, an event recorded after the step's copies to the host (what _complete waits for)."""
+        if like.device.type != "cuda":
+            return None
+        copied = torch.cuda.Event()
+        copied.record()
+        return copied
+
+    @staticmethod
+    def _measure_beams(logits: torch.Tensor, sampling: list[Sequence]):
+        """Take the beams (beam search) out of the sampling rows: their rows' likeliest tokens are
+        measured instead. Returns the other rows' logits and sequences, the beams and what was measured."""
+        beam_rows = [row for row, seq in enumerate(sampling) if seq.beam is not None]
+        if not beam_rows:
+            return logits, sampling, None, None
+        beams = [sampling[row] for row in beam_rows]
+        measured = beam_search.measure(logits[to_device(beam_rows, logits.device)],
+                                       max(seq.beam.row_size for seq in beams))
+        rest = [row for row, seq in enumerate(sampling) if seq.beam is None]
+        return logits[to_device(rest, logits.device)], [sampling[row] for row in rest], beams, measured
 
     def _complete_in_flight(self, deltas: list[RequestDelta]) -> None:
         if self._in_flight is not None:
@@ -370,6 +408,58 @@ class LLMEngine:
         for seq in step.batch.seqs:
             if not seq.is_finished:
                 self.block_manager.cache_full_blocks(seq)  # (a chunk of a prompt, which did not sample)
+        if step.beams:
+            self._advance_beams(step.beams, *step.beam_rows, deltas)
+
+    # -- beam search (beam_search.py) ------------------------------------------------------------
+    def _advance_beams(self, beams: list[Sequence], values: torch.Tensor, ids: torch.Tensor,
+                       deltas: list[RequestDelta]) -> None:
+        """Give each search its beams' rows; advance those that have them all."""
+        ready = []
+        for seq, row_values, row_ids in zip(beams, values.tolist(), ids.tolist()):
+            if not seq.is_finished and seq.beam.add_row(seq, row_values, row_ids):
+                ready.append(seq.beam)
+        for search in ready:
+            continuations = search.advance()
+            leader = search.seats[0]
+            leader.forks_left = 0
+            leader.metrics.last_token_time_ns = time.time_ns()
+            if leader.metrics.first_token_time_ns is None:
+                leader.metrics.first_token_time_ns = leader.metrics.last_token_time_ns
+            if search.done:
+                deltas.extend(self._beam_outputs(search))
+                continue
+            search.reseat(continuations, self.block_manager, self.scheduler, lambda seat: self._new_sequence(
+                leader.request_id, leader.prompt_token_ids, leader.params, [], leader.priority, seat, leader.lora_id))
+            for seq in search.seats:
+                seq.arrival = leader.arrival
+                seq.beam = search
+                self.block_manager.cache_full_blocks(seq)
+            self.num_generated_tokens += len(continuations)
+
+    def _beam_outputs(self, search: BeamSearch) -> list[RequestDelta]:
+        """A finished search's completions (its best hypotheses, best first), each a final delta."""
+        leader, p = search.seats[0], search.params
+        for seq in search.seats:
+            self.scheduler.finish(seq, "stop")
+        self._requests.pop(leader.request_id, None)
+        best = search.best()
+        deltas = []
+        for index, hypothesis in enumerate(best):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, leader.prompt_token_ids, p.skip_special_tokens,
+                                                 self._decode_lock, self._token_bytes)
+            text = detokenizer.add_tokens(hypothesis.token_ids) + detokenizer.flush()
+            logprobs = None if p.logprobs is None else search.completion_logprobs(hypothesis, p.logprobs,
+                                                                                   self._decode_one)
+            last = index == len(best) - 1
+            deltas.append(RequestDelta(
+                request_id=leader.request_id, new_token_ids=hypothesis.token_ids, new_text=text, finished=last,
+                finish_reason="stop" if hypothesis.ended else "length", num_prompt_tokens=leader.num_prompt_tokens,
+                num_output_tokens=len(hypothesis.token_ids), new_logprobs=logprobs,
+                cumulative_logprob=hypothesis.cumulative_logprob, index=index, metrics=leader.metrics if last else None,
+                prompt_logprobs=(leader.prompt_logprobs or [None]) if p.prompt_logprobs is not None and not index
+                else None))
+        return deltas
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         children = []
@@ -485,7 +575,7 @@ class LLMEngine:
 
     def _abort(self, seq: Sequence) -> RequestDelta:
         seq.forks_left = 0
-        self.scheduler.finish(seq, "abort")
+        self._end(seq, "abort")
         self.num_aborted += 1
         return self._delta(seq)
 
@@ -516,7 +606,7 @@ class LLMEngine:
         """End `seq` with an error (`kind`: see RequestDelta.error_kind)."""
         seq.forks_left = 0
         try:
-            self.scheduler.finish(seq, "error")
+            self._end(seq, "error")
         except Exception:  # the block pool itself is broken: nothing can be trusted any more
             logger.exception("could not free the blocks of %s", seq.request_id)
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
@@ -525,6 +615,13 @@ class LLMEngine:
         delta = self._delta(seq)
         delta.error, delta.error_kind = message, kind
         return delta
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Take `seq` out for good; under beam search, every beam of its search (its only sequence in
+        _requests is the first beam, which alone makes the request's final delta)."""
+        for s in seq.beam.seats if seq.beam is not None else [seq]:
+            if not s.is_finished:
+                self.scheduler.finish(s, reason)
 
     def _die(self, reason: str) -> None:
         with self._lock:

@@ -37,7 +37,11 @@ class SamplingParams:
     structured_outputs: dict | None = None
     logprobs: int | None = None  # the sampled token's logprob plus this many most likely tokens' (0: only it)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
-    n: int = 1  # completions of the prompt, which is computed once
+    n: int = 1  # completions of the prompt, which is computed once (with beam search: the best n beams)
+    # Beam search (HF transformers' algorithm, beam_search.py) when above 1: the beams kept each step.
+    beam_width: int = 1
+    length_penalty: float = 1.0  # a finished beam's score: its log probability / its length ** this
+    early_stopping: bool | str = False  # True: stop at beam_width finished beams; "never": the exact search
 
     # The engine's ceilings for words (each stop string and bad word is searched or tokenized per
     # request); a server may set lower limits (serving/settings.py).
@@ -103,6 +107,36 @@ class SamplingParams:
             raise ValueError(f"n must be at most {self.MAX_N}, got {self.n}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
             raise ValueError(f"structured_outputs must be an object, got {self.structured_outputs!r}")
+        self._check_beam_search()
+
+    # What beam search leaves at its default: it ranks beams by the model's own log probabilities.
+    _NOT_WITH_BEAM_SEARCH = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "repetition_penalty": (1.0,),
+                             "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "stop": ([],),
+                             "bad_words": ([],), "logit_bias": (None,), "allowed_token_ids": (None,),
+                             "structured_outputs": (None,), "include_stop_str_in_output": (False,)}
+
+    def _check_beam_search(self) -> None:
+        self._check_int("beam_width", minimum=1)
+        if self.beam_width > self.MAX_N:
+            raise ValueError(f"beam_width must be at most {self.MAX_N}, got {self.beam_width}")
+        self._check_float("length_penalty", minimum=-math.inf)
+        if not isinstance(self.early_stopping, bool) and self.early_stopping != "never":
+            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if not self.beam_search:
+            return
+        if self.n > self.beam_width:
+            raise ValueError(f"n ({self.n}) must not exceed beam_width ({self.beam_width}): beam search returns "
+                             "its n best beams")
+        if self.temperature not in (0.0, 1.0):
+            raise ValueError(f"beam search ranks beams by the model's log probabilities: temperature must be 0 or "
+                             f"1 (the default), got {self.temperature}")
+        for name, defaults in self._NOT_WITH_BEAM_SEARCH.items():
+            if getattr(self, name) not in defaults:
+                raise ValueError(f"{name} is not supported with beam search (beam_width {self.beam_width})")
+
+    @property
+    def beam_search(self) -> bool:
+        return self.beam_width > 1
 
     def _check_token_controls(self) -> None:
         """logit_bias (JSON's keys are strings: integers written as strings are read as such),
@@ -183,8 +217,9 @@ class SamplingParams:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name} must be a number, got {value!r}")
         if not math.isfinite(value) or not minimum <= value <= maximum:
-            bounds = f"[{minimum}, {maximum}]" if math.isfinite(maximum) else f">= {minimum}"
-            raise ValueError(f"{name} must be a finite number {bounds}, got {value}")
+            bounds = f" [{minimum}, {maximum}]" if math.isfinite(maximum) else \
+                f" >= {minimum}" if math.isfinite(minimum) else ""
+            raise ValueError(f"{name} must be a finite number{bounds}, got {value}")
         setattr(self, name, float(value))
 
     @classmethod
@@ -211,7 +246,8 @@ class SamplingParams:
 def _drop_vllm_defaults(values: dict[str, Any], strings_allowed: bool) -> None:
     """vLLM's SamplingParams fields that this engine does not have, taken out of `values` when they ask
     for nothing (a client that sends every field of vLLM's sends them): `detokenize` and
-    `spaces_between_special_tokens` true, `best_of` equal to n. Any other value is refused by name."""
+    `spaces_between_special_tokens` true, `best_of` equal to n. Any other value is refused by name.
+    vLLM's older beam search, `use_beam_search` with `best_of` beams, becomes beam_width."""
     def read(name: str, kind: type) -> Any:
         value = values[name]
         return _parse_string(name, value, kind) if strings_allowed and isinstance(value, str) else value
@@ -221,11 +257,21 @@ def _drop_vllm_defaults(values: dict[str, Any], strings_allowed: bool) -> None:
             if read(name, bool) is not True:
                 raise ValueError(f"{name} is not supported but at its default, true; got {values[name]!r}")
             del values[name]
-    if "best_of" in values:
-        n, best_of = read("n", int) if "n" in values else 1, read("best_of", int)
-        if isinstance(best_of, bool) or best_of != n:
-            raise ValueError(f"best_of is not supported but equal to n ({n!r}); got {values['best_of']!r}")
-        del values["best_of"]
+    use_beam_search = read("use_beam_search", bool) if "use_beam_search" in values else False
+    values.pop("use_beam_search", None)
+    if not isinstance(use_beam_search, bool):
+        raise ValueError(f"use_beam_search must be a boolean, got {use_beam_search!r}")
+    n = read("n", int) if "n" in values else 1
+    best_of = read("best_of", int) if "best_of" in values else None
+    values.pop("best_of", None)
+    if use_beam_search:
+        if isinstance(best_of, bool) or not isinstance(best_of, int) or best_of < 2:
+            raise ValueError(f"use_beam_search needs best_of, the number of beams, above 1; got {best_of!r}")
+        if values.get("beam_width", best_of) != best_of:
+            raise ValueError(f"best_of ({best_of}) and beam_width ({values['beam_width']!r}) disagree")
+        values["beam_width"] = best_of
+    elif best_of is not None and (isinstance(best_of, bool) or best_of != n):
+        raise ValueError(f"best_of is not supported but equal to n ({n!r}) or with use_beam_search; got {best_of!r}")
 
 
 def _token_id(name: str, value: Any, strings_allowed: bool = False) -> int:
@@ -254,6 +300,8 @@ def _parse_string(name: str, text: str, annotation: Any) -> Any:
             return json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{name} is not valid JSON: {e.msg} at position {e.pos}") from None
+    if kind == "bool | str" and text.strip().lower() not in ("true", "false", "1", "0"):
+        return text  # early_stopping: "never"
     try:
         if "bool" in kind:
             lowered = text.strip().lower()

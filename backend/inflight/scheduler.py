@@ -55,6 +55,23 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def requeue(self, seq: Sequence, running: bool) -> None:
+        """A beam that took another's place: running when it holds blocks (a fork of a running beam's),
+        else waiting to be computed."""
+        if seq.status is SequenceStatus.RUNNING:
+            if running:
+                return
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            if not running:
+                return
+            self.waiting.remove(seq)
+        if running:
+            self.add_running(seq)
+        else:
+            seq.status = SequenceStatus.WAITING
+            self.add(seq)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
@@ -78,13 +95,26 @@ class Scheduler:
                 if self._make_room(batch, seq, 1):
                     budget -= self._schedule_chunk(batch, seq, budget)
 
-        # 3. Admit waiting sequences while there is budget, room and memory: memory beyond a reserve
-        #    of one block for each running sequence that will need one (a watermark), so that a newly
-        #    admitted (or re-admitted) sequence is not preempted again by the next step's growth.
+        # 3. Admit waiting sequences while there is budget, room and memory.
+        budget = self._admit(batch, budget)
+        # Beams that wait for the other beams of their search hold blocks and compute nothing: when that
+        # leaves nothing to run, they make room (their measured rows stay; they are computed again later).
+        idle = [seq for seq in self.running if seq.awaits_beams]
+        if not batch and idle and any(not seq.awaits_beams for seq in self.waiting):
+            for seq in idle:
+                self.preempt(seq)
+            self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+        """Admit waiting sequences in queue order (a beam waiting for its search's other beams is
+        passed over) while there is budget, room and memory: memory beyond a reserve of one block for
+        each running sequence that will need one (a watermark), so that a newly admitted (or
+        re-admitted) sequence is not preempted again by the next step's growth. Returns the budget left."""
         reserve = self._reserved_blocks()
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if self._seats_taken() + 1 + seq.forks_left > self.max_num_seqs:  # room for its n completions
+        while budget > 0:
+            seq = next((s for s in self.waiting if not s.awaits_beams), None)
+            if seq is None or self._seats_taken() + 1 + seq.forks_left > self.max_num_seqs:  # (n completions)
                 break
             hit = self.block_manager.match_prefix(seq)
             wanted = min(seq.num_uncomputed_tokens, budget)
@@ -94,7 +124,7 @@ class Scheduler:
                 self.block_manager.free(seq)  # give back the prefix blocks taken for nothing
                 break
             reserve += 1
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.prefix_queried_tokens += seq.num_tokens
@@ -104,10 +134,10 @@ class Scheduler:
                 seq.metrics.first_scheduled_time_ns = time.time_ns()
                 seq.metrics.num_cached_tokens = hit
                 seq.metrics.kv_reused_blocks = hit // self.block_manager.block_size
-        return batch
+        return budget
 
     def _seats_taken(self) -> int:
-        """Running sequences and the completions they will fork: a request's sequences run at
+        """Running sequences and the completions (or beams) they will fork: a request's sequences run at
         once, so the seats it will need are kept from its admission on."""
         return len(self.running) + sum(seq.forks_left for seq in self.running)
 

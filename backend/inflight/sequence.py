@@ -3,6 +3,7 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -10,6 +11,9 @@ import torch
 from .detokenizer import IncrementalDetokenizer
 from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .beam_search import BeamSearch
 
 
 PENDING = -1  # the id of a token still on the GPU (its forward pass reads it from there)
@@ -35,6 +39,7 @@ class Sequence:
     index: int = 0  # which of the request's n completions
     forks_left: int = 0  # completions still to fork from this one once its prompt is computed
     lora_id: int = 0  # its LoRA adapter (1, 2, ... in the order of lora_modules); 0: the base model
+    beam: "BeamSearch | None" = None  # under beam search: the request's search, of which it is a beam
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time_ns()))
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -72,6 +77,10 @@ class Sequence:
             if known > len(self._token_array):
                 self._token_array = np.resize(self._token_array, 2 * known)
             self._token_array[known - 1] = token
+
+    def forget_token_array(self) -> None:
+        """Its output tokens were replaced (a beam that took another's place): rebuild the array when read."""
+        self._token_array = None
 
     @property
     def token_array(self) -> np.ndarray:
@@ -113,6 +122,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def awaits_beams(self) -> bool:
+        """A beam whose next tokens are measured, waiting for the other beams of its search: it has
+        nothing to compute until the search advances."""
+        return self.beam is not None and self.beam.has_row(self)
 
     @property
     def is_finished(self) -> bool:

@@ -33,6 +33,9 @@ SCALAR_PARAMS = {
     "seed": "seed",
     "random_seed": "seed",  # TensorRT-LLM's name
     "ignore_eos": "ignore_eos",
+    "beam_width": "beam_width",  # TensorRT-LLM's beam search, with its len_penalty and early_stopping
+    "len_penalty": "length_penalty",
+    "early_stopping": "early_stopping",
 }
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
          "return_num_output_tokens",
@@ -41,13 +44,13 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_nu
          "return_perf_metrics")  # TensorRT-LLM's: the request's timings and KV cache reuse, at its end
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # Also read as sampling parameters: vLLM's names that SamplingParams takes out or vllm_backend renames.
-VLLM_PARAMETERS = {"priority", "lora_name", "guided_decoding", "best_of", "detokenize",
+VLLM_PARAMETERS = {"priority", "lora_name", "guided_decoding", "best_of", "use_beam_search", "detokenize",
                    "spaces_between_special_tokens"}
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
 BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM's logit bias by words
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
-                "priority", "beam_width", "num_return_sequences", *SCALAR_PARAMS, *FLAGS, *GUIDE_INPUTS,
-                *BIAS_INPUTS}
+                "priority", "num_return_sequences", "beam_search_diversity_rate", *SCALAR_PARAMS, *FLAGS,
+                *GUIDE_INPUTS, *BIAS_INPUTS}
 
 
 @dataclass
@@ -296,9 +299,15 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
             if not isinstance(value, bool):
                 raise ValueError(f"input '{name}' must be BOOL, got {value!r}")
             flags[name] = value
-    if "beam_width" in inputs and _scalar("beam_width", inputs["beam_width"]) != 1:
-        raise ValueError(f"input 'beam_width' must be 1 (beam search is not supported), got "
-                         f"{_scalar('beam_width', inputs['beam_width'])}")
+    if "beam_search_diversity_rate" in inputs and _scalar("beam_search_diversity_rate",
+                                                          inputs["beam_search_diversity_rate"]) != 0:
+        raise ValueError("input 'beam_search_diversity_rate' must be 0: diverse beam search is not supported")
+    # TensorRT-LLM's beam_width input returns every beam unless num_return_sequences says fewer; with
+    # input_ids, each in a response of its own (its output_ids), as num_return_sequences' completions.
+    beams_by_input = "beam_width" in inputs and values.get("beam_width", 1) > 1
+    if beams_by_input and "num_return_sequences" not in inputs:
+        values.setdefault("n", values["beam_width"])
+    per_completion = "num_return_sequences" in inputs or (beams_by_input and isinstance(prompt, list))
     if "num_return_sequences" in inputs:
         n = _scalar("num_return_sequences", inputs["num_return_sequences"])
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= SamplingParams.MAX_N:
@@ -307,7 +316,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         if values.get("n", n) != n:
             raise ValueError(f"inputs 'sampling_parameters' and 'num_return_sequences' disagree ({values['n']} vs {n})")
         values["n"] = n
-    elif isinstance(prompt, list) and values.get("n", 1) != 1:
+    elif isinstance(prompt, list) and values.get("n", 1) != 1 and not per_completion:
         raise ValueError("with 'input_ids', several completions come from 'num_return_sequences' (a response "
                          "per completion, each with its output_ids), not from n")
     bias_words = _bias_words(inputs, settings) if any(name in inputs for name in BIAS_INPUTS) else []
@@ -318,4 +327,4 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this server's limit of "
                          f"{settings.max_tokens_limit}")
     return ParsedRequest(prompt=prompt, params=params, priority=priority, lora_name=lora_name,
-                         per_completion_responses="num_return_sequences" in inputs, bias_words=bias_words, **flags)
+                         per_completion_responses=per_completion, bias_words=bias_words, **flags)

@@ -1,0 +1,202 @@
+"""Beam search over the engine's sequences, step for step the algorithm of HF transformers'
+`generate(num_beams=...)` (the tests hold its output equal, token for token).
+
+A request with beam_width W keeps W beams, each a Sequence on KV blocks it shares with the others: a
+beam that continues another's text takes over a seat whose beam was dropped and forks the other's
+blocks (copied on write, as n completions' are). Each step, every beam's last row gives its most
+likely next tokens (`measure`, on the device, read with the step); once every beam of the search has
+its row, `advance` ranks the continuations by total log probability as HF does: those that end (an
+end token, or the length limit) among the W best become finished hypotheses, scored by log probability
+/ generated length ** length_penalty; the W best others are the next beams. The search stops when no
+running beam can beat the finished ones (HF's early_stopping rules), and its n best hypotheses are the
+request's completions. Nothing streams before that.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .block_manager import BlockManager
+from .outputs import Logprob, TokenLogprobs
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+
+
+def measure(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k most likely tokens: (log probabilities, ids), most likely first, copied to the host
+    without waiting for the device (read once the step's copy event has passed)."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    if values.device.type == "cpu":
+        return values, ids
+    return values.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True)
+
+
+@dataclass
+class TokenStep:
+    """A beam's token, for its logprobs: its log probability and rank, and its row's likeliest tokens."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Continuation:
+    parent: int  # the seat of the beam it extends
+    token: int
+    score: np.float32  # the log probability of the beam's generated tokens, summed as HF sums it
+    step: TokenStep
+
+
+@dataclass
+class Hypothesis:
+    token_ids: list[int]
+    score: float  # for ranking: log probability / generated length ** length_penalty
+    cumulative_logprob: float
+    ended: bool  # with an end token ("stop"), else at the length limit ("length")
+    steps: list[TokenStep]
+
+
+@dataclass
+class BeamSearch:
+    params: SamplingParams
+    max_new_tokens: int  # max_tokens, or less where max_model_len comes first
+    end_tokens: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
+    vocab_size: int
+    seats: list[Sequence] = field(default_factory=list)  # seat 0: the request's first sequence
+    scores: list[np.float32] = field(default_factory=lambda: [np.float32(0.0)])
+    steps: list[list[TokenStep]] = field(default_factory=lambda: [[]])  # per seat, when logprobs are asked
+    rows: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)  # seat -> its measured row
+    finished: list[Hypothesis] = field(default_factory=list)  # the best, at most beam_width, best first
+    improvable: bool = True  # HF's early-stop heuristic: a running beam may still beat a finished one
+    done: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.params.beam_width
+
+    @property
+    def kept(self) -> int:
+        """Continuations ranked each step (HF's beams_to_keep): enough that W of them do not end."""
+        return max(2, 1 + len(self.end_tokens)) * self.width
+
+    @property
+    def row_size(self) -> int:
+        """Tokens measured per row: the ranked ones even after min_tokens drops the end tokens, and the
+        logprobs asked for."""
+        return max(self.kept + len(self.end_tokens), self.params.logprobs or 0)
+
+    def add_row(self, seq: Sequence, values: list[float], ids: list[int]) -> bool:
+        """A beam's measured row; True once every beam has its row for this step."""
+        self.rows[self.seats.index(seq)] = (values, ids)
+        return len(self.rows) == len(self.seats)
+
+    def has_row(self, seq: Sequence) -> bool:
+        return self.seats.index(seq) in self.rows
+
+    def advance(self) -> list[Continuation]:
+        """Rank this step's continuations; return the next beams (none once the search is done)."""
+        num_out = len(self.seats[0].output_token_ids)
+        length = num_out + 1  # generated tokens, the new one included
+        at_limit = length >= self.max_new_tokens
+        ends_masked = num_out < self.params.min_tokens  # HF's min_new_tokens: end tokens at -inf
+        ranked = []
+        for seat, (values, ids) in self.rows.items():
+            for rank, (logprob, token) in enumerate(zip(values, ids), start=1):
+                if not (ends_masked and token in self.end_tokens):
+                    score = np.float32(logprob) + self.scores[seat]
+                    ranked.append((-score, seat * self.vocab_size + token, seat, token, logprob, rank))
+        ranked.sort()  # best first; among equal scores, HF's flattened (beam, token) order
+        k = self.params.logprobs or 0
+        tops = {seat: list(zip(ids[:k], values[:k])) for seat, (values, ids) in self.rows.items()}
+        self.rows.clear()
+        continuations, ended = [], []
+        for position, (negated, _, seat, token, logprob, rank) in enumerate(ranked[:self.kept]):
+            c = Continuation(seat, token, -negated, TokenStep(token, logprob, rank, tops[seat]))
+            if at_limit or token in self.end_tokens:
+                if position < self.width:  # only the W best may finish (HF's top_num_beam_mask)
+                    ended.append(c)
+            elif len(continuations) < self.width:
+                continuations.append(c)
+        self._finish(ended, length)
+        if len(self.finished) == self.width and continuations:
+            best_length = self.max_new_tokens if (self.params.early_stopping == "never"
+                                                  and self.params.length_penalty > 0) else length
+            best_possible = continuations[0].score / np.float32(best_length ** self.params.length_penalty)
+            self.improvable = self.improvable and bool(best_possible > self.finished[-1].score)
+        full_and_stopping = len(self.finished) == self.width and self.params.early_stopping is True
+        self.done = at_limit or not continuations or not self.improvable or full_and_stopping
+        return [] if self.done else continuations
+
+    def _finish(self, ended: list[Continuation], length: int) -> None:
+        if not ended or (self.params.early_stopping is True and len(self.finished) == self.width):
+            return  # (HF: once full, early stopping takes no more)
+        divisor = np.float32(length ** self.params.length_penalty)
+        for c in ended:
+            tokens = self.seats[c.parent].output_token_ids + [c.token]
+            steps = self.steps[c.parent] + [c.step] if self.params.logprobs is not None else []
+            self.finished.append(Hypothesis(tokens, float(c.score / divisor), float(c.score),
+                                            c.token in self.end_tokens, steps))
+        self.finished.sort(key=lambda h: -h.score)  # stable: among equals, the earlier finished first
+        del self.finished[self.width:]
+
+    def best(self) -> list[Hypothesis]:
+        """The request's completions: its n best hypotheses, best first."""
+        return self.finished[:self.params.n]
+
+    def reseat(self, continuations: list[Continuation], block_manager: BlockManager, scheduler: Scheduler,
+               new_seat: Callable[[int], Sequence]) -> None:
+        """Make `continuations` the beams: a beam continued keeps its seat for its first continuation;
+        its others take the seats of beams continued by none (or new seats, on the first step), with a
+        fork of its blocks and tokens."""
+        kept: dict[int, Continuation] = {}
+        moved: list[Continuation] = []
+        for c in continuations:
+            if c.parent in kept:
+                moved.append(c)
+            else:
+                kept[c.parent] = c
+        free = [seat for seat in range(len(self.seats)) if seat not in kept]
+        new = set()
+        while len(free) < len(moved):  # (the first step: the seats reserved when the request was admitted)
+            free.append(len(self.seats))
+            new.add(len(self.seats))
+            self.seats.append(new_seat(len(self.seats)))
+            self.scores.append(np.float32(0.0))
+            self.steps.append([])
+        logged = self.params.logprobs is not None
+        for seat, c in zip(free, moved):  # (free seats are no beam's parent: nothing read below changes)
+            seq, parent = self.seats[seat], self.seats[c.parent]
+            block_manager.free(seq)
+            seq.output_token_ids = parent.output_token_ids + [c.token]
+            seq.forget_token_array()
+            # It runs on a fork of the parent's blocks if both run (a preempted seat waits to be admitted
+            # again, which keeps max_num_seqs), else waits to be computed from the prefix cache.
+            runs = bool(parent.block_table) and (seat in new or seq.status is SequenceStatus.RUNNING)
+            if runs:
+                block_manager.fork(parent, seq)
+            scheduler.requeue(seq, running=runs)
+            self.scores[seat] = c.score
+            self.steps[seat] = self.steps[c.parent] + [c.step] if logged else []
+        for seat, c in kept.items():
+            self.seats[seat].append_token(c.token)
+            self.scores[seat] = c.score
+            if logged:
+                self.steps[seat].append(c.step)
+        for seq in self.seats:
+            seq.num_tokens_sent = len(seq.output_token_ids)  # beams hand out nothing before the end
+
+    def completion_logprobs(self, hypothesis: Hypothesis, k: int, decode: Callable[[int], str]
+                            ) -> list[TokenLogprobs]:
+        """The hypothesis's tokens' entries, as logprobs.entries builds them for sampled tokens."""
+        rows = []
+        for step in hypothesis.steps:
+            entry = {step.token: Logprob(step.logprob, step.rank, decode(step.token))}
+            for rank, (token, value) in enumerate(step.top[:k], start=1):
+                entry.setdefault(token, Logprob(value, rank, decode(token)))
+            rows.append(entry)
+        return rows

@@ -1,0 +1,257 @@
+"""Beam search against HF transformers' `generate(num_beams=...)`: the same hypotheses, token for token,
+over beam widths, returned counts, length penalties, early stopping rules, end tokens and min_tokens;
+batched with other requests, under preemption, async scheduling and the prefix cache; aborts and
+errors leave no block behind."""
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+
+PIPELINED = pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "pipelined"])
+VOCAB = 512
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(5, 5, 40, VOCAB, seed=11)
+
+
+@pytest.fixture(scope="module")
+def end_tokens(model, prompts):
+    """Two tokens the model often generates, as stop_token_ids: beams then end, not only run out."""
+    greedy = LLM(model, num_kv_blocks=64).generate(prompts, SamplingParams(temperature=0, max_tokens=30))
+    return [t for t, _ in Counter(t for out in greedy for t in out.token_ids).most_common(2)]
+
+
+def hf_beam_search(hf_model, prompt: list[int], params: SamplingParams, ends: list[int]) -> tuple[list, list, int]:
+    """HF's hypotheses (cut after their end token), their scores, and the steps its search took (its
+    forward passes)."""
+    ids = torch.tensor([prompt])
+    forwards = []
+    hook = hf_model.register_forward_hook(lambda *_: forwards.append(1))
+    with torch.inference_mode():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                num_beams=params.beam_width, num_return_sequences=params.n,
+                                max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens,
+                                length_penalty=params.length_penalty, early_stopping=params.early_stopping,
+                                eos_token_id=ends, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    hook.remove()
+    hypotheses = []
+    for row in out.sequences[:, len(prompt):].tolist():
+        end = next((i for i, t in enumerate(row) if t in ends), len(row) - 1)
+        hypotheses.append(row[:end + 1])
+    return hypotheses, out.sequences_scores.tolist(), len(forwards)
+
+
+def capped(llm: LLM, max_steps: int) -> LLM:
+    """`llm`, whose generate fails after max_steps steps (a search that can make no progress would
+    otherwise step for ever)."""
+    step, count = llm.step, itertools.count()
+
+    def counted():
+        assert next(count) < max_steps, f"no end after {max_steps} steps"
+        return step()
+
+    llm.step = counted
+    return llm
+
+
+CASES = [  # beam_width, n, max_tokens, length_penalty, early_stopping, min_tokens; whether a returned beam ends
+    (2, 1, 12, 1.0, False, 0, False),
+    (4, 4, 14, 1.0, False, 0, True),
+    (3, 2, 16, 0.5, True, 0, True),
+    (3, 3, 16, 2.0, "never", 0, False),
+    (2, 2, 40, 0.0, False, 0, True),
+    (3, 2, 40, 0.3, "never", 0, True),
+    (3, 2, 30, 0.0, False, 8, True),
+    (4, 2, 16, -0.5, True, 0, True),
+    (3, 1, 12, 1.0, False, 5, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])))
+def test_beam_search_equals_hf_generate(model, hf_model, prompts, end_tokens, case):
+    """Every prompt's n best hypotheses, in HF's order, with their scores (cumulative logprob /
+    length ** length_penalty is HF's sequences_scores) and finish reasons: in one batch, with end
+    tokens that end beams. Alone, each search stops at HF's step (its early-stopping rules)."""
+    width, n, max_tokens, length_penalty, early_stopping, min_tokens, some_end = case
+    params = SamplingParams(beam_width=width, n=n, max_tokens=max_tokens, length_penalty=length_penalty,
+                            early_stopping=early_stopping, min_tokens=min_tokens, stop_token_ids=end_tokens)
+    llm = LLM(model, num_kv_blocks=128)
+    outs = llm.generate(prompts, params)
+    ends = [EOS, *end_tokens]
+    reasons = Counter()
+    for prompt, out in zip(prompts, outs):
+        expected, scores, steps = hf_beam_search(hf_model, prompt, params, ends)
+        assert [c.token_ids for c in out.outputs] == expected
+        before = llm.num_steps
+        alone = llm.generate([prompt], params)[0]
+        assert [c.token_ids for c in alone.outputs] == expected and llm.num_steps - before == steps
+        for completion, score in zip(out.outputs, scores):
+            assert completion.cumulative_logprob / len(completion.token_ids) ** length_penalty == pytest.approx(
+                score, abs=1e-4)
+            assert completion.finish_reason == ("stop" if completion.token_ids[-1] in ends else "length")
+            assert len(completion.token_ids) >= min_tokens
+            assert completion.text == llm.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        reasons.update(c.finish_reason for c in out.outputs)
+    assert reasons["length"] > 0 and (reasons["stop"] > 0) == some_end  # (both ways of ending are tested)
+    llm.block_manager.check_all_free()
+
+
+@PIPELINED
+def test_beams_beside_other_requests_under_preemption(model, hf_model, prompts, end_tokens, async_scheduling,
+                                                      hf_reference):
+    """Beam searches batched with greedy requests, in a pool so small that beams are preempted and
+    recomputed, and beams waiting for the others of their search make room for them: the same
+    hypotheses as HF's, the greedy requests as HF's greedy; every block back."""
+    beams = SamplingParams(beam_width=3, n=2, max_tokens=24, stop_token_ids=end_tokens)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # (9 blocks of 16 tokens: a search's three beams do not fit at once beside the others)
+    llm = capped(LLM(model, num_kv_blocks=9, max_num_seqs=8, max_num_batched_tokens=48,
+                     async_scheduling=async_scheduling), max_steps=1000)
+    outs = llm.generate(prompts * 2, [beams] * len(prompts) + [greedy] * len(prompts))
+    assert llm.stats()["num_preemptions"] > 0
+    assert (llm.num_pipelined_steps > 0) == async_scheduling
+    for prompt, out in zip(prompts, outs[:len(prompts)]):
+        assert [c.token_ids for c in out.outputs] == hf_beam_search(hf_model, prompt, beams, [EOS, *end_tokens])[0]
+    for prompt, out in zip(prompts, outs[len(prompts):]):
+        assert out.token_ids == hf_reference(model, prompt, 24)
+    llm.block_manager.check_all_free()
+
+
+def test_beams_share_the_prefix_cache_and_their_prompt(model, hf_model, prompts, end_tokens):
+    """A prompt's beams fork its blocks (computed once); a second search of the same prompt finds them in
+    the prefix cache, and its hypotheses are the same."""
+    params = SamplingParams(beam_width=4, n=4, max_tokens=10, stop_token_ids=end_tokens)
+    prompt = prompts[0] * 3  # several full blocks
+    llm = LLM(model, num_kv_blocks=64, enable_prefix_caching=True)
+    first = llm.generate([prompt], params)[0]
+    computed = llm.num_computed_tokens
+    assert computed < len(prompt) + 4 * 10  # the prompt once, then a token per beam per step
+    second = llm.generate([prompt], params)[0]
+    assert llm.stats()["prefix_cache_hit_tokens"] >= len(prompt) // 16 * 16 - 16
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in second.outputs] == hf_beam_search(
+        hf_model, prompt, params, [EOS, *end_tokens])[0]
+    llm.block_manager.check_all_free()
+
+
+def test_beam_logprobs_are_the_models_own(model, hf_model, prompts):
+    """logprobs under beam search: each hypothesis token's log probability, rank and the k likeliest,
+    as log_softmax of HF's logits along the hypothesis; the cumulative logprob is their sum; prompt
+    logprobs come with the first completion."""
+    params = SamplingParams(beam_width=3, n=2, max_tokens=8, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    out = LLM(model, num_kv_blocks=64).generate([prompts[1]], params)[0]
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompts[1])
+    for completion in out.outputs:
+        tokens = prompts[1] + completion.token_ids
+        with torch.inference_mode():
+            reference = torch.log_softmax(hf_model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+        total = 0.0
+        for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = reference[len(prompts[1]) - 1 + i]
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            assert set(row.topk(2).indices.tolist()) <= set(entry)
+            total += entry[token].logprob
+        assert completion.cumulative_logprob == pytest.approx(total, abs=1e-3)
+        assert completion.finish_reason == "length"
+
+
+@PIPELINED
+def test_aborted_and_failed_searches_free_every_block(model, async_scheduling):
+    """An abort mid-search ends the request with one final delta and no partial beam; so does a failed
+    step; every beam's blocks come back, and the engine serves on."""
+    llm = LLM(model, num_kv_blocks=32, async_scheduling=async_scheduling)
+    llm.add_request("cancelled", list(range(3, 40)), SamplingParams(beam_width=4, max_tokens=200, ignore_eos=True))
+    for _ in range(6):
+        assert llm.step() == []
+    assert len(llm.scheduler.running) == 4
+    llm.abort("cancelled")
+    deltas = [d for _ in range(2) for d in llm.step()]
+    assert [(d.finish_reason, d.finished, d.new_token_ids) for d in deltas] == [("abort", True, [])]
+    llm.block_manager.check_all_free()
+
+    llm.add_request("failing", list(range(3, 40)), SamplingParams(beam_width=3, max_tokens=200, ignore_eos=True))
+    for _ in range(4):
+        llm.step()
+    real_forward = llm._forward
+    llm._forward = lambda *args: (_ for _ in ()).throw(RuntimeError("injected"))
+    deltas = [d for _ in range(2) for d in llm.step()]
+    llm._forward = real_forward
+    assert [(d.finish_reason, d.finished) for d in deltas] == [("error", True)]
+    llm.block_manager.check_all_free()
+    again = llm.generate([list(range(3, 20))], SamplingParams(beam_width=2, max_tokens=4))[0]
+    assert len(again.outputs) == 1 and len(again.token_ids) == 4
+
+
+def test_beam_search_parameters_are_checked(model):
+    for values, message in (
+            ({"beam_width": 2, "n": 3}, "must not exceed beam_width"),
+            ({"beam_width": 2, "temperature": 0.7}, "temperature must be 0 or 1"),
+            ({"beam_width": 2, "top_p": 0.9}, "top_p is not supported with beam search"),
+            ({"beam_width": 2, "stop": ["x"]}, "stop is not supported with beam search"),
+            ({"beam_width": 2, "structured_outputs": {"regex": "a+"}}, "structured_outputs is not supported"),
+            ({"beam_width": 0}, "beam_width must be at least 1"),
+            ({"beam_width": 2, "early_stopping": "sometimes"}, "early_stopping must be"),
+            ({"beam_width": 2, "length_penalty": math.inf}, "length_penalty must be a finite number"),
+            ({"use_beam_search": True}, "use_beam_search needs best_of"),
+            ({"use_beam_search": True, "best_of": 3, "beam_width": 2}, "disagree")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams.from_dict(values)
+    # vLLM's older form, and values sent as strings
+    params = SamplingParams.from_dict({"use_beam_search": "true", "best_of": "3", "n": "2",
+                                       "early_stopping": "never", "length_penalty": "0.5"}, strings_allowed=True)
+    assert (params.beam_width, params.n, params.early_stopping, params.length_penalty) == (3, 2, "never", 0.5)
+    assert SamplingParams.from_dict({"early_stopping": "true"}, strings_allowed=True).early_stopping is True
+    llm = LLM(model, num_kv_blocks=16, max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"beam_width \(5\) exceeds max_num_seqs \(4\)"):
+        llm.add_request("wide", [5, 6, 7], SamplingParams(beam_width=5))
+
+
+def test_default_model_beam_search_equals_hf_generate(default_model):
+    """The default model's real weights and EOS: a chat answer's beams as HF's."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(default_model, num_kv_blocks=64)
+    messages = [{"role": "user", "content": "Name one primary color. Answer in one word."}]
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = llm.encode(prompt)
+    params = SamplingParams(beam_width=3, n=3, max_tokens=24)
+    out = llm.generate([prompt_ids], params)[0]
+    hf_model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    expected, _, _ = hf_beam_search(hf_model, prompt_ids, params, llm.eos_token_ids)
+    assert [c.token_ids for c in out.outputs] == expected
+    assert any(c.finish_reason == "stop" for c in out.outputs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_beam_search_on_a_gpu_with_cuda_graphs_and_async_scheduling(model, prompts, end_tokens):
+    """On CUDA (graphs replayed for the beams' decode steps, each step's rows read after the copy event)
+    the same hypotheses as on the CPU, beside greedy requests."""
+    params = [SamplingParams(beam_width=3, n=2, max_tokens=20, stop_token_ids=end_tokens)] * len(prompts) + [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * len(prompts)
+    expected = LLM(model, num_kv_blocks=64).generate(prompts * 2, params)
+    llm = LLM(model, device="cuda", dtype="float32", num_kv_blocks=64, async_scheduling=True)
+    outs = llm.generate(prompts * 2, params)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in expected]
+    assert llm.runner.graphs.replays > 0
+    llm.block_manager.check_all_free()
