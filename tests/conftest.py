@@ -75,6 +75,14 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return {family: str(make_tiny_model(family, root / family)) for family in TINY_FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def hf_tiny_llama(tiny_models):
+    """HF transformers' own model of the tiny Llama checkpoint (float32), for references."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
+
+
 def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Token-id prompts of lengths spread from min_len to max_len (both included)."""
     rng = random.Random(seed)

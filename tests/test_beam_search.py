@@ -24,13 +24,6 @@ def model(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return random_prompts(5, 5, 40, VOCAB, seed=11)
 
@@ -42,14 +35,14 @@ def end_tokens(model, prompts):
     return [t for t, _ in Counter(t for out in greedy for t in out.token_ids).most_common(2)]
 
 
-def hf_beam_search(hf_model, prompt: list[int], params: SamplingParams, ends: list[int]) -> tuple[list, list, int]:
+def hf_beam_search(hf_tiny_llama, prompt: list[int], params: SamplingParams, ends: list[int]) -> tuple[list, list, int]:
     """HF's hypotheses (cut after their end token), their scores, and the steps its search took (its
     forward passes)."""
     ids = torch.tensor([prompt])
     forwards = []
-    hook = hf_model.register_forward_hook(lambda *_: forwards.append(1))
+    hook = hf_tiny_llama.register_forward_hook(lambda *_: forwards.append(1))
     with torch.inference_mode():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+        out = hf_tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 num_beams=params.beam_width, num_return_sequences=params.n,
                                 max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens,
                                 length_penalty=params.length_penalty, early_stopping=params.early_stopping,
@@ -89,7 +82,7 @@ CASES = [  # beam_width, n, max_tokens, length_penalty, early_stopping, min_toke
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])))
-def test_beam_search_equals_hf_generate(model, hf_model, prompts, end_tokens, case):
+def test_beam_search_equals_hf_generate(model, hf_tiny_llama, prompts, end_tokens, case):
     """Every prompt's n best hypotheses, in HF's order, with their scores (cumulative logprob /
     length ** length_penalty is HF's sequences_scores) and finish reasons: in one batch, with end
     tokens that end beams. Alone, each search stops at HF's step (its early-stopping rules)."""
@@ -101,7 +94,7 @@ def test_beam_search_equals_hf_generate(model, hf_model, prompts, end_tokens, ca
     ends = [EOS, *end_tokens]
     reasons = Counter()
     for prompt, out in zip(prompts, outs):
-        expected, scores, steps = hf_beam_search(hf_model, prompt, params, ends)
+        expected, scores, steps = hf_beam_search(hf_tiny_llama, prompt, params, ends)
         assert [c.token_ids for c in out.outputs] == expected
         before = llm.num_steps
         alone = llm.generate([prompt], params)[0]
@@ -118,7 +111,7 @@ def test_beam_search_equals_hf_generate(model, hf_model, prompts, end_tokens, ca
 
 
 @PIPELINED
-def test_beams_beside_other_requests_under_preemption(model, hf_model, prompts, end_tokens, async_scheduling,
+def test_beams_beside_other_requests_under_preemption(model, hf_tiny_llama, prompts, end_tokens, async_scheduling,
                                                       hf_reference):
     """Beam searches batched with greedy requests, in a pool so small that beams are preempted and
     recomputed, and beams waiting for the others of their search make room for them: the same
@@ -132,13 +125,13 @@ def test_beams_beside_other_requests_under_preemption(model, hf_model, prompts, 
     assert llm.stats()["num_preemptions"] > 0
     assert (llm.num_pipelined_steps > 0) == async_scheduling
     for prompt, out in zip(prompts, outs[:len(prompts)]):
-        assert [c.token_ids for c in out.outputs] == hf_beam_search(hf_model, prompt, beams, [EOS, *end_tokens])[0]
+        assert [c.token_ids for c in out.outputs] == hf_beam_search(hf_tiny_llama, prompt, beams, [EOS, *end_tokens])[0]
     for prompt, out in zip(prompts, outs[len(prompts):]):
         assert out.token_ids == hf_reference(model, prompt, 24)
     llm.block_manager.check_all_free()
 
 
-def test_beams_share_the_prefix_cache_and_their_prompt(model, hf_model, prompts, end_tokens):
+def test_beams_share_the_prefix_cache_and_their_prompt(model, hf_tiny_llama, prompts, end_tokens):
     """A prompt's beams fork its blocks (computed once); a second search of the same prompt finds them in
     the prefix cache, and its hypotheses are the same."""
     params = SamplingParams(beam_width=4, n=4, max_tokens=10, stop_token_ids=end_tokens)
@@ -150,11 +143,11 @@ def test_beams_share_the_prefix_cache_and_their_prompt(model, hf_model, prompts,
     second = llm.generate([prompt], params)[0]
     assert llm.stats()["prefix_cache_hit_tokens"] >= len(prompt) // 16 * 16 - 16
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in second.outputs] == hf_beam_search(
-        hf_model, prompt, params, [EOS, *end_tokens])[0]
+        hf_tiny_llama, prompt, params, [EOS, *end_tokens])[0]
     llm.block_manager.check_all_free()
 
 
-def test_beam_logprobs_are_the_models_own(model, hf_model, prompts):
+def test_beam_logprobs_are_the_models_own(model, hf_tiny_llama, prompts):
     """logprobs under beam search: each hypothesis token's log probability, rank and the k likeliest,
     as log_softmax of HF's logits along the hypothesis; the cumulative logprob is their sum; prompt
     logprobs come with the first completion."""
@@ -164,7 +157,7 @@ def test_beam_logprobs_are_the_models_own(model, hf_model, prompts):
     for completion in out.outputs:
         tokens = prompts[1] + completion.token_ids
         with torch.inference_mode():
-            reference = torch.log_softmax(hf_model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+            reference = torch.log_softmax(hf_tiny_llama(torch.tensor([tokens])).logits[0].float(), dim=-1)
         total = 0.0
         for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
             row = reference[len(prompts[1]) - 1 + i]
@@ -237,8 +230,8 @@ def test_default_model_beam_search_equals_hf_generate(default_model):
     prompt_ids = llm.encode(prompt)
     params = SamplingParams(beam_width=3, n=3, max_tokens=24)
     out = llm.generate([prompt_ids], params)[0]
-    hf_model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
-    expected, _, _ = hf_beam_search(hf_model, prompt_ids, params, llm.eos_token_ids)
+    hf_tiny_llama = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    expected, _, _ = hf_beam_search(hf_tiny_llama, prompt_ids, params, llm.eos_token_ids)
     assert [c.token_ids for c in out.outputs] == expected
     assert any(c.finish_reason == "stop" for c in out.outputs)
 

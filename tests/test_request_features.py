@@ -18,18 +18,11 @@ def model(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def hf_logprobs(hf_model):
+def hf_logprobs(hf_tiny_llama):
     """log_softmax of HF's logits at every position of a token sequence (float32)."""
     def compute(tokens: list[int]) -> torch.Tensor:
         with torch.inference_mode():
-            return torch.log_softmax(hf_model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+            return torch.log_softmax(hf_tiny_llama(torch.tensor([tokens])).logits[0].float(), dim=-1)
 
     return compute
 
@@ -195,7 +188,7 @@ def test_n_completions_under_preemption_and_abort(model, async_scheduling):
 
 
 @PIPELINED
-def test_logit_bias_and_allowed_token_ids_equal_hf_generate(model, hf_model, hf_logprobs, async_scheduling):
+def test_logit_bias_and_allowed_token_ids_equal_hf_generate(model, hf_tiny_llama, hf_logprobs, async_scheduling):
     """Greedy under logit_bias equals HF `generate` with the same bias on single tokens (its
     sequence_bias), under allowed_token_ids HF `generate` with a prefix_allowed_tokens_fn that allows
     the same; in one batch with requests that ask for neither, which stay as they were alone. A sampled
@@ -214,7 +207,7 @@ def test_logit_bias_and_allowed_token_ids_equal_hf_generate(model, hf_model, hf_
 
     def hf(prompt: list[int], **options) -> list[int]:
         with torch.inference_mode():
-            ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, **options)
+            ids = hf_tiny_llama.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, **options)
         return ids[0, len(prompt):].tolist()
 
     assert outs[0].token_ids == hf(prompts[0], sequence_bias={(t,): b for t, b in bias.items()})
