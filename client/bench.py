@@ -249,6 +249,52 @@ def bench_lora(model_dir: str, work: Workload, repeats: int) -> dict[str, float]
     return result
 
 
+def bench_beam_search(model_dir: str, work: Workload, repeats: int, width: int = 4, max_tokens: int = 32) -> dict:
+    """Beam searches (width 4, 32 tokens, EOS ignored) of an eighth of the workload's prompts: inflight
+    (every search batched with the others) against HF `generate(num_beams=4)` one prompt at a time and
+    on all the prompts in one left-padded batch; the searches per second (medians of alternating runs)
+    and how many best beams are HF's (one prompt at a time)."""
+    from inflight import SamplingParams
+
+    prompts = work.prompts[:max(2, len(work.prompts) // 8)]
+    params = SamplingParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)
+    llm, hf = make_llm(model_dir), load_hf(model_dir)
+    ours, theirs = [], []
+
+    def run_inflight_searches() -> float:
+        start = time.perf_counter()
+        ours[:] = [out.token_ids for out in llm.generate(prompts, params)]
+        return time.perf_counter() - start
+
+    def run_hf_searches() -> float:
+        start = time.perf_counter()
+        theirs.clear()
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, do_sample=False,
+                                  max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
+            theirs.append(out[0, len(prompt):].tolist())
+        return time.perf_counter() - start
+
+    def run_hf_batch() -> float:
+        longest = max(map(len, prompts))
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, num_beams=width, do_sample=False, max_new_tokens=max_tokens,
+                        eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - start
+
+    seconds = alternating({"inflight": run_inflight_searches, "hf": run_hf_searches, "hf-batch": run_hf_batch},
+                          repeats)
+    result = {label: len(prompts) / statistics.median(times) for label, times in seconds.items()}
+    result.update(prompts=len(prompts), same=sum(a == b for a, b in zip(ours, theirs)))
+    print(f"  beam search: {result}", file=sys.stderr)
+    return result
+
+
 def bench_structured_outputs(model_dir: str, n: int, repeats: int) -> dict:
     """n chat requests for a person record, all under one JSON schema, against the same requests
     unconstrained and cut to the same lengths (so both runs make the same tokens in the same batches),
@@ -413,9 +459,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers",
-                        default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,tp,detok,sampling",
+                        default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,beams,tp,detok,"
+                                "sampling",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
-                             "lora (the cost of serving two LoRA adapters), tp (tensor parallelism: 1 and 3 "
+                             "lora (the cost of serving two LoRA adapters), beams (beam search against HF "
+                             "generate's), tp (tensor parallelism: 1 and 3 "
                              "ranks), detok (detokenizing 128 streams), sampling (the sampler's cost for 128 "
                              "streams)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
@@ -514,6 +562,13 @@ def main() -> None:
         print(f"\n| {max(3, len(work.prompts) // 4)} requests, median of {args.repeats} | output tok/s |\n|---|---:|")
         for label, tps in r.items():
             print(f"| {label} | {tps:.1f}" + ("" if label == "no adapters" else f" ({tps / base - 1:+.1%})") + " |")
+    if "beams" in peers:
+        r = bench_beam_search(args.model, work, args.repeats)
+        print(f"\n| {r['prompts']} beam searches (width 4, 32 tokens), median of {args.repeats} | searches/s |\n"
+              f"|---|---:|\n| HF generate(num_beams=4), one prompt at a time | {r['hf']:.2f} |\n"
+              f"| HF generate(num_beams=4), all prompts in one left-padded batch | {r['hf-batch']:.2f} |\n"
+              f"| inflight, all at once | {r['inflight']:.2f} ({r['inflight'] / r['hf']:.2f}x) |\n\n"
+              f"best beam equal to HF's: {r['same']} of {r['prompts']}")
     if "structured" in peers:
         r = bench_structured_outputs(args.model, args.num_requests, args.repeats)
         cost = 1 - r["constrained_tok_s"] / r["unconstrained_tok_s"]

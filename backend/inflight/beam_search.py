@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from .block_manager import BlockManager
-from .outputs import Logprob, TokenLogprobs
+from .detokenizer import IncrementalDetokenizer
+from .outputs import Logprob, RequestDelta, TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -61,7 +62,7 @@ class Hypothesis:
     steps: list[TokenStep]
 
 
-@dataclass
+@dataclass(eq=False)
 class BeamSearch:
     params: SamplingParams
     max_new_tokens: int  # max_tokens, or less where max_model_len comes first
@@ -190,8 +191,29 @@ class BeamSearch:
         for seq in self.seats:
             seq.num_tokens_sent = len(seq.output_token_ids)  # beams hand out nothing before the end
 
-    def completion_logprobs(self, hypothesis: Hypothesis, k: int, decode: Callable[[int], str]
-                            ) -> list[TokenLogprobs]:
+    def outputs(self, detokenizer: Callable[[], IncrementalDetokenizer], decode: Callable[[int], str]
+                ) -> list[RequestDelta]:
+        """The request's completions once the search is done: its n best hypotheses, best first, each a
+        final delta (the last one the request's), with text from a fresh `detokenizer()`."""
+        leader, p = self.seats[0], self.params
+        best = self.best()
+        deltas = []
+        for index, hypothesis in enumerate(best):
+            text = detokenizer()
+            text = text.add_tokens(hypothesis.token_ids) + text.flush()
+            last = index == len(best) - 1
+            deltas.append(RequestDelta(
+                request_id=leader.request_id, new_token_ids=hypothesis.token_ids, new_text=text, finished=last,
+                finish_reason="stop" if hypothesis.ended else "length", num_prompt_tokens=leader.num_prompt_tokens,
+                num_output_tokens=len(hypothesis.token_ids), index=index,
+                new_logprobs=None if p.logprobs is None else self._logprobs(hypothesis, p.logprobs, decode),
+                cumulative_logprob=hypothesis.cumulative_logprob, metrics=leader.metrics if last else None,
+                prompt_logprobs=(leader.prompt_logprobs or [None]) if p.prompt_logprobs is not None and not index
+                else None))
+        return deltas
+
+    @staticmethod
+    def _logprobs(hypothesis: Hypothesis, k: int, decode: Callable[[int], str]) -> list[TokenLogprobs]:
         """The hypothesis's tokens' entries, as logprobs.entries builds them for sampled tokens."""
         rows = []
         for step in hypothesis.steps:

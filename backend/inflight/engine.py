@@ -415,10 +415,10 @@ class LLMEngine:
     def _advance_beams(self, beams: list[Sequence], values: torch.Tensor, ids: torch.Tensor,
                        deltas: list[RequestDelta]) -> None:
         """Give each search its beams' rows; advance those that have them all."""
-        ready = []
+        ready: dict[BeamSearch, None] = {}  # (a search once, if a recomputed beam brought its row again)
         for seq, row_values, row_ids in zip(beams, values.tolist(), ids.tolist()):
             if not seq.is_finished and seq.beam.add_row(seq, row_values, row_ids):
-                ready.append(seq.beam)
+                ready[seq.beam] = None
         for search in ready:
             continuations = search.advance()
             leader = search.seats[0]
@@ -438,28 +438,14 @@ class LLMEngine:
             self.num_generated_tokens += len(continuations)
 
     def _beam_outputs(self, search: BeamSearch) -> list[RequestDelta]:
-        """A finished search's completions (its best hypotheses, best first), each a final delta."""
-        leader, p = search.seats[0], search.params
+        """A finished search's completions; every beam's blocks back."""
+        leader = search.seats[0]
         for seq in search.seats:
             self.scheduler.finish(seq, "stop")
         self._requests.pop(leader.request_id, None)
-        best = search.best()
-        deltas = []
-        for index, hypothesis in enumerate(best):
-            detokenizer = IncrementalDetokenizer(self.tokenizer, leader.prompt_token_ids, p.skip_special_tokens,
-                                                 self._decode_lock, self._token_bytes)
-            text = detokenizer.add_tokens(hypothesis.token_ids) + detokenizer.flush()
-            logprobs = None if p.logprobs is None else search.completion_logprobs(hypothesis, p.logprobs,
-                                                                                   self._decode_one)
-            last = index == len(best) - 1
-            deltas.append(RequestDelta(
-                request_id=leader.request_id, new_token_ids=hypothesis.token_ids, new_text=text, finished=last,
-                finish_reason="stop" if hypothesis.ended else "length", num_prompt_tokens=leader.num_prompt_tokens,
-                num_output_tokens=len(hypothesis.token_ids), new_logprobs=logprobs,
-                cumulative_logprob=hypothesis.cumulative_logprob, index=index, metrics=leader.metrics if last else None,
-                prompt_logprobs=(leader.prompt_logprobs or [None]) if p.prompt_logprobs is not None and not index
-                else None))
-        return deltas
+        return search.outputs(lambda: IncrementalDetokenizer(self.tokenizer, leader.prompt_token_ids,
+                                                             leader.params.skip_special_tokens, self._decode_lock,
+                                                             self._token_bytes), self._decode_one)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         children = []

@@ -50,7 +50,9 @@ class RequestResponses:
         """The outputs of the response this delta completes, or None when nothing is to be sent yet."""
         earlier = self._pending.pop(delta.index, None)
         pending = delta if earlier is None else earlier.followed_by(delta)
-        if self.parsed.stream:
+        if self.parsed.params.beam_search and self._all_completions:
+            ready = pending.finished  # a search's beams all come in its last step: one response for them
+        elif self.parsed.stream:
             ready = (pending.finished or pending.new_text or pending.finish_reason is not None
                      or (self._wants_tokens and pending.new_token_ids))
         else:
