@@ -173,6 +173,9 @@ def test_unknown_adapters_and_settings_are_refused(model, adapters):
     assert llm.stats()["lora_requests"] == {"alpha": (0, 0, 0), "beta": (0, 1, 1)}  # a request once, not per completion
     llm.step()
     assert llm.stats()["lora_requests"] == {"alpha": (0, 0, 0), "beta": (1, 0, 1)}
+    first = next(seq for seq in llm.scheduler.running if seq.index == 0)
+    llm.scheduler.finish(first, "stop")  # its first completion ended, the other runs on: still running
+    assert llm.stats()["lora_requests"] == {"alpha": (0, 0, 0), "beta": (1, 0, 1)}
     llm.abort("n2")
     llm.step()
     assert llm.stats()["lora_requests"]["beta"] == (0, 0, 1)

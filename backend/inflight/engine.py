@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -721,12 +721,13 @@ class LLMEngine:
         }
 
     def _lora_requests(self) -> dict[str, tuple[int, int, int]]:
-        """Each adapter's requests: (running, waiting, admitted since start)."""
-        running, waiting = ([0] * len(self.num_lora_requests) for _ in range(2))
+        """Each adapter's requests: (running: some sequence of it runs, waiting: none runs but some waits,
+        admitted since start). A request counts once, however many completions or beams it has."""
         with self._lock:  # (add_request appends to the inbox from other threads)
             arrived = list(self._inbox)
-        for seqs, counts in ((self.scheduler.running, running), ((*self.scheduler.waiting, *arrived), waiting)):
-            for seq in seqs:
-                counts[seq.lora_id] += seq.index == 0  # a request once, however many completions
-        return {name: (running[i], waiting[i], self.num_lora_requests[i])
+        running = {seq.request_id: seq.lora_id for seq in self.scheduler.running}
+        waiting = {seq.request_id: seq.lora_id for seq in (*self.scheduler.waiting, *arrived)
+                   if seq.request_id not in running}
+        running_by, waiting_by = Counter(running.values()), Counter(waiting.values())
+        return {name: (running_by[i], waiting_by[i], self.num_lora_requests[i])
                 for i, name in enumerate(self.config.lora_modules, start=1)}
