@@ -56,7 +56,8 @@ def test_parse_beam_search_in_both_conventions():
     p = parsed.params
     assert (p.beam_width, p.n, p.length_penalty, p.early_stopping) == (4, 4, 0.5, True)
     assert not parsed.per_completion_responses
-    parsed = parse_request({"input_ids": ids, **beams, "num_return_sequences": np.array([2], np.int32)})
+    parsed = parse_request({"input_ids": ids, **beams, "num_return_sequences": np.array([2], np.int32),
+                            "pad_id": np.array([0], np.int32)})
     assert (parsed.params.beam_width, parsed.params.n, parsed.per_completion_responses) == (4, 2, True)
     assert parse_request({"input_ids": ids, **beams}).per_completion_responses
     parsed = parse_request({"text_input": text("hi")}, parameters={"use_beam_search": True, "best_of": 3, "n": 2,
@@ -64,6 +65,7 @@ def test_parse_beam_search_in_both_conventions():
     assert (parsed.params.beam_width, parsed.params.n, parsed.params.early_stopping) == (3, 2, "never")
     assert parse_request({"text_input": text("hi"), "beam_width": np.array([1], np.int32)}).params.n == 1
     for inputs, words in (({"beam_search_diversity_rate": np.array([0.3], np.float32)}, "diverse beam search"),
+                          ({"pad_id": np.array([-1], np.int32)}, "pad_id"),
                           ({"beam_width": np.array([2], np.int32), "top_p": np.array([0.5], np.float32)},
                            "top_p is not supported with beam search"),
                           ({"beam_width": np.array([2], np.int32), "num_return_sequences": np.array([3], np.int32)},

@@ -49,7 +49,7 @@ VLLM_PARAMETERS = {"priority", "lora_name", "guided_decoding", "best_of", "use_b
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
 BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM's logit bias by words
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
-                "priority", "num_return_sequences", "beam_search_diversity_rate", *SCALAR_PARAMS, *FLAGS,
+                "priority", "num_return_sequences", "beam_search_diversity_rate", "pad_id", *SCALAR_PARAMS, *FLAGS,
                 *GUIDE_INPUTS, *BIAS_INPUTS}
 
 
@@ -299,6 +299,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
             if not isinstance(value, bool):
                 raise ValueError(f"input '{name}' must be BOOL, got {value!r}")
             flags[name] = value
+    if "pad_id" in inputs:  # TensorRT-LLM pads beams to one length; here each beam is a response of its own
+        pad_id = _scalar("pad_id", inputs["pad_id"])
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+            raise ValueError(f"input 'pad_id' must be a token id, got {pad_id!r}")
     if "beam_search_diversity_rate" in inputs and _scalar("beam_search_diversity_rate",
                                                           inputs["beam_search_diversity_rate"]) != 0:
         raise ValueError("input 'beam_search_diversity_rate' must be 0: diverse beam search is not supported")
