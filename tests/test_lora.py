@@ -160,6 +160,30 @@ def test_completions_and_preempted_sequences_keep_their_adapter(model, adapters,
     llm.block_manager.check_all_free()
 
 
+def test_beam_search_keeps_its_adapter(model, adapters, peft_reference):
+    """Every beam of a search runs on the request's adapter: the hypotheses equal peft's model's beam
+    search, the base model's and each adapter's in one generate."""
+    prompts = random_prompts(2, 8, 30, vocab=512, seed=6)
+    params = SamplingParams(beam_width=3, n=2, max_tokens=12, ignore_eos=True)
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, lora_modules=adapters)
+    cases = [(p, name) for name in ADAPTERS for p in prompts]
+    outs = llm.generate([p for p, _ in cases], params, lora_name=[name for _, name in cases])
+    for (prompt, name), out in zip(cases, outs):
+        ids = torch.tensor([prompt])
+        options = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                       num_beams=3, num_return_sequences=2, eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode():
+            if name is None:
+                with peft_reference.model.disable_adapter():
+                    expected = peft_reference.model.generate(**options)
+            else:
+                peft_reference.model.set_adapter(name)
+                expected = peft_reference.model.generate(**options)
+        assert [c.token_ids for c in out.outputs] == expected[:, len(prompt):].tolist(), f"adapter {name}"
+    assert len({tuple(out.token_ids) for out in outs[:len(prompts)] + outs[-len(prompts):]}) > len(prompts)
+    llm.block_manager.check_all_free()
+
+
 def test_unknown_adapters_and_settings_are_refused(model, adapters):
     llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, lora_modules=adapters)
     with pytest.raises(ValueError, match="unknown LoRA adapter 'gamma': this server has 'alpha', 'beta'"):
