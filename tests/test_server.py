@@ -206,7 +206,8 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 def test_structured_outputs_in_both_conventions(server):
     """vllm_backend's `structured_outputs` in sampling_parameters (schema as an object or as JSON text),
     its older `guided_decoding` (as a serialized GuidedDecodingParams: a backend, other fields null) and
-    TensorRT-LLM's guided decoding inputs, streamed: the same valid JSON."""
+    TensorRT-LLM's guided decoding inputs, streamed: the same valid JSON; a structural tag as
+    TensorRT-LLM's guide type."""
     import jsonschema
 
     prompt = "The capital of France, as JSON:"
@@ -228,6 +229,14 @@ def test_structured_outputs_in_both_conventions(server):
     choice = generate(server.grpc_url, prompt, max_tokens=8, guided_decoding_guide_type="regex",
                       guided_decoding_guide="(Paris|Lyon)")
     assert choice.text in ("Paris", "Lyon")
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<city="], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"type": "tag", "begin": "<city=capital>", "end": "</city>",
+                  "content": {"type": "json_schema", "json_schema": CITY}}]}}
+    tagged = generate(server.grpc_url, prompt, max_tokens=120, temperature=0.0,
+                      guided_decoding_guide_type="structural_tag", guided_decoding_guide=json.dumps(tag))
+    assert tagged.error is None and tagged.text.startswith("<city=capital>") and tagged.text.endswith("</city>")
+    jsonschema.validate(json.loads(tagged.text[len("<city=capital>"):-len("</city>")]), CITY)
     for inputs, words in ((dict(guided_decoding_guide_type="yaml", guided_decoding_guide="x"), "yaml"),
                           (dict(sampling_parameters={"structured_outputs": {"regex": "a("}}), "regex"),
                           (dict(sampling_parameters={"guided_decoding": {"regex": "a", "backend": "outlines"}}),

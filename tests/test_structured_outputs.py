@@ -1,4 +1,5 @@
-"""Structured outputs on the default model: JSON schema, JSON object, regex, choice and grammar."""
+"""Structured outputs on the default model: JSON schema, JSON object, regex, choice, grammar and
+structural tags."""
 
 import json
 import re
@@ -123,6 +124,37 @@ def test_a_schema_is_compiled_once(llm, person_prompts):
     assert llm.grammars().num_compiled == before + 1
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}
+TOOL_CALL = re.compile(r"<function=get_weather>(.*?)</function>", re.S)
+
+
+def test_structural_tags_constrain_what_follows_a_trigger(llm):
+    """A structural tag (function calling): with at_least_one, the answer is a tool call whose arguments
+    follow the schema, greedy and sampled; the older form (structures and triggers) means the same
+    triggered tags: both accept a call with valid arguments and refuse one without."""
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What's the weather in Paris? Call the get_weather tool."}],
+        tokenize=False, add_generation_prompt=True)
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<function="], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"type": "tag", "begin": "<function=get_weather>", "end": "</function>",
+                  "content": {"type": "json_schema", "json_schema": CITY}}]}}
+    for temperature in (0.0, 0.8):
+        out = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=temperature, seed=5,
+                                                    structured_outputs={"structural_tag": json.dumps(tag)}))[0]
+        call = TOOL_CALL.fullmatch(out.text)
+        assert out.finish_reason == "stop" and call, out.text
+        jsonschema.validate(json.loads(call.group(1)), CITY)
+    older = {"structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"}],
+             "triggers": ["<function="]}
+    newer = dict(tag, format=dict(tag["format"], at_least_one=False, stop_after_first=False))
+    for spec in (older, newer):
+        good, bad = (llm.grammars().matcher({"structural_tag": spec}) for _ in range(2))
+        assert good.accept_string('The call: <function=get_weather>{"city": "Paris"}</function> done')
+        assert not bad.accept_string('<function=get_weather>{"town": "Paris"}')
+
+
 def test_max_tokens_cuts_a_constrained_output_as_length(llm, person_prompts):
     out = llm.generate(person_prompts[:1], SamplingParams(max_tokens=5, temperature=0.0,
                                                           structured_outputs={"json": PERSON}))[0]
@@ -135,6 +167,9 @@ def test_max_tokens_cuts_a_constrained_output_as_length(llm, person_prompts):
     ({"regex": "a(b"}, "parenthesis"),
     ({"grammar": "root ::= "}, "EBNF"),
     ({"choice": []}, "choice"),
+    ({"structural_tag": {"structures": [{"begin": "<f>"}], "triggers": ["<f"]}}, "begin, schema, end"),
+    ({"structural_tag": "{oops"}, "structural_tag is not valid JSON"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "nonsense"}}}, "structural_tag could not be"),
     ({"jsonschema": {}}, "jsonschema"),
     ({"regex": "a", "choice": ["b"]}, "exactly one"),
 ])

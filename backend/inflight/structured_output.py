@@ -1,7 +1,12 @@
-"""Structured outputs: JSON schema, any JSON object, regex, choice and EBNF grammars, on xgrammar.
+"""Structured outputs: JSON schema, any JSON object, regex, choice and EBNF grammars, and structural
+tags, on xgrammar.
 
 A request's `structured_outputs` names one constraint (vLLM's keys): {"json": schema} (a dict or its
-JSON text), {"json_object": true}, {"regex": "..."}, {"choice": ["yes", "no"]} or {"grammar": "<EBNF>"}.
+JSON text), {"json_object": true}, {"regex": "..."}, {"choice": ["yes", "no"]}, {"grammar": "<EBNF>"}
+or {"structural_tag": tag} (a dict or its JSON text: xgrammar's {"type": "structural_tag", "format":
+...}, or the older {"structures": [{"begin", "schema", "end"}], "triggers": [...]}: free text, but
+after a trigger the tag it begins, whose content follows the schema; the tool calls of function
+calling).
 It is compiled when the request is added (a bad one raises ValueError there, naming the problem);
 compiled grammars are kept by their text, so a thousand requests with one schema compile it once.
 Each step, the constrained rows of the sampling batch get their allowed-token bitmask applied to the
@@ -17,10 +22,10 @@ import torch
 
 from .input_buffers import to_device
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # TensorRT-LLM's guided_decoding_guide_type -> our key (its "json" is any JSON object).
 TENSORRT_LLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
-                            "ebnf_grammar": "grammar"}
+                            "ebnf_grammar": "grammar", "structural_tag": "structural_tag"}
 CACHED_GRAMMARS = 256
 
 
@@ -51,6 +56,8 @@ def canonical_spec(spec) -> tuple[str, str]:
         if value is not True:
             raise ValueError("structured_outputs.json_object must be true")
         return kind, ""
+    if kind == "structural_tag":
+        return kind, _structural_tag(value)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
@@ -59,6 +66,30 @@ def canonical_spec(spec) -> tuple[str, str]:
     if not isinstance(value, str) or not value:
         raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
     return kind, value
+
+
+def _structural_tag(value) -> str:
+    """A structural tag as xgrammar's JSON text; the older form ({"structures", "triggers"}, which vLLM
+    and TensorRT-LLM take too) as the triggered tags it means."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e.msg} at position {e.pos}"
+                             ) from None
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs.structural_tag must be a JSON object")
+    if "structures" in value:
+        structures, triggers = value["structures"], value.get("triggers")
+        if (not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers
+                or not all(isinstance(t, str) and t for t in triggers)
+                or not all(isinstance(s, dict) and {"begin", "schema", "end"} <= set(s) for s in structures)):
+            raise ValueError("structured_outputs.structural_tag: 'structures' must be a non-empty list of "
+                             "{begin, schema, end} and 'triggers' a non-empty list of strings")
+        value = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": [
+            {"type": "tag", "begin": s["begin"], "end": s["end"],
+             "content": {"type": "json_schema", "json_schema": s["schema"]}} for s in structures]}}
+    return json.dumps(value)
 
 
 class StructuredOutputs:
@@ -98,6 +129,8 @@ class StructuredOutputs:
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
             if kind == "regex":
                 return self._compiler.compile_regex(text)
+            if kind == "structural_tag":
+                return self._compiler.compile_structural_tag(text)
             return self._compiler.compile_grammar(text)  # grammar, or choice as a grammar
         except Exception as e:  # xgrammar raises RuntimeError with the position of the problem
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
