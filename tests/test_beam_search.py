@@ -248,3 +248,13 @@ def test_beam_search_on_a_gpu_with_cuda_graphs_and_async_scheduling(model, promp
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in expected]
     assert llm.runner.graphs.replays > 0
     llm.block_manager.check_all_free()
+
+
+def test_a_search_stops_at_max_model_len(model, hf_tiny_llama, prompts):
+    """max_model_len comes before max_tokens: the search ends there, as HF's with that many new tokens."""
+    prompt = prompts[1][:30]
+    out = LLM(model, num_kv_blocks=32, max_model_len=40).generate(
+        [prompt], SamplingParams(beam_width=3, n=3, max_tokens=30))[0]
+    expected = hf_beam_search(hf_tiny_llama, prompt, SamplingParams(beam_width=3, n=3, max_tokens=10), [EOS])[0]
+    assert [c.token_ids for c in out.outputs] == expected
+    assert all(len(c.token_ids) == 10 and c.finish_reason == "length" for c in out.outputs)
