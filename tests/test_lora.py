@@ -42,18 +42,23 @@ class PeftReference:
     def __call__(self, prompt: list[int], lora_name: str | None, max_new_tokens: int = MAX_TOKENS) -> list[int]:
         key = (tuple(prompt), lora_name, max_new_tokens)
         if key not in self._cache:
-            ids = torch.tensor([prompt])
-            options = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-            with torch.inference_mode():
-                if lora_name is None:
-                    with self.model.disable_adapter():
-                        out = self.model.generate(**options)
-                else:
-                    self.model.set_adapter(lora_name)
-                    out = self.model.generate(**options)
-            self._cache[key] = out[0, len(prompt):].tolist()
+            self._cache[key] = self.generate(prompt, lora_name, max_new_tokens=max_new_tokens)[0]
         return self._cache[key]
+
+    def generate(self, prompt: list[int], lora_name: str | None, **options) -> list[list[int]]:
+        """HF `generate` (greedy unless `options` say otherwise) under an adapter (None: the base model):
+        each returned sequence's new tokens."""
+        ids = torch.tensor([prompt])
+        options = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None,
+                       pad_token_id=0, **options)
+        with torch.inference_mode():
+            if lora_name is None:
+                with self.model.disable_adapter():
+                    out = self.model.generate(**options)
+            else:
+                self.model.set_adapter(lora_name)
+                out = self.model.generate(**options)
+        return out[:, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -169,17 +174,8 @@ def test_beam_search_keeps_its_adapter(model, adapters, peft_reference):
     cases = [(p, name) for name in ADAPTERS for p in prompts]
     outs = llm.generate([p for p, _ in cases], params, lora_name=[name for _, name in cases])
     for (prompt, name), out in zip(cases, outs):
-        ids = torch.tensor([prompt])
-        options = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                       num_beams=3, num_return_sequences=2, eos_token_id=None, pad_token_id=0)
-        with torch.inference_mode():
-            if name is None:
-                with peft_reference.model.disable_adapter():
-                    expected = peft_reference.model.generate(**options)
-            else:
-                peft_reference.model.set_adapter(name)
-                expected = peft_reference.model.generate(**options)
-        assert [c.token_ids for c in out.outputs] == expected[:, len(prompt):].tolist(), f"adapter {name}"
+        expected = peft_reference.generate(prompt, name, max_new_tokens=12, num_beams=3, num_return_sequences=2)
+        assert [c.token_ids for c in out.outputs] == expected, f"adapter {name}"
     assert len({tuple(out.token_ids) for out in outs[:len(prompts)] + outs[-len(prompts):]}) > len(prompts)
     llm.block_manager.check_all_free()
 

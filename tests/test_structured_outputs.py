@@ -146,8 +146,8 @@ def test_structural_tags_constrain_what_follows_a_trigger(llm):
         call = TOOL_CALL.fullmatch(out.text)
         assert out.finish_reason == "stop" and call, out.text
         jsonschema.validate(json.loads(call.group(1)), CITY)
-    older = {"structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"}],
-             "triggers": ["<function="]}
+    older = {"structures": [{"begin": "<function=get_weather>", "schema": json.dumps(CITY), "end": "</function>"}],
+             "triggers": ["<function="]}  # (a schema as an object or, as here, its JSON text)
     newer = dict(tag, format=dict(tag["format"], at_least_one=False, stop_after_first=False))
     for spec in (older, newer):
         good, bad = (llm.grammars().matcher({"structural_tag": spec}) for _ in range(2))

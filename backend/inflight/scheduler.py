@@ -5,7 +5,10 @@ Every step: each running sequence that is decoding gets one token, then sequence
 token budget is spent. When the pool cannot give a decoding sequence its next block, the running
 sequence of lowest priority (the newest among equals) is preempted: its blocks are freed and it goes back
 to the queue in its place, to be recomputed. New sequences are admitted only while blocks stay free for
-the running ones' growth. A lower priority value is served earlier (vLLM's convention).
+the running ones' growth, and while max_num_seqs has room for every sequence a request will run at once
+(its n completions, or its beams). A lower priority value is served earlier (vLLM's convention). A beam
+whose next tokens are measured waits, computing nothing, for the other beams of its search; when such
+beams are all that hold the pool, they make room.
 """
 
 import bisect

@@ -44,11 +44,7 @@ def canonical_spec(spec) -> tuple[str, str]:
         raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}, got {given or 'none'}")
     kind, value = given[0], spec[given[0]]
     if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e.msg} at position {e.pos}") from None
+        value = _json_value("json", value)
         if not isinstance(value, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema (an object)")
         return kind, json.dumps(value)  # property order is generation order: kept
@@ -68,15 +64,20 @@ def canonical_spec(spec) -> tuple[str, str]:
     return kind, value
 
 
+def _json_value(name: str, value):
+    """A value given as itself or as its JSON text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"structured_outputs.{name} is not valid JSON: {e.msg} at position {e.pos}") from None
+
+
 def _structural_tag(value) -> str:
     """A structural tag as xgrammar's JSON text; the older form ({"structures", "triggers"}, which vLLM
     and TensorRT-LLM take too) as the triggered tags it means."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e.msg} at position {e.pos}"
-                             ) from None
+    value = _json_value("structural_tag", value)
     if not isinstance(value, dict):
         raise ValueError("structured_outputs.structural_tag must be a JSON object")
     if "structures" in value:
@@ -87,8 +88,9 @@ def _structural_tag(value) -> str:
             raise ValueError("structured_outputs.structural_tag: 'structures' must be a non-empty list of "
                              "{begin, schema, end} and 'triggers' a non-empty list of strings")
         value = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": [
-            {"type": "tag", "begin": s["begin"], "end": s["end"],
-             "content": {"type": "json_schema", "json_schema": s["schema"]}} for s in structures]}}
+            {"type": "tag", "begin": s["begin"], "end": s["end"], "content": {"type": "json_schema", "json_schema":
+                                                                             _json_value("schema", s["schema"])}}
+            for s in structures]}}
     return json.dumps(value)
 
 
