@@ -69,9 +69,11 @@ class StreamResult:
 
 
 def generate(url: str, prompt: str, timeout: float = 300.0, on_text=None, model: str = "llm",
-             cancel_after: int | None = None, outputs: list[str] | None = None, **inputs) -> StreamResult:
+             cancel_after: int | None = None, outputs: list[str] | None = None, cancel_after_s: float | None = None,
+             **inputs) -> StreamResult:
     """Send one request on its own gRPC stream and collect its responses. With `cancel_after`, the
-    stream is cancelled after that many responses; `outputs` names the outputs wanted (default: all)."""
+    stream is cancelled after that many responses, with `cancel_after_s` after that many seconds (a
+    beam search sends nothing before its end); `outputs` names the outputs wanted (default: all)."""
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -81,8 +83,17 @@ def generate(url: str, prompt: str, timeout: float = 300.0, on_text=None, model:
         client.async_stream_infer(model, make_inputs(prompt, **inputs), request_id=uuid.uuid4().hex,
                                   enable_empty_final_response=True,
                                   outputs=outputs and [grpcclient.InferRequestedOutput(name) for name in outputs])
+        deadline = None if cancel_after_s is None else start + cancel_after_s
         while True:
-            response, error = responses.get(timeout=timeout)
+            try:
+                response, error = responses.get(timeout=timeout if deadline is None
+                                                else max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                if deadline is None or time.perf_counter() < deadline:
+                    raise
+                client.stop_stream(cancel_requests=True)
+                result.error = "cancelled"
+                break
             if error is not None:
                 result.error = str(error)
                 break

@@ -156,25 +156,44 @@ def test_bad_input_matrix(server, reference):
     assert_all_blocks_free(server)
 
 
-def test_cancellation_storm(server, reference):
+def test_cancellation_storm(server, reference, default_model):
+    """64 streams cancelled after a few responses and 8 beam searches cancelled while they run, among
+    greedy streams and beam searches that must come out exact."""
+    from inflight import LLM, SamplingParams
+
     rng = random.Random(7)
     survivors = PROMPTS[:6]
     expected = reference(survivors, 24)
+    beams = dict(beam_width=3, n=2, max_tokens=16)
+    expected_beams = [[c.text for c in out.outputs] for out in LLM(default_model, device="cpu", num_kv_blocks=64)
+                      .generate(survivors[:2], SamplingParams(**beams))]
     results = {}
 
     def cancelled(i):
         results[f"c{i}"] = generate(server.grpc_url, PROMPTS[i % len(PROMPTS)], max_tokens=300, ignore_eos=True,
                                     cancel_after=rng.randint(1, 12))
 
+    def cancelled_search(i):
+        results[f"cb{i}"] = generate(server.grpc_url, PROMPTS[i % len(PROMPTS)], cancel_after_s=rng.uniform(0.2, 2),
+                                     sampling_parameters={"beam_width": 4, "max_tokens": 300, "ignore_eos": True})
+
     def survivor(i):
         results[f"s{i}"] = generate(server.grpc_url, survivors[i], **greedy(24))
 
-    calls = [lambda i=i: cancelled(i) for i in range(64)] + [lambda i=i: survivor(i) for i in range(len(survivors))]
+    def surviving_search(i):
+        results[f"sb{i}"] = generate(server.grpc_url, survivors[i], stream=False, exclude_input_in_output=True,
+                                     sampling_parameters=beams)
+
+    calls = ([lambda i=i: cancelled(i) for i in range(64)] + [lambda i=i: cancelled_search(i) for i in range(8)]
+             + [lambda i=i: survivor(i) for i in range(len(survivors))] + [lambda i=i: surviving_search(i)
+                                                                          for i in range(2)])
     random.Random(8).shuffle(calls)
     with concurrently(calls, timeout=600):
         pass
     assert all(results[f"c{i}"].error == "cancelled" for i in range(64))
+    assert all(results[f"cb{i}"].error == "cancelled" for i in range(8))
     assert [results[f"s{i}"].text for i in range(len(survivors))] == expected
+    assert [[t.decode() for t in results[f"sb{i}"].responses[-1]["text_output"]] for i in range(2)] == expected_beams
     assert_all_blocks_free(server)
     assert generate(server.grpc_url, PROMPTS[0], **greedy(4)).error is None
 
