@@ -1,6 +1,7 @@
 """Log probabilities (generated and prompt tokens) against HF transformers' own logits, several
 completions per prompt, and priorities."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,39 @@ def test_prompt_logprobs_across_chunks_preemption_and_the_prefix_cache(model, hf
         llm.block_manager.check_all_free()
         assert (llm.num_pipelined_steps > 0) == async_scheduling
     assert tight.stats()["num_preemptions"] > 0
+
+
+@PIPELINED
+def test_context_and_generation_logits_equal_hfs_raw_logits(model, hf_tiny_llama, async_scheduling):
+    """TensorRT-LLM's return_context_logits and return_generation_logits: the model's raw logits at every
+    prompt position and for each generated token (sampled ones too: before temperature and penalties),
+    HF's within 1e-4, across chunked prefill, preemption and the prefix cache (which they bypass), beside
+    requests that ask for neither and with n completions; too many of them refused up front."""
+    prompts = random_prompts(6, 20, 90, vocab=512, seed=23)
+    logits = dict(return_context_logits=True, return_generation_logits=True, ignore_eos=True, max_tokens=20)
+    params = [SamplingParams(temperature=0.0, **logits), SamplingParams(max_tokens=20, temperature=0.0),
+              SamplingParams(temperature=0.9, repetition_penalty=1.3, seed=1, n=2, **logits)] * 2
+    roomy = LLM(model, num_kv_blocks=256, async_scheduling=async_scheduling)
+    tight = LLM(model, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=6, async_scheduling=async_scheduling)
+    for llm in (roomy, tight):
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # cached blocks of two prompts
+        for prompt, p, out in zip(prompts, params, llm.generate(prompts, params)):
+            if not p.return_context_logits:
+                assert out.context_logits is None and out.outputs[0].generation_logits is None
+                continue
+            assert out.context_logits.shape == (len(prompt), 512)
+            for completion in out.outputs:
+                with torch.inference_mode():
+                    reference = hf_tiny_llama(torch.tensor([prompt + completion.token_ids])).logits[0].float()
+                assert np.allclose(out.context_logits, reference[:len(prompt)].numpy(), atol=1e-4)
+                assert completion.generation_logits.shape == (20, 512)
+                assert np.allclose(completion.generation_logits, reference[len(prompt) - 1:-1].numpy(), atol=1e-4)
+        llm.block_manager.check_all_free()
+    assert tight.stats()["num_preemptions"] > 0
+    with pytest.raises(ValueError, match="logits of n x max_tokens generated tokens' 8000000 positions"):
+        roomy.add_request("huge", [5, 6], SamplingParams(max_tokens=8_000_000, return_generation_logits=True))
+    with pytest.raises(ValueError, match="return_context_logits is not supported with beam search"):
+        SamplingParams(beam_width=2, return_context_logits=True)
 
 
 def test_without_logprobs_nothing_is_computed(model):

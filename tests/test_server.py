@@ -275,6 +275,31 @@ def test_token_ids_in_and_out_with_tensorrt_llm_logprobs(server, offline):
         assert error and name in error, error
 
 
+def test_tensorrt_llm_context_and_generation_logits(server, offline):
+    """return_context_logits / return_generation_logits: context_logits [prompt, vocab] in the response
+    with the first tokens, generation_logits [1, tokens, vocab] in each, streamed or not, as the offline
+    engine gives them."""
+    from inflight import SamplingParams
+
+    prompt_ids = offline.encode(PROMPTS[3])
+    expected = offline.generate([prompt_ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                             return_context_logits=True,
+                                                             return_generation_logits=True))[0]
+    for stream in (True, False):
+        result = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), max_tokens=6,
+                          temperature=0.0, ignore_eos=True, stream=stream, exclude_input_in_output=True,
+                          return_context_logits=True, return_generation_logits=True)
+        assert result.error is None
+        contexts = [r["context_logits"] for r in result.responses if "context_logits" in r]
+        assert len(contexts) == 1 and np.allclose(contexts[0], expected.context_logits, atol=1e-5)
+        generated = np.concatenate([r["generation_logits"][0] for r in result.responses], axis=0)
+        assert generated.shape == (6, offline.runner.hf_config.vocab_size)
+        assert np.allclose(generated, expected.outputs[0].generation_logits, atol=1e-5)
+    error = generate(server.grpc_url, PROMPTS[3], return_generation_logits=True,
+                     sampling_parameters={"n": 2, "max_tokens": 4}).error
+    assert error and "num_return_sequences" in error
+
+
 def test_vllm_style_logprobs_priority_and_parameters_as_sampling_parameters(server, offline_texts):
     prompt = PROMPTS[0]
     result = generate(server.grpc_url, prompt, return_logprobs=True, return_cumulative_logprob=True, priority=-2,

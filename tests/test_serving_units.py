@@ -3,6 +3,7 @@ metrics and the serving profile."""
 
 import json
 import os
+import pickle
 import signal
 import threading
 import time
@@ -451,24 +452,40 @@ def test_engine_process_serves_refuses_and_cancels(tiny_models):
         time.sleep(0.05)
 
 
-def test_the_engine_process_dying_ends_every_request(tiny_models):
-    """Killed mid-stream (as by the out-of-memory killer): on_dead names the exit, nothing hangs, and
-    later requests are refused as unavailable."""
+def ended_mid_stream(model: str, end) -> list[str]:
+    """An engine process streaming a long request, ended by `end(process)`: what on_dead said (waited
+    for: nothing may hang); later requests must be refused as unavailable."""
     dead, first = [], threading.Event()
-    process = EngineProcess(dict(model=tiny_models["llama"], num_kv_blocks=64), None,
-                            on_delta=lambda delta: first.set(), on_dead=dead.append)
+    process = EngineProcess(dict(model=model, num_kv_blocks=64), None, on_delta=lambda delta: first.set(),
+                            on_dead=dead.append)
     process.start()
     process.submit("long", [5, 6, 7], SamplingParams(max_tokens=4000, ignore_eos=True))
     assert first.wait(60)
-    os.kill(process.pid, signal.SIGKILL)
+    end(process)
     deadline = time.monotonic() + 10
     while not dead:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert dead == ["the engine process was killed by SIGKILL"]
     with pytest.raises(EngineDeadError):
         process.submit("later", [5, 6, 7], SamplingParams(max_tokens=4))
     process.stop()
+    return dead
+
+
+def test_the_engine_process_dying_ends_every_request(tiny_models):
+    """Killed mid-stream (as by the out-of-memory killer): on_dead names the exit."""
+    dead = ended_mid_stream(tiny_models["llama"], lambda process: os.kill(process.pid, signal.SIGKILL))
+    assert dead == ["the engine process was killed by SIGKILL"]
+
+
+def test_a_message_from_the_engine_process_that_cannot_be_read_ends_it(tiny_models):
+    """A message the model's process cannot unpickle ends the engine process as a death would (before,
+    the receiving thread died alone and every request hung)."""
+    def unreadable():
+        raise pickle.UnpicklingError("truncated")
+
+    dead = ended_mid_stream(tiny_models["llama"], lambda process: setattr(process._conn, "recv", unreadable))
+    assert dead == ["a message from the engine process could not be read: UnpicklingError: truncated"]
 
 
 def test_the_engine_process_serves_on_through_sigterm_and_ctrl_c(tiny_models):

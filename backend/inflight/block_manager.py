@@ -126,8 +126,8 @@ class BlockManager:
         mark them computed. The last token is always left to compute, so that there is a token to sample
         from. Returns the number of tokens reused."""
         assert not seq.block_table
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return 0  # prompt logprobs need every prompt position computed
+        if not self.enable_prefix_caching or seq.params.needs_prompt_logits:
+            return 0  # prompt logprobs and context logits need every prompt position computed
         tokens = seq.token_ids
         parent_hash, parent_id = self._root_hash(seq), None
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):

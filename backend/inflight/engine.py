@@ -17,10 +17,11 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from . import beam_search
+from . import beam_search, raw_logits
 from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -63,6 +64,7 @@ class _InFlight:
     prompt_logprobs: tuple | None = None  # what _measure_prompt_logprobs measured, copied like `host`
     beams: list[Sequence] | None = None  # the beams (beam search) whose rows the step measured
     beam_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # beam_search.measure's, copied like `host`
+    sampled_logits: tuple[list[int], torch.Tensor] | None = None  # raw rows kept (raw_logits.py), copied like `host`
 
 
 class LLMEngine:
@@ -166,6 +168,7 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})")
+        raw_logits.check_size(params, len(token_ids), vocab)
         width, what = (params.beam_width, "beam_width") if params.beam_search else (params.n, "n")
         if width > self.config.max_num_seqs:
             raise ValueError(f"{what} ({width}) exceeds max_num_seqs ({self.config.max_num_seqs}): its sequences "
@@ -317,7 +320,7 @@ class LLMEngine:
             if first + n == seq.num_tokens:
                 sampling.append(seq)
                 logits_at.append(start + n - 1)
-            if seq.params.prompt_logprobs is not None and seq.index == 0:
+            if seq.params.needs_prompt_logits and seq.index == 0:
                 prompt_positions += self._prompt_logprob_positions(seq, n, start)
             start += n
         pending = (self._in_flight.tokens, pending_at, pending_rows) if pending_at else None
@@ -338,6 +341,8 @@ class LLMEngine:
                 sampling.append(child)
                 rows.append(row)
         logits = logits[to_device(rows, logits.device)] if len(rows) > len(logits) else logits
+        kept = [row for row, seq in enumerate(sampling) if raw_logits.wants_sampled_row(seq)]
+        sampled_logits = (kept, raw_logits.to_host(logits[to_device(kept, logits.device)])) if kept else None
         if any((s.matcher is not None or s.bad_words_ids) and s.num_pending for s in sampling):
             self._complete_in_flight(deltas)  # their masks follow from the tokens in flight
         tokens, logprobs = self._sample(logits, sampling,
@@ -351,7 +356,7 @@ class LLMEngine:
             host = self._token_buffers[self.num_steps % 2][:len(sampling)]
             host.copy_(tokens, non_blocking=True)
         return _InFlight(batch, sampling, tokens, host, self._copy_event(tokens), logprobs, prompt_logprobs,
-                         beams, beam_rows)
+                         beams, beam_rows, sampled_logits)
 
     @staticmethod
     def _copy_event(like: torch.Tensor) -> "torch.cuda.Event | None":
@@ -390,7 +395,8 @@ class LLMEngine:
             self._record_prompt_logprobs(*step.prompt_logprobs)
         tokens = step.host.tolist() if step.sampling else []
         logprobs = self._logprob_entries(step.sampling, tokens, step.logprobs)
-        for seq, token, entry in zip(step.sampling, tokens, logprobs):
+        kept_rows = dict(zip(*step.sampled_logits)) if step.sampled_logits is not None else {}
+        for row, (seq, token, entry) in enumerate(zip(step.sampling, tokens, logprobs)):
             seq.num_pending -= 1
             if seq.is_finished:  # ended while the step ran (aborted, or finished the step before)
                 continue
@@ -400,6 +406,8 @@ class LLMEngine:
                         deltas.append(self._fail(s, NO_TOKEN_LEFT, "invalid"))
                 continue
             self._record_logprobs(seq, token, entry)
+            if row in kept_rows:
+                raw_logits.record_sampled(seq, kept_rows[row])
             seq.append_token(token)
             self.num_generated_tokens += 1
             self.block_manager.cache_full_blocks(seq)  # its computed tokens are known now (before a finish frees them)
@@ -512,24 +520,41 @@ class LLMEngine:
 
     @staticmethod
     def _measure_prompt_logprobs(logits: torch.Tensor, positions: list[tuple[Sequence, int, int]]) -> tuple | None:
-        """The logprobs of the prompt tokens at `positions` (their logits, in order), measured on the
+        """The logprobs of the prompt tokens at `positions` (their logits, in order) of the sequences that
+        asked for them, and the raw rows when some sequence asked for context logits, measured on the
         device and copied to the host without waiting: what _record_prompt_logprobs reads."""
         if not positions:
             return None
+        logits = logits[:len(positions)]
         tokens = [seq.prompt_token_ids[target] for seq, _, target in positions]
-        k = max(seq.params.prompt_logprobs for seq, _, _ in positions)
-        return positions, tokens, measure(logits[:len(positions)], to_device(tokens, logits.device), k).to_host()
+        wanting = [i for i, (seq, _, _) in enumerate(positions) if seq.params.prompt_logprobs is not None]
+        measured = None
+        if wanting:
+            rows = logits if len(wanting) == len(positions) else logits[to_device(wanting, logits.device)]
+            k = max(positions[i][0].params.prompt_logprobs for i in wanting)
+            measured = measure(rows, to_device([tokens[i] for i in wanting], logits.device), k).to_host()
+        context = raw_logits.to_host(logits) if any(s.params.return_context_logits for s, _, _ in positions) else None
+        return positions, tokens, wanting, measured, context
 
     def _record_prompt_logprobs(self, positions: list[tuple[Sequence, int, int]], tokens: list[int],
-                                measured: MeasuredLogprobs) -> None:
-        rows = entries(measured, tokens, [seq.params.prompt_logprobs for seq, _, _ in positions], self._decode_one)
-        for (seq, _, target), entry in zip(positions, rows):
+                                wanting: list[int], measured: MeasuredLogprobs | None,
+                                context: torch.Tensor | None) -> None:
+        """Prompt logprobs (of the positions `wanting`) and context logits where asked for: the logits at
+        `positions` predict `tokens`."""
+        rows = dict(zip(wanting, entries(measured, [tokens[i] for i in wanting],
+                                         [positions[i][0].params.prompt_logprobs for i in wanting], self._decode_one)
+                        if wanting else []))
+        for i, (seq, _, target) in enumerate(positions):
             if seq.is_finished:
+                continue
+            if seq.params.return_context_logits:
+                seq.context_logits.append(raw_logits.own_row(context[i]))
+            if i not in rows:
                 continue
             if not seq.prompt_logprobs:
                 seq.prompt_logprobs.append(None)  # the first prompt token has nothing before it
             assert len(seq.prompt_logprobs) == target
-            seq.prompt_logprobs.append(entry)
+            seq.prompt_logprobs.append(rows[i])
 
     def _detokenize(self, seq: Sequence, token_ids: list[int]) -> str:
         return seq.detokenizer.add_tokens(token_ids)
@@ -694,8 +719,13 @@ class LLMEngine:
             index=seq.index,
             metrics=metrics,
         )
-        if p.prompt_logprobs is not None and seq.index == 0 and seq.num_tokens_sent == 0 and seq.output_token_ids:
+        first = seq.index == 0 and seq.num_tokens_sent == 0 and seq.output_token_ids
+        if p.prompt_logprobs is not None and first:
             delta.prompt_logprobs = seq.prompt_logprobs or [None]  # with the first generated token
+        if p.return_context_logits and first:
+            delta.context_logits = np.stack(seq.context_logits)
+        if p.return_generation_logits:
+            delta.new_generation_logits = seq.generation_logits[seq.num_tokens_sent:]
         seq.num_tokens_sent = len(seq.output_token_ids)
         seq.num_text_sent = text_end
         return delta

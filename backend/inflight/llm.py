@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from .engine import LLMEngine
@@ -58,9 +59,16 @@ class LLM(LLMEngine):
         for k, request_id in enumerate(ids):
             parts = sorted(by_request[request_id], key=lambda d: d.index)
             completions = [CompletionOutput(d.index, d.new_text, d.new_token_ids, d.finish_reason, d.new_logprobs,
-                                            d.cumulative_logprob) for d in parts]
+                                            d.cumulative_logprob, _stacked(d.new_generation_logits)) for d in parts]
             error = next((d.error for d in parts if d.error), None)
             metrics = next((d.metrics for d in parts if d.metrics), None)
             outputs.append(RequestOutput(request_id, prompt_ids[k], completions, parts[0].prompt_logprobs, error,
-                                         metrics=metrics))
+                                         metrics=metrics, context_logits=parts[0].context_logits))
         return outputs
+
+
+def _stacked(rows: list | None):
+    """Per-token logits rows as one [tokens, vocab] array (None when not asked for)."""
+    if rows is None:
+        return None
+    return np.stack(rows) if rows else np.zeros((0, 0), np.float32)

@@ -1,6 +1,10 @@
 """What the engine hands out: per-step deltas for streaming, and whole results for generate()."""
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -54,13 +58,21 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first delta, when asked for
     index: int = 0  # which completion (of n)
     metrics: RequestMetrics | None = None  # in the request's final delta
+    # TensorRT-LLM's raw logits, when asked for (float32 numpy arrays): [prompt tokens, vocab] in the first
+    # delta, and a [vocab] row per new token
+    context_logits: "np.ndarray | None" = None
+    new_generation_logits: list | None = None
 
     def followed_by(self, later: "RequestDelta") -> "RequestDelta":
         """This delta and a later one of the same request, as one."""
         logprobs = None if self.new_logprobs is None else self.new_logprobs + (later.new_logprobs or [])
+        generation = None if self.new_generation_logits is None else \
+            self.new_generation_logits + (later.new_generation_logits or [])
+        context = self.context_logits if self.context_logits is not None else later.context_logits
         return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
                        new_text=self.new_text + later.new_text, new_logprobs=logprobs,
-                       prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+                       prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+                       context_logits=context, new_generation_logits=generation)
 
 
 def coalesce(steps: list[list[RequestDelta]]) -> list[RequestDelta]:
@@ -85,6 +97,7 @@ class CompletionOutput:
     finish_reason: str
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
+    generation_logits: "np.ndarray | None" = None  # [tokens, vocab] float32, with return_generation_logits
 
 
 @dataclass
@@ -98,6 +111,7 @@ class RequestOutput:
     # stopped); None: the engine failed while serving it.
     error_kind: str | None = None
     metrics: RequestMetrics | None = None  # its timings and what the prefix cache held
+    context_logits: "np.ndarray | None" = None  # [prompt tokens, vocab] float32, with return_context_logits
 
     @property
     def num_cached_tokens(self) -> int:

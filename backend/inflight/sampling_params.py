@@ -37,6 +37,9 @@ class SamplingParams:
     structured_outputs: dict | None = None
     logprobs: int | None = None  # the sampled token's logprob plus this many most likely tokens' (0: only it)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # TensorRT-LLM's: the model's raw logits at every prompt position, and those of each generated token
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
     n: int = 1  # completions of the prompt, which is computed once (with beam search: the best n beams)
     # Beam search (HF transformers' algorithm, beam_search.py) when above 1: the beams kept each step.
     beam_width: int = 1
@@ -75,7 +78,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         self._check_float("presence_penalty", minimum=-2.0, maximum=2.0)
         self._check_float("frequency_penalty", minimum=-2.0, maximum=2.0)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "return_context_logits",
+                     "return_generation_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if len(self.stop) > self.MAX_STOP_STRINGS:
@@ -113,7 +117,8 @@ class SamplingParams:
     _NOT_WITH_BEAM_SEARCH = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "repetition_penalty": (1.0,),
                              "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "stop": ([],),
                              "bad_words": ([],), "logit_bias": (None,), "allowed_token_ids": (None,),
-                             "structured_outputs": (None,), "include_stop_str_in_output": (False,)}
+                             "structured_outputs": (None,), "include_stop_str_in_output": (False,),
+                             "return_context_logits": (False,), "return_generation_logits": (False,)}
 
     def _check_beam_search(self) -> None:
         self._check_int("beam_width", minimum=1)
@@ -137,6 +142,11 @@ class SamplingParams:
     @property
     def beam_search(self) -> bool:
         return self.beam_width > 1
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Logits at every prompt position (none may come from the prefix cache)."""
+        return self.prompt_logprobs is not None or self.return_context_logits
 
     def _check_token_controls(self) -> None:
         """logit_bias (JSON's keys are strings: integers written as strings are read as such),

@@ -58,6 +58,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list = field(default_factory=list)  # None, then TokenLogprobs per prompt token
     num_prompt_logprobs_measured: int = 0  # prompt tokens whose logprobs are recorded or in a step in flight
+    context_logits: list = field(default_factory=list)  # raw logits rows per prompt position, when asked for
+    generation_logits: list = field(default_factory=list)  # raw logits rows per output token, when asked for
 
     output_text: str = ""  # text decoded so far, stop strings cut
     num_text_sent: int = 0  # characters of output_text already handed out as deltas

@@ -191,6 +191,10 @@ class EngineProcess(EngineThread):
             code = self._process.wait()
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             return ("dead", f"the engine process {how}")
+        except Exception as e:  # a message that cannot be read: the two sides no longer agree, so it ends
+            self._process.kill()
+            self._process.wait()
+            return ("dead", f"a message from the engine process could not be read: {type(e).__name__}: {e}")
 
     def _acknowledge(self) -> None:
         try:

@@ -36,6 +36,8 @@ SCALAR_PARAMS = {
     "beam_width": "beam_width",  # TensorRT-LLM's beam search, with its len_penalty and early_stopping
     "len_penalty": "length_penalty",
     "early_stopping": "early_stopping",
+    "return_context_logits": "return_context_logits",  # TensorRT-LLM's raw logits outputs
+    "return_generation_logits": "return_generation_logits",
 }
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
          "return_num_output_tokens",
@@ -323,6 +325,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     elif isinstance(prompt, list) and values.get("n", 1) != 1 and not per_completion:
         raise ValueError("with 'input_ids', several completions come from 'num_return_sequences' (a response "
                          "per completion, each with its output_ids), not from n")
+    if values.get("return_generation_logits") and values.get("n", 1) > 1 and not per_completion:
+        raise ValueError("with n > 1, generation logits come in a response per completion: ask for them with "
+                         "num_return_sequences")
     bias_words = _bias_words(inputs, settings) if any(name in inputs for name in BIAS_INPUTS) else []
     if any(flags.get(name) for name in ("return_logprobs", "return_cumulative_logprob", "return_log_probs")):
         values.setdefault("logprobs", 0)  # the sampled tokens' logprobs at least

@@ -109,6 +109,14 @@ class RequestResponses:
                 outputs["output_log_probs"] = np.array(sampled, dtype=np.float32)
             if wants("cum_log_probs"):
                 outputs["cum_log_probs"] = np.array([delta.cumulative_logprob], dtype=np.float32)
+        params = parsed.params
+        if params.return_context_logits and wants("context_logits"):
+            context = next((d.context_logits for d in parts if d.context_logits is not None), None)
+            if context is not None:  # (in the response that brings the first tokens)
+                outputs["context_logits"] = context
+        if params.return_generation_logits and wants("generation_logits"):  # TensorRT-LLM's [beams, tokens, vocab]
+            rows = parts[0].new_generation_logits or []
+            outputs["generation_logits"] = (np.stack(rows) if rows else np.zeros((0, 0), np.float32))[None]
         metrics = next((d.metrics for d in parts if d.metrics), None)  # the request's final response
         if parsed.return_perf_metrics and metrics is not None:
             outputs.update((name, np.array([value], dtype=dtype)) for name, value, dtype in perf_outputs(metrics)

@@ -1,0 +1,58 @@
+"""TensorRT-LLM's context and generation logits: the model's raw logits (float32, before any sampling
+parameter touches them) at every prompt position, and for each generated token the logits it was drawn
+from. Context logits come from the rows that prompt logprobs read (positions 0 to P-2) and from the
+row of the first sampled token (position P-1, whose logits are also the first generated token's);
+rows are copied to the host without waiting for the device, read with the step's other copies, and
+handed out as numpy arrays (a torch tensor sent to the Triton model's process would go through torch's
+shared-memory file descriptors, which processes not started by torch.multiprocessing cannot open).
+"""
+
+import numpy as np
+import torch
+
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+# What one request's logits may hold (float32): a prompt of 8,192 tokens over a 32,000-token vocabulary
+# is 1 GiB. A request that could hold more is refused when it is added.
+MAX_LOGITS_BYTES = 1 << 30
+
+
+def check_size(params: SamplingParams, num_prompt_tokens: int, vocab_size: int) -> None:
+    """ValueError when the logits a request asks for could exceed MAX_LOGITS_BYTES."""
+    row = 4 * vocab_size
+    for wanted, rows, what in ((params.return_context_logits, num_prompt_tokens, "its prompt's"),
+                               (params.return_generation_logits, params.n * params.max_tokens,
+                                "n x max_tokens generated tokens'")):
+        if wanted and rows * row > MAX_LOGITS_BYTES:
+            raise ValueError(f"the logits of {what} {rows} positions would take {rows * row / 2**20:.0f} MiB, "
+                             f"more than the {MAX_LOGITS_BYTES >> 20} MiB a request may hold")
+
+
+def to_host(rows: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of `rows` on the host, made without waiting for the device."""
+    rows = rows.float()
+    return rows if rows.device.type == "cpu" else rows.to("cpu", non_blocking=True)
+
+
+def own_row(row: torch.Tensor) -> np.ndarray:
+    """A row of a step's host tensor as an array of its own (a view would keep the whole tensor)."""
+    return row.numpy().copy()
+
+
+def wants_sampled_row(seq: Sequence) -> bool:
+    """Whether the row `seq` samples from now is kept: a generated token's logits, or the last prompt
+    position's (its first token)."""
+    p = seq.params
+    first_token = seq.index == 0 and not seq.output_token_ids and not seq.num_pending
+    return p.return_generation_logits or (p.return_context_logits and first_token)
+
+
+def record_sampled(seq: Sequence, row: torch.Tensor) -> None:
+    """The row a token of `seq` was sampled from, its value now known."""
+    p = seq.params
+    row = own_row(row)
+    if p.return_context_logits and seq.index == 0 and len(seq.context_logits) == seq.num_prompt_tokens - 1:
+        seq.context_logits.append(row)
+    if p.return_generation_logits:
+        seq.generation_logits.append(row)
