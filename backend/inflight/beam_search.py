@@ -199,8 +199,8 @@ class BeamSearch:
         best = self.best()
         deltas = []
         for index, hypothesis in enumerate(best):
-            text = detokenizer()
-            text = text.add_tokens(hypothesis.token_ids) + text.flush()
+            decoder = detokenizer()
+            text = decoder.add_tokens(hypothesis.token_ids) + decoder.flush()
             last = index == len(best) - 1
             deltas.append(RequestDelta(
                 request_id=leader.request_id, new_token_ids=hypothesis.token_ids, new_text=text, finished=last,
