@@ -330,9 +330,10 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
         logits, sampling, beams, beam_rows = self._measure_beams(logits[:len(sampling)], sampling)
-        if not sampling:
-            return _InFlight(batch, [], None, None, self._copy_event(logits), prompt_logprobs=prompt_logprobs,
-                             beams=beams, beam_rows=beam_rows)
+        if not sampling:  # (a step of prompt chunks waits for its copies only, when it made some)
+            copied = self._copy_event(logits) if prompt_logprobs is not None or beams else None
+            return _InFlight(batch, [], None, None, copied, prompt_logprobs=prompt_logprobs, beams=beams,
+                             beam_rows=beam_rows)
         # A prompt with n completions is computed once: its other completions fork from it here and
         # draw their first tokens from the same logits.
         rows = list(range(len(sampling)))
@@ -431,19 +432,22 @@ class LLMEngine:
             continuations = search.advance()
             leader = search.seats[0]
             leader.forks_left = 0
-            leader.metrics.last_token_time_ns = time.time_ns()
-            if leader.metrics.first_token_time_ns is None:
-                leader.metrics.first_token_time_ns = leader.metrics.last_token_time_ns
+            leader.metrics.token_known()  # (the request's times are its first beam's)
             if search.done:
                 deltas.extend(self._beam_outputs(search))
                 continue
-            search.reseat(continuations, self.block_manager, self.scheduler, lambda seat: self._new_sequence(
-                leader.request_id, leader.prompt_token_ids, leader.params, [], leader.priority, seat, leader.lora_id))
-            for seq in search.seats:
-                seq.arrival = leader.arrival
-                seq.beam = search
-                self.block_manager.cache_full_blocks(seq)
+            # (a forked beam takes its parent's block hashes: nothing to cache that the step did not)
+            search.reseat(continuations, self.block_manager, self.scheduler,
+                          lambda seat: self._new_beam(search, seat))
             self.num_generated_tokens += len(continuations)
+
+    def _new_beam(self, search: BeamSearch, seat: int) -> Sequence:
+        """A sequence for a search's new seat (its first step): the request's prompt, adapter and place."""
+        leader = search.seats[0]
+        seq = self._new_sequence(leader.request_id, leader.prompt_token_ids, leader.params, [], leader.priority,
+                                 seat, leader.lora_id)
+        seq.arrival, seq.beam = leader.arrival, search
+        return seq
 
     def _beam_outputs(self, search: BeamSearch) -> list[RequestDelta]:
         """A finished search's completions; every beam's blocks back."""

@@ -1,5 +1,6 @@
 """What the engine hands out: per-step deltas for streaming, and whole results for generate()."""
 
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,12 @@ class RequestMetrics:
     @property
     def kv_new_blocks(self) -> int:
         return self.kv_total_blocks - self.kv_reused_blocks
+
+    def token_known(self) -> None:
+        """A generated token's value is known now."""
+        self.last_token_time_ns = time.time_ns()
+        if self.first_token_time_ns is None:
+            self.first_token_time_ns = self.last_token_time_ns
 
 
 @dataclass

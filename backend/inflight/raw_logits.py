@@ -44,8 +44,8 @@ def wants_sampled_row(seq: Sequence) -> bool:
     """Whether the row `seq` samples from now is kept: a generated token's logits, or the last prompt
     position's (its first token)."""
     p = seq.params
-    first_token = seq.index == 0 and not seq.output_token_ids and not seq.num_pending
-    return p.return_generation_logits or (p.return_context_logits and first_token)
+    return p.return_generation_logits or (p.return_context_logits and seq.index == 0 and not seq.output_token_ids
+                                          and not seq.num_pending)
 
 
 def record_sampled(seq: Sequence, row: torch.Tensor) -> None:

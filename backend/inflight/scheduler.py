@@ -102,8 +102,8 @@ class Scheduler:
         budget = self._admit(batch, budget)
         # Beams that wait for the other beams of their search hold blocks and compute nothing: when that
         # leaves nothing to run, they make room (their measured rows stay; they are computed again later).
-        idle = [seq for seq in self.running if seq.awaits_beams]
-        if not batch and idle and any(not seq.awaits_beams for seq in self.waiting):
+        idle = [seq for seq in self.running if seq.awaits_beams] if not batch else []
+        if idle and any(not seq.awaits_beams for seq in self.waiting):
             for seq in idle:
                 self.preempt(seq)
             self._admit(batch, budget)
@@ -115,9 +115,10 @@ class Scheduler:
         each running sequence that will need one (a watermark), so that a newly admitted (or
         re-admitted) sequence is not preempted again by the next step's growth. Returns the budget left."""
         reserve = self._reserved_blocks()
+        seats = self._seats_taken()
         while budget > 0:
             seq = next((s for s in self.waiting if not s.awaits_beams), None)
-            if seq is None or self._seats_taken() + 1 + seq.forks_left > self.max_num_seqs:  # (n completions)
+            if seq is None or seats + 1 + seq.forks_left > self.max_num_seqs:  # (its n completions too)
                 break
             hit = self.block_manager.match_prefix(seq)
             wanted = min(seq.num_uncomputed_tokens, budget)
@@ -127,6 +128,7 @@ class Scheduler:
                 self.block_manager.free(seq)  # give back the prefix blocks taken for nothing
                 break
             reserve += 1
+            seats += 1 + seq.forks_left
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -71,9 +71,7 @@ class Sequence:
     def append_token(self, token: int) -> None:
         """A sampled token whose value is now known."""
         self.output_token_ids.append(token)
-        self.metrics.last_token_time_ns = time.time_ns()
-        if self.metrics.first_token_time_ns is None:
-            self.metrics.first_token_time_ns = self.metrics.last_token_time_ns
+        self.metrics.token_known()
         if self._token_array is not None:
             known = len(self.prompt_token_ids) + len(self.output_token_ids)
             if known > len(self._token_array):
