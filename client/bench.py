@@ -295,6 +295,91 @@ def bench_beam_search(model_dir: str, work: Workload, repeats: int, width: int =
     return result
 
 
+# Requests whose answers repeat much of their prompts (edits, conversions, copies): where drafts looked up
+# in a sequence's own tokens are kept.
+EDITING_TASKS = [
+    "Add type hints to this function and return the whole code:\n```python\ndef merge(a, b):\n    result = []\n"
+    "    i = j = 0\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            result.append(a[i])\n"
+    "            i += 1\n        else:\n            result.append(b[j])\n            j += 1\n"
+    "    return result + a[i:] + b[j:]\n```",
+    "Fix the spelling in this paragraph and return it: Teh quick brown fox jumpd over the lazy dog. The dog was not "
+    "amused, and it barked loudly at teh fox untill it ran away into the forrest.",
+    "Convert this list to JSON objects with the keys name and age:\nAlice 31\nBob 27\nCarol 45\nDave 38\nEve 29",
+    "Rename the variable x to count in this code and return it:\n```python\nx = 0\nfor item in items:\n"
+    "    if item.valid:\n        x += 1\nprint(x)\n```",
+    "Repeat the following sentence exactly, twice: The meeting has been moved to Thursday at 3 pm in room 204.",
+    "Return this configuration with every key in uppercase: {\"host\": \"localhost\", \"port\": 8080, "
+    "\"debug\": true, \"workers\": 4, \"timeout\": 30}",
+]
+
+
+def bench_speculative(model_dir: str, repeats: int, max_tokens: int = 96, drafts: int = 4) -> dict:
+    """Greedy answers to the editing tasks (chat template, EOS ends them), one request at a time and all
+    at once: HF generate plain and with its prompt lookup decoding (prompt_lookup_num_tokens), inflight
+    without drafts and with n-gram drafts. Output tokens per second (medians of alternating runs), the
+    share of drafts kept, and how many outputs equal HF's plain greedy ones."""
+    from transformers import AutoTokenizer
+
+    from inflight import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": task}],
+                                             add_generation_prompt=True)["input_ids"] for task in EDITING_TASKS]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    hf = load_hf(model_dir)
+    plain = make_llm(model_dir, num_kv_blocks=512)
+    drafting = make_llm(model_dir, num_kv_blocks=512, speculative_config={"num_speculative_tokens": drafts})
+    outputs: dict[str, list[list[int]]] = {}
+
+    def hf_run(label: str, **options) -> float:
+        start = time.perf_counter()
+        outs = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                                  pad_token_id=tokenizer.eos_token_id, **options)
+            outs.append(out[0, len(prompt):].tolist())
+        outputs[label] = outs
+        return time.perf_counter() - start
+
+    def inflight_run(label: str, llm, one_at_a_time: bool) -> float:
+        start = time.perf_counter()
+        batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+        outputs[label] = [o.outputs[0].token_ids for batch in batches for o in llm.generate(batch, params)]
+        return time.perf_counter() - start
+
+    runs = {
+        "hf": lambda: hf_run("hf"),
+        "hf-lookup": lambda: hf_run("hf-lookup", prompt_lookup_num_tokens=drafts),
+        "plain-1": lambda: inflight_run("plain-1", plain, True),
+        "spec-1": lambda: inflight_run("spec-1", drafting, True),
+        "plain": lambda: inflight_run("plain", plain, False),
+        "spec": lambda: inflight_run("spec", drafting, False),
+    }
+    labels = {
+        "hf": "HF generate, one at a time",
+        "hf-lookup": f"HF generate with prompt_lookup_num_tokens={drafts}, one at a time",
+        "plain-1": "inflight, one at a time",
+        "spec-1": f"inflight, n-gram drafts ({drafts}), one at a time",
+        "plain": "inflight, all at once",
+        "spec": f"inflight, n-gram drafts ({drafts}), all at once",
+    }
+    seconds = alternating(runs, repeats)
+    tokens = sum(map(len, outputs["hf"]))
+    stats = drafting.stats()
+    kept = stats["spec_decode_accepted_tokens_total"]
+    result = {
+        "rows": [(labels[key], tokens / statistics.median(times),
+                  sum(a == b for a, b in zip(outputs[key], outputs["hf"]))) for key, times in seconds.items()],
+        "kept": kept / max(stats["spec_decode_draft_tokens_total"], 1),
+        "tokens_per_draft_step": 1 + kept / max(stats["spec_decode_drafts_total"], 1),
+        "requests": len(prompts), "tokens": tokens,
+    }
+    print(f"  speculative decoding: {result}", file=sys.stderr)
+    return result
+
+
 def bench_structured_outputs(model_dir: str, n: int, repeats: int) -> dict:
     """n chat requests for a person record, all under one JSON schema, against the same requests
     unconstrained and cut to the same lengths (so both runs make the same tokens in the same batches),
@@ -459,13 +544,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers",
-                        default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,beams,tp,detok,"
-                                "sampling",
+                        default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,beams,spec,tp,"
+                                "detok,sampling",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
                              "lora (the cost of serving two LoRA adapters), beams (beam search against HF "
-                             "generate's), tp (tensor parallelism: 1 and 3 "
-                             "ranks), detok (detokenizing 128 streams), sampling (the sampler's cost for 128 "
-                             "streams)")
+                             "generate's), spec (n-gram speculative decoding against HF's prompt lookup), tp "
+                             "(tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), sampling "
+                             "(the sampler's cost for 128 streams)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -569,6 +654,14 @@ def main() -> None:
               f"| HF generate(num_beams=4), all prompts in one left-padded batch | {r['hf-batch']:.2f} |\n"
               f"| inflight, all at once | {r['inflight']:.2f} ({r['inflight'] / r['hf']:.2f}x) |\n\n"
               f"best beam equal to HF's: {r['same']} of {r['prompts']}")
+    if "spec" in peers:
+        r = bench_speculative(args.model, args.repeats)
+        print(f"\n| {r['requests']} editing tasks, greedy, {r['tokens']} output tokens, median of {args.repeats} | "
+              "output tok/s | outputs equal to HF generate's |\n|---|---:|---:|")
+        for label, rate, equal in r["rows"]:
+            print(f"| {label} | {rate:.1f} | {equal} of {r['requests']} |")
+        print(f"\ndrafts kept: {r['kept']:.0%}; tokens per step of a drafting sequence: "
+              f"{r['tokens_per_draft_step']:.2f}")
     if "structured" in peers:
         r = bench_structured_outputs(args.model, args.num_requests, args.repeats)
         cost = 1 - r["constrained_tok_s"] / r["unconstrained_tok_s"]

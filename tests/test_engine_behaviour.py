@@ -112,7 +112,7 @@ def test_sampling_filters_equal_their_definitions(monkeypatch, candidates, devic
         (1.0, 50, 1.0, 0.0), (0.8, 1000, 0.9, 0.0), (1.0, 3, 0.999, 0.0), (1.0, 0, 1.0, 0.0),
         (1.0, 0, 1.0, 0.05), (0.5, 0, 0.8, 0.1), (1.0, 400, 0.95, 0.0), (2.0, 0, 0.3, 0.0),
         (1.0, 0, 1e-6, 0.0), (1.0, 0, 0.9, 0.0), (0.9, 20, 0.7, 0.02), (1.0, 0, 0.999999, 0.0)]]
-    probs = sampler._filter(logits.to(device, copy=True), [SimpleNamespace(params=p) for p in params]).cpu()
+    probs = sampler.filter_probs(logits.to(device, copy=True), [SimpleNamespace(params=p) for p in params]).cpu()
     # The definitions on the same device: a GPU's sums round otherwise, and a cut may lie on a rounding.
     expected = _filtered_one_row_at_a_time(logits.to(device), params).cpu()
     assert torch.equal(probs > 0, expected > 0)  # the same tokens kept

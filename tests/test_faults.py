@@ -9,7 +9,7 @@ import torch
 from conftest import random_prompts
 from inflight import LLM, SamplingParams, faults
 from inflight.engine import EngineDeadError
-from inflight.sampler import _filter
+from inflight.sampler import filter_probs
 from inflight.serving.engine_thread import EngineThread
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -159,6 +159,6 @@ def test_top_p_rows_do_not_depend_on_the_batch():
         def __init__(self, **params):
             self.params = SamplingParams(temperature=1.0, **params)
 
-    alone = _filter(logits[1:].clone(), [Seq()])[0]
-    batched = _filter(logits.clone(), [Seq(top_p=0.5), Seq()])[1]
+    alone = filter_probs(logits[1:].clone(), [Seq()])[0]
+    batched = filter_probs(logits.clone(), [Seq(top_p=0.5), Seq()])[1]
     assert torch.equal(alone, batched) and bool((batched > 0).all())

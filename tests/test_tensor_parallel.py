@@ -60,18 +60,21 @@ def test_three_ranks_match_one_across_chunks_preemption_prefix_caching_and_forks
     assert children() <= before, "a worker outlived close()"
 
 
-@pytest.mark.parametrize("ranks, fused", [(2, False), (4, False), (2, True)])
-def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused):
+@pytest.mark.parametrize("ranks, fused, drafts", [(2, False, False), (4, False, False), (2, True, True)])
+def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused, drafts):
     """fused: each rank with fused layers (on by default on GPUs), inside transformers' sharded modules.
-    The last prompt is a beam search (its beams fork and copy blocks on every rank)."""
+    The last prompt is a beam search (its beams fork and copy blocks on every rank). drafts: the ranks
+    judge n-gram drafts (speculative decoding), against one rank without them."""
     model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
     prompts = random_prompts(6, 3, 40, 512, seed=ranks)
     params = [GREEDY] * 5 + [SamplingParams(beam_width=3, n=2, max_tokens=24, ignore_eos=True)]
     settings = dict(num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1)
     expected = run_to_the_end(LLM(model, **settings), prompts, params)
-    llm = LLM(model, tensor_parallel_size=ranks, fused_layers=fused, **settings)
+    speculative = {"num_speculative_tokens": 3, "prompt_lookup_min": 1} if drafts else None
+    llm = LLM(model, tensor_parallel_size=ranks, fused_layers=fused, speculative_config=speculative, **settings)
     try:
         assert run_to_the_end(llm, prompts, params) == expected
+        assert not drafts or llm.stats()["spec_decode_draft_tokens_total"] > 0
     finally:
         llm.close()
 

@@ -15,6 +15,51 @@ def resolve_device(device: str) -> str:
     return auto_device() if device == "auto" else device
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config` (vLLM's names): {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n, "prompt_lookup_min": m, "disable_by_batch_size": b}."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4  # the longest n-gram looked for (the longest match wins)
+    prompt_lookup_min: int = 2  # the shortest n-gram that may propose
+    # No drafts in a step with this many decoding sequences or more: a large batch is compute-bound, and
+    # verifying drafts there costs more than it gains. None: always.
+    disable_by_batch_size: int | None = None
+    method: str = "ngram"
+
+    @classmethod
+    def from_value(cls, value: "dict | SpeculativeConfig") -> "SpeculativeConfig":
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be an object, got {value!r}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        if value.get("method", "ngram") != "ngram":
+            raise ValueError(f"speculative_config method {value['method']!r} is not served: only \"ngram\" "
+                             "(drafts looked up in the sequence's own tokens)")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens (drafts a step)")
+        values = dict(value)
+        if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:  # (one given: the other fits it)
+            values["prompt_lookup_min"] = min(cls.prompt_lookup_min, values["prompt_lookup_max"])
+        if "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
+            values["prompt_lookup_max"] = max(cls.prompt_lookup_max, values["prompt_lookup_min"])
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            v = values.get(name, 1)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
+        config = cls(**values)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({config.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")
+        return config
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -58,6 +103,9 @@ class EngineConfig:
     # LoRA adapters served beside the base model: name -> peft adapter folder (lora.py). A request names
     # one (`lora_name`) or none; every adapter is loaded at start-up.
     lora_modules: dict[str, str] | None = None
+    # Speculative decoding (speculative.py), vLLM's names: {"method": "ngram", "num_speculative_tokens": k,
+    # ...}; see SpeculativeConfig. None: a token a step.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     # Share of free memory given to the KV pool when neither a block count nor bytes are set.
     # A GPU holds little else; on a CPU host the rest of the machine needs its memory.
@@ -104,10 +152,16 @@ class EngineConfig:
             raise ValueError(f"fused_layers must be true, false or null, got {self.fused_layers!r}")
         if self.fused_layers and self.torch_compile:
             raise ValueError("fused_layers and torch_compile: set one (torch_compile fuses these layers itself)")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if self.async_scheduling is None:
-            self.async_scheduling = self.device_type == "cuda" and self.tensor_parallel_size == 1
+            self.async_scheduling = (self.device_type == "cuda" and self.tensor_parallel_size == 1
+                                     and self.speculative_config is None)
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true, false or null, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling and speculative_config: set one (a sequence proposes drafts from "
+                             "its latest token, which async scheduling has not read yet when it schedules)")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (the workers would need the GPU's "
                              "sampled tokens)")

@@ -36,6 +36,7 @@ from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
+from .speculative import NgramProposer, accepted_tokens, verify
 from .structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,17 @@ class _InFlight:
     beams: list[Sequence] | None = None  # the beams (beam search) whose rows the step measured
     beam_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # beam_search.measure's, copied like `host`
     sampled_logits: tuple[list[int], torch.Tensor] | None = None  # raw rows kept (raw_logits.py), copied like `host`
+    speculated: "_Speculated | None" = None  # the sequences that judged drafts (speculative decoding)
+
+
+@dataclass
+class _Speculated:
+    """The sequences of a step that judged drafts, and what their rows gave (copied like `host`)."""
+
+    seqs: list[Sequence]
+    drafts: list[list[int]]  # each one's drafts, in order
+    tokens: torch.Tensor  # [rows]: a row per draft and one after the last, sequence after sequence
+    logprobs: MeasuredLogprobs | None  # of the rows of sequences that asked for them, in their order
 
 
 class LLMEngine:
@@ -86,7 +98,9 @@ class LLMEngine:
                                           self.config.enable_prefix_caching)
         self._grammars: StructuredOutputs | None = None  # built with the first constrained request
         self._grammars_lock = threading.Lock()
-        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len)
+        spec = self.config.speculative_config
+        self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len,
+                                   NgramProposer(spec) if spec is not None else None)
         self._in_flight: _InFlight | None = None  # under async scheduling: the step launched, unread
         # Pinned buffers for async scheduling's sampled tokens (two: the previous step's may be unread).
         self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.long, pin_memory=True)
@@ -107,6 +121,9 @@ class LLMEngine:
         self.num_computed_tokens = 0  # tokens run through the model (prompts, recomputes, decodes)
         self.num_aborted = 0
         self.num_failed_requests = 0
+        self.num_drafts = 0  # speculative decoding: sequence steps with drafts, drafts judged, drafts kept
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         self.num_lora_requests = [0] * (1 + len(self.config.lora_modules or {}))  # admitted, by adapter id
 
     def _load_tokenizer(self):
@@ -311,29 +328,36 @@ class LLMEngine:
         # Sequences whose last scheduled token is their last token sample a next token; those that asked
         # for prompt logprobs also need logits at their prompt positions.
         sampling, logits_at, pending_at, pending_rows, prompt_positions = [], [], [], [], []
+        speculating, draft_rows_at = [], []  # sequences with drafts: a row at each draft and after the last
         start = 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             first = seq.num_computed_tokens
             if seq.num_pending and first + n == seq.num_tokens:  # its last token is in the step in flight
                 pending_at.append(start + n - 1)
                 pending_rows.append(seq.pending_row)
-            if first + n == seq.num_tokens:
+            if seq.draft_token_ids:
+                speculating.append(seq)
+                draft_rows_at += range(start + n - 1 - len(seq.draft_token_ids), start + n)
+            elif first + n == seq.num_tokens:
                 sampling.append(seq)
                 logits_at.append(start + n - 1)
             if seq.params.needs_prompt_logits and seq.index == 0:
                 prompt_positions += self._prompt_logprob_positions(seq, n, start)
             start += n
         pending = (self._in_flight.tokens, pending_at, pending_rows) if pending_at else None
-        logits = self._forward(batch, logits_at + [flat for _, flat, _ in prompt_positions], copies, pending)
+        logits = self._forward(batch, logits_at + draft_rows_at + [flat for _, flat, _ in prompt_positions], copies,
+                               pending)
         self.num_pipelined_steps += self._in_flight is not None
-        prompt_logprobs = self._measure_prompt_logprobs(logits[len(sampling):], prompt_positions)
+        judged = len(sampling) + len(draft_rows_at)
+        prompt_logprobs = self._measure_prompt_logprobs(logits[judged:], prompt_positions)
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n  # (drafts included: the verification takes back those it rejects)
+        speculated = self._verify(logits[len(sampling):judged], speculating) if speculating else None
         logits, sampling, beams, beam_rows = self._measure_beams(logits[:len(sampling)], sampling)
         if not sampling:  # (a step of prompt chunks waits for its copies only, when it made some)
-            copied = self._copy_event(logits) if prompt_logprobs is not None or beams else None
+            copied = self._copy_event(logits) if prompt_logprobs is not None or beams or speculated else None
             return _InFlight(batch, [], None, None, copied, prompt_logprobs=prompt_logprobs, beams=beams,
-                             beam_rows=beam_rows)
+                             beam_rows=beam_rows, speculated=speculated)
         # A prompt with n completions is computed once: its other completions fork from it here and
         # draw their first tokens from the same logits.
         rows = list(range(len(sampling)))
@@ -357,7 +381,7 @@ class LLMEngine:
             host = self._token_buffers[self.num_steps % 2][:len(sampling)]
             host.copy_(tokens, non_blocking=True)
         return _InFlight(batch, sampling, tokens, host, self._copy_event(tokens), logprobs, prompt_logprobs,
-                         beams, beam_rows, sampled_logits)
+                         beams, beam_rows, sampled_logits, speculated)
 
     @staticmethod
     def _copy_event(like: torch.Tensor) -> "torch.cuda.Event | None":
@@ -367,6 +391,22 @@ class LLMEngine:
         copied = torch.cuda.Event()
         copied.record()
         return copied
+
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> _Speculated:
+        """Each drafting sequence's rows judged (speculative.py), with the logprobs of those that asked
+        for them; copied to the host without waiting."""
+        rows = [seq for seq in seqs for _ in range(len(seq.draft_token_ids) + 1)]
+        drafts = [list(seq.draft_token_ids) for seq in seqs]
+        judged = [draft for seq_drafts in drafts for draft in (*seq_drafts, -1)]
+        wanting = [i for i, seq in enumerate(rows) if seq.params.logprobs is not None]
+        at = to_device(wanting, logits.device) if wanting else None
+        raw = logits[at] if wanting else None  # a copy: verify changes `logits`
+        tokens = verify(logits, rows, judged)
+        logprobs = None
+        if wanting:
+            logprobs = measure(raw, tokens[at], max(rows[i].params.logprobs for i in wanting)).to_host()
+        host = tokens if tokens.device.type == "cpu" else tokens.to("cpu", non_blocking=True)
+        return _Speculated(seqs, drafts, host, logprobs)
 
     @staticmethod
     def _measure_beams(logits: torch.Tensor, sampling: list[Sequence]):
@@ -414,11 +454,43 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)  # its computed tokens are known now (before a finish frees them)
             self._check_finished(seq, token)
             deltas.append(self._delta(seq))
+        if step.speculated is not None:  # (first: their computed tokens count drafts until judged)
+            self._accept_drafts(step.speculated, deltas)
         for seq in step.batch.seqs:
             if not seq.is_finished:
                 self.block_manager.cache_full_blocks(seq)  # (a chunk of a prompt, which did not sample)
         if step.beams:
             self._advance_beams(step.beams, *step.beam_rows, deltas)
+
+    def _accept_drafts(self, spec: _Speculated, deltas: list[RequestDelta]) -> None:
+        """Each drafting sequence gains its tokens up to and with the first that differs from its draft;
+        the KV of the drafts after it is taken back (it stays in the blocks, to be overwritten)."""
+        tokens = spec.tokens.tolist()
+        entries = self._logprob_entries([seq for seq, d in zip(spec.seqs, spec.drafts) for _ in range(len(d) + 1)],
+                                        tokens, spec.logprobs)
+        start = 0
+        for seq, drafts in zip(spec.seqs, spec.drafts):
+            rows = slice(start, start + len(drafts) + 1)
+            start = rows.stop
+            if seq.is_finished:
+                continue
+            kept = accepted_tokens(tokens[rows], drafts)
+            seq.num_computed_tokens -= len(drafts) - (len(kept) - 1)
+            self.block_manager.cache_full_blocks(seq)  # (the kept drafts are still there for it to read)
+            seq.draft_token_ids = []
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_draft_tokens += len(kept) - 1
+            seq.metrics.num_draft_tokens += len(drafts)
+            seq.metrics.num_accepted_draft_tokens += len(kept) - 1
+            for token, entry in zip(kept, entries[rows]):
+                self._record_logprobs(seq, token, entry)
+                seq.append_token(token)
+                self.num_generated_tokens += 1
+                self._check_finished(seq, token)
+                if seq.is_finished:
+                    break
+            deltas.append(self._delta(seq))
 
     # -- beam search (beam_search.py) ------------------------------------------------------------
     def _advance_beams(self, beams: list[Sequence], values: torch.Tensor, ids: torch.Tensor,
@@ -752,6 +824,9 @@ class LLMEngine:
             "requests_failed_total": self.num_failed_requests,
             "failed_steps_total": self.num_failed_steps,
             **({"lora_requests": self._lora_requests()} if self.config.lora_modules else {}),
+            **({"spec_decode_drafts_total": self.num_drafts, "spec_decode_draft_tokens_total": self.num_draft_tokens,
+                "spec_decode_accepted_tokens_total": self.num_accepted_draft_tokens}
+               if self.config.speculative_config is not None else {}),
         }
 
     def _lora_requests(self) -> dict[str, tuple[int, int, int]]:

@@ -32,6 +32,8 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     kv_reused_blocks: int = 0  # the KV blocks holding them
     kv_total_blocks: int = 0  # the most KV blocks its (first) completion held
+    num_draft_tokens: int = 0  # speculative decoding: drafts its (first) completion's steps judged ...
+    num_accepted_draft_tokens: int = 0  # ... and kept
 
     @property
     def kv_new_blocks(self) -> int:

@@ -135,7 +135,7 @@ def _ban(logits: torch.Tensor, cells: list[tuple[int, int]]) -> None:
 TOP_P_CANDIDATES = (256, 4096)
 
 
-def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def filter_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p for the rows that sample; returns probabilities. A filter
     keeps every token whose logit equals its cut (ties are kept together)."""
     device = logits.device
@@ -220,10 +220,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     tokens = logits.max(dim=-1).indices
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if len(rows) == len(seqs):  # every row samples: no copy of the rows (25 MB for 128 of 49,152)
-        return draw(_filter(logits, seqs), [s.generator for s in seqs], tokens)
+        return draw(filter_probs(logits, seqs), [s.generator for s in seqs], tokens)
     if rows:
         at = to_device(rows, logits.device)  # (a list as an index would be copied to a GPU with a wait)
-        probs = _filter(logits[at], [seqs[i] for i in rows])
+        probs = filter_probs(logits[at], [seqs[i] for i in rows])
         tokens[at] = draw(probs, [seqs[i].generator for i in rows], tokens[at])
     return tokens
 
@@ -233,12 +233,18 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None], likelies
     uniform number from its generator where it has one; `likeliest` [rows] is each row's most probable
     token (the filters keep it), taken where rounding draws a token of no probability."""
     cdf = probs.cumsum(-1)  # float32: a tail token of probability under ~1e-7 is drawn only roughly so
-    uniform = torch.rand(len(generators), 1, device=probs.device)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            uniform[row] = torch.rand(1, device=probs.device, generator=generator)
+    uniform = uniforms(generators, probs.device)
     tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
     # Rounding can land on a token of no probability at the very end: take the row's likeliest then
     # (given: an argmax of its own cost 8 ms a step for 128 rows of 49,152 on a CPU).
     drawn_nothing = probs.gather(1, tokens) == 0
     return torch.where(drawn_nothing, likeliest[:, None], tokens)[:, 0]
+
+
+def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """A uniform number in [0, 1) per row [rows, 1], each from its row's generator where it has one."""
+    uniform = torch.rand(len(generators), 1, device=device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row] = torch.rand(1, device=device, generator=generator)
+    return uniform

@@ -8,16 +8,22 @@ to the queue in its place, to be recomputed. New sequences are admitted only whi
 the running ones' growth, and while max_num_seqs has room for every sequence a request will run at once
 (its n completions, or its beams). A lower priority value is served earlier (vLLM's convention). A beam
 whose next tokens are measured waits, computing nothing, for the other beams of its search; when such
-beams are all that hold the pool, they make room.
+beams are all that hold the pool, they make room. Under speculative decoding a decoding sequence also
+gets the drafts proposed for it, within what the budget leaves for the other decodes and without taking
+a block that another decode may need.
 """
 
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .speculative import NgramProposer
 
 
 @dataclass
@@ -39,11 +45,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 proposer: "NgramProposer | None" = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
+        self.proposer = proposer  # drafts for decoding sequences under speculative decoding
         self.waiting: list[Sequence] = []  # ordered by (priority, arrival)
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -80,14 +88,19 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         # 1. Decodes: one token for every running sequence whose prompt is fully computed (under async
-        #    scheduling, not for one whose token still on the GPU is its last).
-        for seq in list(self.running):
-            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 \
-                    and not seq.is_last_token_pending(self.max_model_len):
-                if self._make_room(batch, seq, 1):
-                    self.block_manager.allocate(seq, 1)
-                    batch.add(seq, 1)
-                    budget -= 1
+        #    scheduling, not for one whose token still on the GPU is its last), and its drafts under
+        #    speculative decoding where budget and free blocks allow.
+        decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1
+                    and not seq.is_last_token_pending(self.max_model_len)]
+        limit = self.proposer.config.disable_by_batch_size if self.proposer is not None else None
+        speculate = self.proposer is not None and (limit is None or len(decoding) < limit)
+        for i, seq in enumerate(decoding):
+            if seq.status is SequenceStatus.RUNNING and self._make_room(batch, seq, 1):  # (or preempted for one before)
+                left = len(decoding) - i - 1
+                n = 1 + (self._fit_drafts(seq, budget - 1 - left, left) if speculate else 0)
+                self.block_manager.allocate(seq, n)
+                batch.add(seq, n)
+                budget -= n
 
         # 2. Prefill chunks of running sequences whose prompts are not finished yet. They too may
         #    preempt newer sequences, so that two half-prefilled prompts can never block each other.
@@ -108,6 +121,19 @@ class Scheduler:
                 self.preempt(seq)
             self._admit(batch, budget)
         return batch
+
+    def _fit_drafts(self, seq: Sequence, spare: int, decodes_left: int) -> int:
+        """Give `seq` its proposed drafts (speculative.py), as many as the token budget's `spare` tokens,
+        its max_tokens and max_model_len allow, taking new blocks only while one stays free for each of
+        the `decodes_left` decodes still to schedule; returns how many."""
+        limit = min(spare, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        drafts = self.proposer.propose(seq, limit) if limit > 0 else []
+        bm = self.block_manager
+        own = bm.blocks_needed(seq, 1)
+        while drafts and own < bm.blocks_needed(seq, 1 + len(drafts)) > bm.num_free_blocks - decodes_left:
+            drafts.pop()
+        seq.draft_token_ids = drafts
+        return len(drafts)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         """Admit waiting sequences in queue order (a beam waiting for its search's other beams is
@@ -196,6 +222,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         seq.metrics.kv_total_blocks = max(seq.metrics.kv_total_blocks, len(seq.block_table))
+        seq.draft_token_ids = []
         self.block_manager.free(seq)
 
 

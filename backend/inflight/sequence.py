@@ -53,6 +53,9 @@ class Sequence:
     # They count in num_tokens (the scheduler plans with them) but not in output_token_ids.
     num_pending: int = 0
     pending_row: int = 0  # the row of the latest pending token in its step's sampled tokens
+    # Speculative decoding: the drafts scheduled after its last token this step (speculative.py); they
+    # are computed with it, and none is a token of the sequence until its step's verification keeps it.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, when asked for
     cumulative_logprob: float = 0.0
@@ -145,7 +148,12 @@ class Sequence:
         if end <= n:
             return self.prompt_token_ids[start:end]
         known = n + len(self.output_token_ids)
-        tail = [PENDING] * max(0, end - max(start, known))
+        tail = self._beyond_known(max(start, known) - known, end - known)
         if start >= n:
             return self.output_token_ids[start - n:end - n] + tail
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n] + tail
+
+    def _beyond_known(self, start: int, end: int) -> list[int]:
+        """The tokens after the known ones, [start, end) counted from the first: drafts, or PENDING."""
+        drafts = self.draft_token_ids[start:end]
+        return drafts + [PENDING] * (end - start - len(drafts)) if end > start else []

@@ -32,6 +32,12 @@ COUNTERS = {
     "requests_failed_total": ("inflight_requests_failed_total", "Requests ended by a failure of the engine"),
     "failed_steps_total": ("inflight_failed_steps_total", "Engine steps that raised"),
 }
+# Under speculative decoding only (vLLM's spec_decode counters).
+SPEC_DECODE_COUNTERS = {
+    "spec_decode_drafts_total": ("inflight_spec_decode_num_drafts_total", "Sequence steps that judged drafts"),
+    "spec_decode_draft_tokens_total": ("inflight_spec_decode_num_draft_tokens_total", "Draft tokens judged"),
+    "spec_decode_accepted_tokens_total": ("inflight_spec_decode_num_accepted_tokens_total", "Draft tokens kept"),
+}
 
 
 class _Sent:
@@ -72,6 +78,7 @@ class TritonMetrics:
         self._pending = {"ttft": deque(), "itl": deque()}
         self._profile = None  # the serving profile's counters (profile.py), made when first sent
         self._lora: dict[str, tuple[_Sent, _Sent, _Sent]] = {}  # each adapter's, made when first sent
+        self._spec_decode: dict[str, _Sent] = {}
 
     def _metric(self, name: str, description: str, kind, labels: dict | None = None, **options):
         family = self._families_by_name.get(name)
@@ -119,6 +126,13 @@ class TritonMetrics:
             counter.advance(stats[key])
         queried = stats["prefix_cache_queried_tokens"]
         self._hit_rate.set(stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
+        if "spec_decode_drafts_total" in stats:
+            if not self._spec_decode:  # (made when first sent: the engine speculates)
+                kind = self._pb_utils.MetricFamily.COUNTER
+                self._spec_decode = {key: _Sent(self._metric(name, desc, kind))
+                                     for key, (name, desc) in SPEC_DECODE_COUNTERS.items()}
+            for key, counter in self._spec_decode.items():
+                counter.advance(stats[key])
         for adapter, (running, waiting, total) in stats.get("lora_requests", {}).items():
             sent = self._lora.get(adapter) or self._lora_metrics(adapter)
             sent[0].set(running)

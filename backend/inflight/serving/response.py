@@ -18,14 +18,17 @@ def logprobs_json(entries: list[TokenLogprobs]) -> str:
                         for token_id, lp in entry.items()} for entry in entries])
 
 
-def perf_outputs(metrics: RequestMetrics) -> list[tuple[str, int, type]]:
+def perf_outputs(metrics: RequestMetrics) -> list[tuple[str, int | float, type]]:
     """TensorRT-LLM's perf metrics outputs: (name, value, dtype). Times are nanoseconds since the epoch
     (0: never reached), as INT64: a float cannot hold them to the nanosecond."""
     times = [(name, getattr(metrics, name) or 0, np.int64) for name in
              ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")]
+    drafts, accepted = metrics.num_draft_tokens, metrics.num_accepted_draft_tokens
     return [("kv_cache_alloc_new_blocks", metrics.kv_new_blocks, np.int32),
             ("kv_cache_reused_blocks", metrics.kv_reused_blocks, np.int32),
-            ("kv_cache_alloc_total_blocks", metrics.kv_total_blocks, np.int32), *times]
+            ("kv_cache_alloc_total_blocks", metrics.kv_total_blocks, np.int32), *times,
+            ("acceptance_rate", accepted / drafts if drafts else 0.0, np.float32),
+            ("total_accepted_draft_tokens", accepted, np.int32), ("total_draft_tokens", drafts, np.int32)]
 
 
 class RequestResponses:

@@ -1,0 +1,108 @@
+"""Speculative decoding by n-gram lookup (vLLM's "ngram" method, HF's prompt lookup decoding).
+
+A decoding sequence whose last few tokens appeared earlier in its prompt or output proposes the tokens
+that followed them there as drafts. The step computes the sequence's last token and its drafts in one
+chunk (the cost of one memory-bound decode step for several tokens) and scores every position: row i
+judges draft i + 1, and the row after the last draft gives a token of its own. The host keeps the
+tokens up to and with the first that differs from its draft, so every step gains at least one token.
+
+Verification keeps the output distribution exactly the model's. A greedy row's token is its argmax.
+A row that samples accepts its draft d with probability p(d) (the draft came from a lookup, not from a
+distribution: its proposal probability is 1), else draws from p with d removed; the tokens kept are
+distributed as if drawn one by one (the rejection sampling of Leviathan et al. and Chen et al. with a
+one-hot proposal). A row's token equal to its draft means the next row's logits, computed after that
+draft, are valid.
+
+Only what a row can judge alone is speculated on: a sequence with penalties, bad words, a grammar,
+min_tokens still to come, raw generation logits or beam search decodes a token a step, as before.
+"""
+
+import numpy as np
+import torch
+
+from .config import SpeculativeConfig
+from .input_buffers import to_device
+from .sampler import apply_token_controls, draw, filter_probs, uniforms
+from .sequence import Sequence
+
+
+def can_speculate(seq: Sequence) -> bool:
+    """Whether each row of the sequence can be judged alone: nothing that depends on the tokens before
+    it beyond the model's logits."""
+    p = seq.params
+    return (seq.beam is None and seq.matcher is None and not seq.bad_words_ids and not seq.num_pending
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and seq.num_output_tokens >= p.min_tokens and not p.return_generation_logits)
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to `limit` drafts for `seq` (at most num_speculative_tokens): the tokens that followed the
+        latest earlier occurrence of its longest suffix of prompt_lookup_min..max tokens; none when no
+        suffix recurs or the sequence cannot speculate."""
+        limit = min(limit, self.config.num_speculative_tokens)
+        if limit <= 0 or not can_speculate(seq):
+            return []
+        return lookup(seq.token_array, self.config.prompt_lookup_min, self.config.prompt_lookup_max, limit)
+
+
+def lookup(tokens: np.ndarray, shortest: int, longest: int, limit: int) -> list[int]:
+    """The up to `limit` tokens after the latest earlier end of the longest suffix of `tokens` that
+    recurs (between `shortest` and `longest` tokens long)."""
+    last = len(tokens) - 1
+    if last < shortest:
+        return []
+    ends = np.flatnonzero(tokens[:last] == tokens[last])  # where an earlier match could end
+    matched = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, min(longest, last)):  # extend every candidate one token further back at a time
+        before = ends - back
+        alive &= before >= 0
+        alive[alive] &= tokens[before[alive]] == tokens[last - back]
+        matched += alive
+    good = np.flatnonzero(matched >= shortest)
+    if not len(good):
+        return []
+    # The longest match; among equals, the latest.
+    order = np.lexsort((ends[good], matched[good]))
+    best = ends[good[order[-1]]]
+    return tokens[best + 1:best + 1 + limit].tolist()
+
+
+@torch.inference_mode()
+def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int]) -> torch.Tensor:
+    """The token of each row of `logits` [rows, vocab] (float32, changed in place): `seqs[i]` the row's
+    sequence, `drafts[i]` the draft it judges (-1: none, the row after a sequence's last draft). A
+    greedy row's token is its argmax; a row that samples keeps its draft with the draft's probability,
+    else draws from the rest (see the module's docstring). Nothing here waits for the device."""
+    device = logits.device
+    if any(s.params.allowed_token_ids is not None or s.params.logit_bias for s in seqs):
+        apply_token_controls(logits, seqs)
+    tokens = logits.max(dim=-1).indices
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if not rows:
+        return tokens
+    at = to_device(rows, device)
+    probs = filter_probs(logits[at], [seqs[i] for i in rows])
+    draft = to_device([drafts[i] for i in rows], device)
+    has_draft = draft >= 0
+    column = draft.clamp(min=0)[:, None]
+    p_draft = probs.gather(1, column)[:, 0]
+    generators = [seqs[i].generator for i in rows]
+    # probs may sum to less than 1 (min-p drops tokens without renormalizing): compare against the total
+    keep = has_draft & (uniforms(generators, device)[:, 0] * probs.sum(dim=-1) < p_draft)
+    rest = probs.scatter(1, column, torch.where(has_draft, 0.0, p_draft)[:, None])
+    tokens[at] = torch.where(keep, draft, draw(rest, generators, tokens[at]))
+    return tokens
+
+
+def accepted_tokens(tokens: list[int], drafts: list[int]) -> list[int]:
+    """A sequence's tokens from its rows' `tokens` (one more than its `drafts`): up to and with the first
+    that differs from the draft it judged."""
+    for i, draft in enumerate(drafts):
+        if tokens[i] != draft:
+            return tokens[:i + 1]
+    return tokens

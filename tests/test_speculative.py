@@ -1,0 +1,263 @@
+"""Speculative decoding by n-gram lookup: the lookup, the rejection sampling's distribution, greedy
+output equal to HF transformers' and to the engine without drafts (beside requests that cannot
+speculate, under preemption, a small token budget and the prefix cache), aborts, and served through
+tritonserver with its metrics."""
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_all_blocks_free, serve
+from inflight import LLM, SamplingParams
+from inflight.config import EngineConfig
+from inflight.sampler import filter_probs
+from inflight.speculative import accepted_tokens, lookup, verify
+
+SPEC = {"num_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}), 'only "ngram"'),
+    (dict(speculative_config={"prompt_lookup_max": 3}), "needs num_speculative_tokens"),
+    (dict(speculative_config={"num_speculative_tokens": 0}), "num_speculative_tokens must be a positive integer"),
+    (dict(speculative_config={"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}),
+     r"prompt_lookup_min \(5\) exceeds prompt_lookup_max \(3\)"),
+    (dict(speculative_config={"num_speculative_tokens": 2, "draft_model": "x"}), "unknown speculative_config key"),
+    (dict(speculative_config="ngram"), "must be an object"),
+    (dict(speculative_config=SPEC, async_scheduling=True), "async_scheduling and speculative_config"),
+])
+def test_the_settings_are_checked(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="unused", device="cpu", **settings)
+
+
+def test_one_lookup_bound_fits_the_other():
+    only_min = EngineConfig(model="unused", device="cpu", speculative_config={"num_speculative_tokens": 3,
+                                                                              "prompt_lookup_min": 6})
+    only_max = EngineConfig(model="unused", device="cpu", speculative_config={"num_speculative_tokens": 3,
+                                                                              "prompt_lookup_max": 1})
+    assert (only_min.speculative_config.prompt_lookup_min, only_min.speculative_config.prompt_lookup_max) == (6, 6)
+    assert (only_max.speculative_config.prompt_lookup_min, only_max.speculative_config.prompt_lookup_max) == (1, 1)
+    assert not EngineConfig(model="unused", device="cpu", speculative_config=SPEC).async_scheduling
+
+
+def test_lookup_takes_the_longest_then_latest_match():
+    tokens = np.array([5, 1, 2, 3, 4, 9, 2, 3, 8, 7, 1, 2, 3])
+    assert lookup(tokens, 2, 4, 3) == [4, 9, 2]  # "1 2 3" (3 tokens) beats the later "2 3"
+    assert lookup(tokens, 2, 2, 3) == [8, 7, 1]  # at most 2 tokens: the latest "2 3"
+    assert lookup(tokens, 4, 4, 3) == []  # "7 1 2 3" never came before
+    assert lookup(np.array([1, 2, 1, 2]), 2, 4, 5) == [1, 2]  # what follows, up to the end
+    assert lookup(np.array([1, 2, 3, 4]), 1, 4, 5) == []
+    assert lookup(np.array([7, 7]), 2, 4, 5) == []  # too short for the shortest n-gram
+
+
+def _judged(params: SamplingParams, logits: torch.Tensor, drafts: list[int], count: int, seed: int = 0):
+    """`count` sequences with the same rows (`logits`, one more than `drafts`) judged together: the
+    tokens each keeps."""
+    torch.manual_seed(seed)
+    rows = len(drafts) + 1
+    seq = SimpleNamespace(params=params, generator=None)
+    tokens = verify(logits.repeat(count, 1), [seq] * (rows * count), [*drafts, -1] * count).view(count, rows)
+    return [accepted_tokens(row, drafts) for row in tokens.tolist()]
+
+
+def _target(params: SamplingParams, row: torch.Tensor) -> np.ndarray:
+    probs = filter_probs(row[None].clone(), [SimpleNamespace(params=params)])[0]
+    return (probs / probs.sum()).numpy()
+
+
+def _frequencies(tokens: list[int], vocab: int) -> np.ndarray:
+    return np.bincount(tokens, minlength=vocab) / max(len(tokens), 1)
+
+
+ON_A_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)], ids=["cpu", "gpu"])
+
+
+@DEVICES
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+                                    SamplingParams(top_p=0.8, min_p=0.1)], ids=["plain", "top-k", "top-p-min-p"])
+def test_kept_tokens_follow_the_model_distribution(params, device):
+    """Rejection sampling against a one-hot proposal: the first kept token is distributed as the first
+    row's probabilities whatever the draft, and each next one (after a kept draft) as its own row's."""
+    vocab, count = 6, 30_000
+    logits = torch.tensor([[1.0, 2.0, 0.5, 1.5, -1.0, 0.0],
+                           [0.2, -0.5, 1.8, 1.0, 0.3, 0.9],
+                           [2.0, 0.1, 0.3, -2.0, 1.2, 0.6]], device=device)
+    drafts = [3, 5]  # a likely first draft, then one top-k and top-p may drop
+    kept = _judged(params, logits, drafts, count)
+    for depth in range(3):
+        # the sequences whose drafts before this depth were all kept
+        reached = [k for k in kept if len(k) > depth and k[:depth] == drafts[:depth]]
+        observed = _frequencies([k[depth] for k in reached], vocab)
+        expected = _target(params, logits[depth].cpu())
+        tolerance = 5 * np.sqrt(0.25 / len(reached))  # five standard deviations of the worst frequency
+        assert np.abs(observed - expected).max() < tolerance, (depth, observed, expected)
+    if _target(params, logits[1].cpu())[drafts[1]] == 0:  # a draft the filters drop is never kept
+        assert not any(len(k) > 1 and k[1] == drafts[1] for k in kept)
+
+
+def test_a_seeded_judgement_repeats():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, seed=7)
+    judged = []
+    for _ in range(2):
+        seq = SimpleNamespace(params=params, generator=torch.Generator().manual_seed(7))
+        judged.append(verify(logits.clone(), [seq] * 3, [4, 9, -1]).tolist())
+    assert judged[0] == judged[1]
+
+
+def test_greedy_rows_keep_drafts_equal_to_their_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    seq = SimpleNamespace(params=SamplingParams(temperature=0), generator=None)
+    tokens = verify(logits.clone(), [seq] * 3, [1, 0, -1]).tolist()
+    assert tokens == [1, 0, 2] and accepted_tokens(tokens, [1, 0]) == [1, 0, 2]
+    tokens = verify(logits.clone(), [seq] * 3, [1, 2, -1]).tolist()
+    assert accepted_tokens(tokens, [1, 2]) == [1, 0]  # the second draft lost to the argmax: it ends there
+
+
+# -- the engine ------------------------------------------------------------------------------------
+REPEATING = [
+    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "Count: one, two, three, four, five, six, seven,",
+    "Copy the list: apples, pears, plums, cherries, figs.\nCopy:",
+]
+
+
+def _results(outputs):
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def engines(default_model):
+    """The default model with drafts of up to 4 tokens, and without."""
+    return LLM(default_model, num_kv_blocks=256, speculative_config=SPEC), LLM(default_model, num_kv_blocks=256)
+
+
+def test_greedy_output_equals_hf_and_the_engine_without_drafts(engines, default_model, hf_reference):
+    """Real weights and text that repeats: drafts are kept and rejected, and every greedy output is
+    HF's token for token; beside them requests that cannot speculate (penalties, bad words), one with
+    logprobs, a stop string and a short max_tokens end as the engine without drafts ends them."""
+    drafting, plain = engines
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    requests = [(prompt, greedy) for prompt in REPEATING] + [
+        (REPEATING[0], SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3)),
+        (REPEATING[1], SamplingParams(temperature=0, max_tokens=30, bad_words=["return"])),
+        (REPEATING[2], SamplingParams(temperature=0, max_tokens=30, logprobs=3)),
+        (REPEATING[0], SamplingParams(temperature=0, max_tokens=60, stop=["clauses"])),
+        (REPEATING[3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
+        (REPEATING[3], SamplingParams(temperature=0, max_tokens=60)),
+    ]
+    prompts, params = [p for p, _ in requests], [p for _, p in requests]
+    before = drafting.stats()
+    got, expected = drafting.generate(prompts, params), plain.generate(prompts, params)
+    stats = drafting.stats()
+    drafted = stats["spec_decode_draft_tokens_total"] - before["spec_decode_draft_tokens_total"]
+    kept = stats["spec_decode_accepted_tokens_total"] - before["spec_decode_accepted_tokens_total"]
+    assert 0 < kept < drafted, (kept, drafted)
+    assert _results(got) == _results(expected)
+    for prompt, out in zip(REPEATING, got):
+        assert out.outputs[0].token_ids == hf_reference(default_model, drafting.encode(prompt), 40), prompt
+    assert len(got[-2].outputs[0].token_ids) == 5
+    assert got[-3].outputs[0].finish_reason == "stop" and got[-3].outputs[0].text.endswith("separate the two ")
+    for a, b in zip(got[6].outputs[0].logprobs, expected[6].outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    drafting.block_manager.check_all_free()
+
+
+def test_sampled_drafts_are_kept_and_a_seed_repeats(engines):
+    drafting, _ = engines
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=3, n=2, ignore_eos=True)
+    before = drafting.stats()["spec_decode_accepted_tokens_total"]
+    first, again = (drafting.generate([REPEATING[0]], params)[0] for _ in range(2))
+    assert drafting.stats()["spec_decode_accepted_tokens_total"] > before
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert first.outputs[0].token_ids != first.outputs[1].token_ids  # seed + index: completions of their own
+    drafting.block_manager.check_all_free()
+
+
+def test_an_abort_between_drafting_steps_frees_every_block(engines):
+    """Blocks taken for drafts that were rejected come back with the rest."""
+    drafting, _ = engines
+    before = drafting.stats()
+    drafting.add_request("spec-abort", REPEATING[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    rejected = 0
+    while rejected == 0:
+        assert drafting.step() and drafting.has_unfinished(), "the request ended without a rejected draft"
+        stats = drafting.stats()
+        rejected = (stats["spec_decode_draft_tokens_total"] - before["spec_decode_draft_tokens_total"]
+                    - stats["spec_decode_accepted_tokens_total"] + before["spec_decode_accepted_tokens_total"])
+    drafting.abort("spec-abort")
+    deltas = drafting.step()
+    assert [d.finish_reason for d in deltas if d.request_id == "spec-abort"] == ["abort"]
+    assert not drafting.has_unfinished()
+    drafting.block_manager.check_all_free()
+
+
+def _repeating_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
+    """Token-id prompts made of a segment said three times, then a tail: lookups find drafts."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        segment = [rng.randrange(3, vocab) for _ in range(rng.randint(4, 10))]
+        prompts.append(segment * 3 + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 6))] + segment[:2])
+    return prompts
+
+
+def test_preemption_a_small_budget_and_the_prefix_cache(tiny_models, hf_reference):
+    """A tight pool (sequences preempted and recomputed), a budget smaller than the drafts wanted, and
+    the same prompts again (their blocks found in the prefix cache): every output is HF's."""
+    model = tiny_models["llama"]
+    prompts = _repeating_prompts(8, 512, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm = LLM(model, num_kv_blocks=20, max_num_seqs=8, max_num_batched_tokens=16,
+              speculative_config={"num_speculative_tokens": 6, "prompt_lookup_min": 1})
+    expected = [hf_reference(model, prompt, 48) for prompt in prompts]
+    for round_ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected, round_
+        llm.block_manager.check_all_free()
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert 0 < stats["spec_decode_accepted_tokens_total"] < stats["spec_decode_draft_tokens_total"]
+
+
+@ON_A_GPU
+def test_drafts_on_a_gpu_beside_cuda_graphs(tiny_models):
+    """On a GPU (float32, CUDA graphs for the steps without drafts): the CPU's greedy outputs."""
+    model = tiny_models["llama"]
+    prompts = _repeating_prompts(8, 512, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model, num_kv_blocks=64).generate(prompts, params)]
+    llm = LLM(model, device="cuda", dtype="float32", num_kv_blocks=64,
+              speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.stats()["spec_decode_accepted_tokens_total"] > 0
+    llm.block_manager.check_all_free()
+
+
+# -- served ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    yield from serve(speculative_config=SPEC)
+
+
+def test_served_with_drafts(server, engines):
+    """Through tritonserver: the streamed text equals the engine's without drafts; the final response's
+    perf metrics count the request's drafts, and the Prometheus counters the server's."""
+    from grpc_stream import generate
+
+    _, plain = engines
+    expected = plain.generate([REPEATING[1]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    result = generate(server.grpc_url, REPEATING[1], return_perf_metrics=True,
+                      sampling_parameters={"temperature": 0, "max_tokens": 40, "ignore_eos": True})
+    assert result.error is None and result.text == expected.outputs[0].text
+    final = result.responses[-1]
+    drafted, kept = int(final["total_draft_tokens"][0]), int(final["total_accepted_draft_tokens"][0])
+    assert 0 < kept <= drafted and final["acceptance_rate"][0] == pytest.approx(kept / drafted)
+    server.wait_for_metric("inflight_spec_decode_num_accepted_tokens_total", lambda v: v >= kept)
+    server.wait_for_metric("inflight_spec_decode_num_draft_tokens_total", lambda v: v >= drafted)
+    assert_all_blocks_free(server)
