@@ -311,20 +311,29 @@ EDITING_TASKS = [
     "Return this configuration with every key in uppercase: {\"host\": \"localhost\", \"port\": 8080, "
     "\"debug\": true, \"workers\": 4, \"timeout\": 30}",
 ]
+# Requests whose answers quote little of their prompts: what drafts cost where few are kept.
+OPEN_QUESTIONS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Give three tips for sleeping better.",
+    "Describe the water cycle.",
+    "Why do cats purr?",
+]
 
 
-def bench_speculative(model_dir: str, repeats: int, max_tokens: int = 96, drafts: int = 4) -> dict:
-    """Greedy answers to the editing tasks (chat template, EOS ends them), one request at a time and all
-    at once: HF generate plain and with its prompt lookup decoding (prompt_lookup_num_tokens), inflight
-    without drafts and with n-gram drafts. Output tokens per second (medians of alternating runs), the
-    share of drafts kept, and how many outputs equal HF's plain greedy ones."""
+def bench_speculative(model_dir: str, tasks: list[str], repeats: int, max_tokens: int = 96, drafts: int = 4) -> dict:
+    """Greedy answers to `tasks` (chat template, EOS ends them), one request at a time and all at once:
+    HF generate plain and with its prompt lookup decoding (prompt_lookup_num_tokens), inflight without
+    drafts and with n-gram drafts. Output tokens per second (medians of alternating runs), the share of
+    drafts kept, and how many outputs equal HF's plain greedy ones."""
     from transformers import AutoTokenizer
 
     from inflight import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": task}],
-                                             add_generation_prompt=True)["input_ids"] for task in EDITING_TASKS]
+                                             add_generation_prompt=True)["input_ids"] for task in tasks]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     hf = load_hf(model_dir)
     plain = make_llm(model_dir, num_kv_blocks=512)
@@ -655,13 +664,14 @@ def main() -> None:
               f"| inflight, all at once | {r['inflight']:.2f} ({r['inflight'] / r['hf']:.2f}x) |\n\n"
               f"best beam equal to HF's: {r['same']} of {r['prompts']}")
     if "spec" in peers:
-        r = bench_speculative(args.model, args.repeats)
-        print(f"\n| {r['requests']} editing tasks, greedy, {r['tokens']} output tokens, median of {args.repeats} | "
-              "output tok/s | outputs equal to HF generate's |\n|---|---:|---:|")
-        for label, rate, equal in r["rows"]:
-            print(f"| {label} | {rate:.1f} | {equal} of {r['requests']} |")
-        print(f"\ndrafts kept: {r['kept']:.0%}; tokens per step of a drafting sequence: "
-              f"{r['tokens_per_draft_step']:.2f}")
+        for name, tasks in (("editing tasks", EDITING_TASKS), ("open questions", OPEN_QUESTIONS)):
+            r = bench_speculative(args.model, tasks, args.repeats)
+            print(f"\n| {r['requests']} {name}, greedy, {r['tokens']} output tokens, median of {args.repeats} | "
+                  "output tok/s | outputs equal to HF generate's |\n|---|---:|---:|")
+            for label, rate, equal in r["rows"]:
+                print(f"| {label} | {rate:.1f} | {equal} of {r['requests']} |")
+            print(f"\ndrafts kept: {r['kept']:.0%}; tokens per step of a drafting sequence: "
+                  f"{r['tokens_per_draft_step']:.2f}")
     if "structured" in peers:
         r = bench_structured_outputs(args.model, args.num_requests, args.repeats)
         cost = 1 - r["constrained_tok_s"] / r["unconstrained_tok_s"]

@@ -239,6 +239,65 @@ def test_drafts_on_a_gpu_beside_cuda_graphs(tiny_models):
     llm.block_manager.check_all_free()
 
 
+# -- drafts given with the request (TensorRT-LLM's draft_input_ids) ------------------------------------
+def _first_tokens(llm: LLM, request_id: str, prompt, params: SamplingParams) -> tuple[list[int], list[int]]:
+    """The tokens of the request's first delta with tokens, and all its tokens."""
+    llm.add_request(request_id, prompt, params)
+    deltas = []
+    while llm.has_unfinished():
+        deltas += [d for d in llm.step() if d.request_id == request_id and d.new_token_ids]
+    return deltas[0].new_token_ids, [t for d in deltas for t in d.new_token_ids]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "pipelined"])
+def test_given_drafts_are_judged_with_the_prompt(tiny_models, hf_reference, async_scheduling):
+    """Drafts given with a request ride with its prompt's last chunk, without speculative_config: right
+    ones all come out of that one step, a wrong one ends what is kept there, more than max_tokens
+    allows are cut; every output is HF's, and the prompt is cached for the next."""
+    model = tiny_models["llama"]
+    llm = LLM(model, num_kv_blocks=64, async_scheduling=async_scheduling)
+    prompt = random.Random(3).sample(range(3, 512), 20)
+    expected = hf_reference(model, prompt, 16)
+    greedy = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    first, tokens = _first_tokens(llm, "right", prompt, SamplingParams(draft_token_ids=expected[:6], **greedy))
+    assert first == expected[:7] and tokens == expected
+    wrong = expected[:2] + [(expected[2] + 1) % 512] + expected[3:6]
+    first, tokens = _first_tokens(llm, "wrong", prompt, SamplingParams(draft_token_ids=wrong, **greedy))
+    assert first == expected[:3] and tokens == expected
+    cut = dict(greedy, max_tokens=3)
+    first, tokens = _first_tokens(llm, "cut", prompt, SamplingParams(draft_token_ids=expected[:6], **cut))
+    assert first == tokens == expected[:3]
+    stats = llm.stats()
+    judged = stats["spec_decode_draft_tokens_total"], stats["spec_decode_accepted_tokens_total"]
+    assert judged == (6 + 6 + 2, 6 + 2 + 2)
+    assert stats["prefix_cache_hit_tokens"] > 0
+    sampled = llm.generate([prompt], SamplingParams(draft_token_ids=expected[:6], temperature=1.0, max_tokens=16,
+                                                    ignore_eos=True, seed=1))[0]
+    assert len(sampled.outputs[0].token_ids) == 16
+    llm.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(n=2), "n is not supported with draft_token_ids"),
+    (dict(repetition_penalty=1.2), "repetition_penalty is not supported with draft_token_ids"),
+    (dict(bad_words=["x"]), "bad_words is not supported with draft_token_ids"),
+    (dict(min_tokens=2), "min_tokens is not supported with draft_token_ids"),
+    (dict(beam_width=2, temperature=0), "beam_width is not supported with draft_token_ids"),
+    (dict(draft_token_ids=[-1]), "draft_token_ids must hold non-negative integer token ids"),
+    (dict(draft_token_ids=[1] * 65), "at most 64 are judged"),
+])
+def test_given_drafts_refuse_what_a_row_cannot_judge_alone(values, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{"draft_token_ids": [5, 6], **values})
+
+
+def test_given_drafts_beyond_the_vocabulary_are_refused(tiny_models):
+    llm = LLM(tiny_models["llama"], num_kv_blocks=16)
+    with pytest.raises(ValueError, match="draft_token_ids holds token ids beyond the vocabulary of 512"):
+        llm.add_request("beyond", [5, 6, 7], SamplingParams(draft_token_ids=[4, 600]))
+    assert not llm.has_unfinished()
+
+
 # -- served ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
@@ -260,4 +319,30 @@ def test_served_with_drafts(server, engines):
     assert 0 < kept <= drafted and final["acceptance_rate"][0] == pytest.approx(kept / drafted)
     server.wait_for_metric("inflight_spec_decode_num_accepted_tokens_total", lambda v: v >= kept)
     server.wait_for_metric("inflight_spec_decode_num_draft_tokens_total", lambda v: v >= drafted)
+    assert_all_blocks_free(server)
+
+
+def test_served_with_tensorrt_llm_draft_input_ids(server, engines):
+    """TensorRT-LLM's draft-target flow: input_ids and a draft model's draft_input_ids in, the tokens the
+    target keeps out (here: two right drafts, then a wrong one)."""
+    from grpc_stream import generate
+
+    _, plain = engines
+    prompt_ids = plain.encode(REPEATING[2])
+    expected = plain.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    right = expected.outputs[0].token_ids
+    drafts = right[:2] + [(right[2] + 1) % 1000, right[3]]
+    result = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32),
+                      draft_input_ids=np.array(drafts, np.int32), max_tokens=8, temperature=0.0, ignore_eos=True,
+                      return_perf_metrics=True)
+    assert result.error is None
+    assert [int(t) for r in result.responses for t in r["output_ids"]] == right
+    final = result.responses[-1]
+    assert (int(final["total_draft_tokens"][0]), int(final["total_accepted_draft_tokens"][0])) == (4, 2)
+    both = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32),
+                    draft_input_ids=np.array(drafts, np.int32), sampling_parameters={"draft_token_ids": drafts})
+    assert both.error and "not both" in both.error
+    beyond = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32),
+                      draft_input_ids=np.array([10**6], np.int32))
+    assert beyond.error and "beyond the vocabulary" in beyond.error
     assert_all_blocks_free(server)

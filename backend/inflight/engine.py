@@ -285,8 +285,9 @@ class LLMEngine:
         batch = None
         try:
             self._drain_inbox(deltas)
-            if self._in_flight is not None and self._in_flight.beams:
-                self._complete_in_flight(deltas)  # the beams it ranks decide what the next step computes
+            if self._in_flight is not None and (self._in_flight.beams or self._in_flight.speculated):
+                # the beams it ranks, or the drafts it judges, decide what the next step computes
+                self._complete_in_flight(deltas)
             if self.dead_reason is None:
                 batch = self.scheduler.schedule()
                 launched = self._launch(batch, deltas)
@@ -826,7 +827,7 @@ class LLMEngine:
             **({"lora_requests": self._lora_requests()} if self.config.lora_modules else {}),
             **({"spec_decode_drafts_total": self.num_drafts, "spec_decode_draft_tokens_total": self.num_draft_tokens,
                 "spec_decode_accepted_tokens_total": self.num_accepted_draft_tokens}
-               if self.config.speculative_config is not None else {}),
+               if self.config.speculative_config is not None or self.num_drafts else {}),
         }
 
     def _lora_requests(self) -> dict[str, tuple[int, int, int]]:

@@ -45,12 +45,16 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0  # a finished beam's score: its log probability / its length ** this
     early_stopping: bool | str = False  # True: stop at beam_width finished beams; "never": the exact search
+    # Drafts of the first tokens (TensorRT-LLM's draft_input_ids: proposed by a draft model elsewhere), judged
+    # in the step that computes the prompt's end; what is kept is the model's output (speculative.py).
+    draft_token_ids: list[int] | None = None
 
     # The engine's ceilings for words (each stop string and bad word is searched or tokenized per
     # request); a server may set lower limits (serving/settings.py).
     MAX_STOP_STRINGS = 64
     MAX_STOP_LENGTH = 256
     MAX_N = 64
+    MAX_DRAFT_TOKENS = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +116,7 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
             raise ValueError(f"structured_outputs must be an object, got {self.structured_outputs!r}")
         self._check_beam_search()
+        self._check_drafts()
 
     # What beam search leaves at its default: it ranks beams by the model's own log probabilities.
     _NOT_WITH_BEAM_SEARCH = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "repetition_penalty": (1.0,),
@@ -138,6 +143,26 @@ class SamplingParams:
         for name, defaults in self._NOT_WITH_BEAM_SEARCH.items():
             if getattr(self, name) not in defaults:
                 raise ValueError(f"{name} is not supported with beam search (beam_width {self.beam_width})")
+
+    # What given drafts need left at its default: each draft is judged by its own row, before the tokens
+    # before it are known (speculative.can_speculate: the same for the engine's own drafts).
+    _NOT_WITH_DRAFTS = {"n": (1,), "beam_width": (1,), "min_tokens": (0,), "repetition_penalty": (1.0,),
+                        "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "bad_words": ([],),
+                        "structured_outputs": (None,), "return_generation_logits": (False,)}
+
+    def _check_drafts(self) -> None:
+        if self.draft_token_ids is None:
+            return
+        if not isinstance(self.draft_token_ids, (list, tuple)):
+            raise ValueError(f"draft_token_ids must be a list of token ids, got {self.draft_token_ids!r}")
+        if len(self.draft_token_ids) > self.MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_token_ids has {len(self.draft_token_ids)} tokens; at most "
+                             f"{self.MAX_DRAFT_TOKENS} are judged")
+        self.draft_token_ids = [_token_id("draft_token_ids", t) for t in self.draft_token_ids] or None
+        for name, defaults in self._NOT_WITH_DRAFTS.items():
+            if self.draft_token_ids and getattr(self, name) not in defaults:
+                raise ValueError(f"{name} is not supported with draft_token_ids (each draft is judged by its own "
+                                 "row, before the tokens before it are known)")
 
     @property
     def beam_search(self) -> bool:
@@ -173,8 +198,9 @@ class SamplingParams:
             self._check_int("truncate_prompt_tokens", minimum=1)
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """The token ids of logit_bias and allowed_token_ids are within the model's vocabulary."""
-        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ())):
+        """The token ids of logit_bias, allowed_token_ids and draft_token_ids are within the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("draft_token_ids", self.draft_token_ids or ())):
             beyond = sorted(t for t in ids if t >= vocab_size)
             if beyond:
                 raise ValueError(f"{name} holds token ids beyond the vocabulary of {vocab_size}: {beyond[:8]}")

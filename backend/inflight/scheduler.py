@@ -10,7 +10,7 @@ the running ones' growth, and while max_num_seqs has room for every sequence a r
 whose next tokens are measured waits, computing nothing, for the other beams of its search; when such
 beams are all that hold the pool, they make room. Under speculative decoding a decoding sequence also
 gets the drafts proposed for it, within what the budget leaves for the other decodes and without taking
-a block that another decode may need.
+a block that another decode may need; a request's own drafts ride with the chunk that ends its prompt.
 """
 
 import bisect
@@ -96,9 +96,9 @@ class Scheduler:
         speculate = self.proposer is not None and (limit is None or len(decoding) < limit)
         for i, seq in enumerate(decoding):
             if seq.status is SequenceStatus.RUNNING and self._make_room(batch, seq, 1):  # (or preempted for one before)
+                self.block_manager.allocate(seq, 1)
                 left = len(decoding) - i - 1
-                n = 1 + (self._fit_drafts(seq, budget - 1 - left, left) if speculate else 0)
-                self.block_manager.allocate(seq, n)
+                n = 1 + (self._fit_drafts(seq, 1, budget - 1 - left, left) if speculate else 0)
                 batch.add(seq, n)
                 budget -= n
 
@@ -122,18 +122,26 @@ class Scheduler:
             self._admit(batch, budget)
         return batch
 
-    def _fit_drafts(self, seq: Sequence, spare: int, decodes_left: int) -> int:
-        """Give `seq` its proposed drafts (speculative.py), as many as the token budget's `spare` tokens,
-        its max_tokens and max_model_len allow, taking new blocks only while one stays free for each of
-        the `decodes_left` decodes still to schedule; returns how many."""
+    def _fit_drafts(self, seq: Sequence, scheduled: int, spare: int, blocks_kept: int) -> int:
+        """After the `scheduled` tokens of `seq` just given their blocks (its decode, or its prompt's last
+        chunk): its drafts (speculative.py), as many as the token budget's `spare` tokens, its max_tokens
+        and max_model_len allow, taking new blocks only while `blocks_kept` stay free (one for each decode
+        still to schedule); returns how many."""
         limit = min(spare, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-        drafts = self.proposer.propose(seq, limit) if limit > 0 else []
+        drafts = self._drafts(seq, limit) if limit > 0 else []
         bm = self.block_manager
-        own = bm.blocks_needed(seq, 1)
-        while drafts and own < bm.blocks_needed(seq, 1 + len(drafts)) > bm.num_free_blocks - decodes_left:
+        while drafts and bm.blocks_needed(seq, scheduled + len(drafts)) > bm.num_free_blocks - blocks_kept:
             drafts.pop()
+        if drafts:
+            bm.allocate(seq, scheduled + len(drafts))
         seq.draft_token_ids = drafts
         return len(drafts)
+
+    def _drafts(self, seq: Sequence, limit: int) -> list[int]:
+        """The request's own drafts for its first tokens, else the proposer's."""
+        if seq.params.draft_token_ids and not seq.num_output_tokens:
+            return seq.params.draft_token_ids[:limit]
+        return self.proposer.propose(seq, limit) if self.proposer is not None else []
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         """Admit waiting sequences in queue order (a beam waiting for its search's other beams is
@@ -196,9 +204,13 @@ class Scheduler:
         return True
 
     def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """A chunk of the prompt (or of the tokens to recompute) of `seq`; the chunk that ends it also
+        carries the request's own drafts (draft_token_ids) the first time. Returns its tokens."""
         n = min(seq.num_uncomputed_tokens, budget, self.block_manager.max_new_tokens(seq))
         if n <= 0 or not self.block_manager.allocate(seq, n):
             return 0
+        if n == seq.num_uncomputed_tokens and seq.params.draft_token_ids and not seq.num_output_tokens:
+            n += self._fit_drafts(seq, n, budget - n, len(self.running))
         batch.add(seq, n)
         return n
 

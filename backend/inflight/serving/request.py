@@ -51,7 +51,8 @@ VLLM_PARAMETERS = {"priority", "lora_name", "guided_decoding", "best_of", "use_b
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
 BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM's logit bias by words
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
-                "priority", "num_return_sequences", "beam_search_diversity_rate", "pad_id", *SCALAR_PARAMS, *FLAGS,
+                "priority", "num_return_sequences", "beam_search_diversity_rate", "pad_id", "draft_input_ids",
+                *SCALAR_PARAMS, *FLAGS,
                 *GUIDE_INPUTS, *BIAS_INPUTS}
 
 
@@ -170,17 +171,22 @@ def _prompt(inputs: dict[str, np.ndarray], max_bytes: int) -> str | list[int]:
     if ("text_input" in inputs) == ("input_ids" in inputs):
         raise ValueError("exactly one of the inputs 'text_input' and 'input_ids' is required")
     if "input_ids" in inputs:
-        ids = inputs["input_ids"]
-        if ids.dtype.kind not in "iu" or ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
-            raise ValueError(f"input 'input_ids' must be INT32 token ids of shape [n] or [1, n], got "
-                             f"{ids.dtype} {list(ids.shape)}")
-        if ids.size == 0:
+        ids = _token_ids("input_ids", inputs["input_ids"])
+        if not ids:
             raise ValueError("input 'input_ids' must not be empty")
-        return [int(t) for t in ids.reshape(-1)]
+        return ids
     prompt = _text("text_input", _scalar("text_input", inputs["text_input"]), max_bytes)
     if not prompt:
         raise ValueError("input 'text_input' must not be empty")
     return prompt
+
+
+def _token_ids(name: str, ids: np.ndarray) -> list[int]:
+    """Token ids of shape [n] or [1, n] (their range is checked against the vocabulary later)."""
+    if ids.dtype.kind not in "iu" or ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
+        raise ValueError(f"input '{name}' must be INT32 token ids of shape [n] or [1, n], got "
+                         f"{ids.dtype} {list(ids.shape)}")
+    return [int(t) for t in ids.reshape(-1)]
 
 
 def _priority(from_json, inputs: dict[str, np.ndarray]) -> int:
@@ -288,6 +294,11 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     for name in ("stop", "bad_words"):
         if isinstance(values.get(name), (list, tuple)):
             _check_words(name, values[name], settings)
+    if "draft_input_ids" in inputs:  # TensorRT-LLM's drafts from a draft model (draft-target speculative decoding)
+        if "draft_token_ids" in from_json:
+            raise ValueError("give drafts either as 'draft_token_ids' in 'sampling_parameters' or as "
+                             "'draft_input_ids', not both")
+        values["draft_token_ids"] = _token_ids("draft_input_ids", inputs["draft_input_ids"])
     if any(name in inputs for name in GUIDE_INPUTS):
         if "structured_outputs" in from_json:
             raise ValueError("give structured outputs either in 'sampling_parameters' or as "
