@@ -283,6 +283,7 @@ def test_given_drafts_are_judged_with_the_prompt(tiny_models, hf_reference, asyn
     (dict(bad_words=["x"]), "bad_words is not supported with draft_token_ids"),
     (dict(min_tokens=2), "min_tokens is not supported with draft_token_ids"),
     (dict(beam_width=2, temperature=0), "beam_width is not supported with draft_token_ids"),
+    (dict(return_context_logits=True), "return_context_logits is not supported with draft_token_ids"),
     (dict(draft_token_ids=[-1]), "draft_token_ids must hold non-negative integer token ids"),
     (dict(draft_token_ids=[1] * 65), "at most 64 are judged"),
 ])

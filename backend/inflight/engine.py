@@ -336,9 +336,9 @@ class LLMEngine:
             if seq.num_pending and first + n == seq.num_tokens:  # its last token is in the step in flight
                 pending_at.append(start + n - 1)
                 pending_rows.append(seq.pending_row)
-            if seq.draft_token_ids:
+            if seq.drafts:
                 speculating.append(seq)
-                draft_rows_at += range(start + n - 1 - len(seq.draft_token_ids), start + n)
+                draft_rows_at += range(start + n - 1 - len(seq.drafts), start + n)
             elif first + n == seq.num_tokens:
                 sampling.append(seq)
                 logits_at.append(start + n - 1)
@@ -396,8 +396,8 @@ class LLMEngine:
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> _Speculated:
         """Each drafting sequence's rows judged (speculative.py), with the logprobs of those that asked
         for them; copied to the host without waiting."""
-        rows = [seq for seq in seqs for _ in range(len(seq.draft_token_ids) + 1)]
-        drafts = [list(seq.draft_token_ids) for seq in seqs]
+        rows = [seq for seq in seqs for _ in range(len(seq.drafts) + 1)]
+        drafts = [list(seq.drafts) for seq in seqs]
         judged = [draft for seq_drafts in drafts for draft in (*seq_drafts, -1)]
         wanting = [i for i, seq in enumerate(rows) if seq.params.logprobs is not None]
         at = to_device(wanting, logits.device) if wanting else None
@@ -478,7 +478,7 @@ class LLMEngine:
             kept = accepted_tokens(tokens[rows], drafts)
             seq.num_computed_tokens -= len(drafts) - (len(kept) - 1)
             self.block_manager.cache_full_blocks(seq)  # (the kept drafts are still there for it to read)
-            seq.draft_token_ids = []
+            seq.drafts = []
             self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_draft_tokens += len(kept) - 1

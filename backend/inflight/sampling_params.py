@@ -148,7 +148,8 @@ class SamplingParams:
     # before it are known (speculative.can_speculate: the same for the engine's own drafts).
     _NOT_WITH_DRAFTS = {"n": (1,), "beam_width": (1,), "min_tokens": (0,), "repetition_penalty": (1.0,),
                         "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "bad_words": ([],),
-                        "structured_outputs": (None,), "return_generation_logits": (False,)}
+                        "structured_outputs": (None,), "return_context_logits": (False,),
+                        "return_generation_logits": (False,)}
 
     def _check_drafts(self) -> None:
         if self.draft_token_ids is None:

@@ -134,7 +134,7 @@ class Scheduler:
             drafts.pop()
         if drafts:
             bm.allocate(seq, scheduled + len(drafts))
-        seq.draft_token_ids = drafts
+        seq.drafts = drafts
         return len(drafts)
 
     def _drafts(self, seq: Sequence, limit: int) -> list[int]:
@@ -234,7 +234,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         seq.metrics.kv_total_blocks = max(seq.metrics.kv_total_blocks, len(seq.block_table))
-        seq.draft_token_ids = []
+        seq.drafts = []
         self.block_manager.free(seq)
 
 

@@ -55,7 +55,7 @@ class Sequence:
     pending_row: int = 0  # the row of the latest pending token in its step's sampled tokens
     # Speculative decoding: the drafts scheduled after its last token this step (speculative.py); they
     # are computed with it, and none is a token of the sequence until its step's verification keeps it.
-    draft_token_ids: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
 
     output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, when asked for
     cumulative_logprob: float = 0.0
@@ -155,5 +155,5 @@ class Sequence:
 
     def _beyond_known(self, start: int, end: int) -> list[int]:
         """The tokens after the known ones, [start, end) counted from the first: drafts, or PENDING."""
-        drafts = self.draft_token_ids[start:end]
+        drafts = self.drafts[start:end]
         return drafts + [PENDING] * (end - start - len(drafts)) if end > start else []

@@ -15,6 +15,8 @@ draft, are valid.
 
 Only what a row can judge alone is speculated on: a sequence with penalties, bad words, a grammar,
 min_tokens still to come, raw generation logits or beam search decodes a token a step, as before.
+Drafts given with a request (SamplingParams.draft_token_ids, a draft model's) are judged the same way,
+in the step that computes the prompt's end (the scheduler puts them there).
 """
 
 import numpy as np
