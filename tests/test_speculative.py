@@ -1,7 +1,8 @@
 """Speculative decoding by n-gram lookup: the lookup, the rejection sampling's distribution, greedy
 output equal to HF transformers' and to the engine without drafts (beside requests that cannot
 speculate, under preemption, a small token budget and the prefix cache), aborts, and served through
-tritonserver with its metrics."""
+tritonserver with its metrics; drafts given with a request (TensorRT-LLM's draft_input_ids) judged
+with its prompt's end, one step at a time and pipelined, offline and served."""
 
 import random
 from types import SimpleNamespace
@@ -227,7 +228,8 @@ def test_preemption_a_small_budget_and_the_prefix_cache(tiny_models, hf_referenc
 
 @ON_A_GPU
 def test_drafts_on_a_gpu_beside_cuda_graphs(tiny_models):
-    """On a GPU (float32, CUDA graphs for the steps without drafts): the CPU's greedy outputs."""
+    """On a GPU (float32, CUDA graphs for the steps without drafts): the CPU's greedy outputs, with n-gram
+    drafts, and with drafts given with the requests under async scheduling (on by default there)."""
     model = tiny_models["llama"]
     prompts = _repeating_prompts(8, 512, seed=5)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -237,6 +239,13 @@ def test_drafts_on_a_gpu_beside_cuda_graphs(tiny_models):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.stats()["spec_decode_accepted_tokens_total"] > 0
     llm.block_manager.check_all_free()
+    pipelined = LLM(model, device="cuda", dtype="float32", num_kv_blocks=64)
+    assert pipelined.config.async_scheduling
+    given = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                            draft_token_ids=tokens[:3] + [(tokens[3] + 1) % 512]) for tokens in expected]
+    assert [o.outputs[0].token_ids for o in pipelined.generate(prompts, given)] == expected
+    assert pipelined.stats()["spec_decode_accepted_tokens_total"] == 3 * len(prompts)
+    pipelined.block_manager.check_all_free()
 
 
 # -- drafts given with the request (TensorRT-LLM's draft_input_ids) ------------------------------------
