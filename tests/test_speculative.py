@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free, serve
+from conftest import assert_all_blocks_free, concurrently, serve
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
 from inflight.sampler import filter_probs
@@ -311,7 +311,9 @@ def test_given_drafts_beyond_the_vocabulary_are_refused(tiny_models):
 # -- served ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
-    yield from serve(speculative_config=SPEC)
+    # A small pool (64 blocks of 16 tokens), which the storm below keeps full.
+    yield from serve(speculative_config=SPEC, num_kv_blocks=64, kv_cache_memory=None, max_num_seqs=32,
+                     max_num_batched_tokens=256)
 
 
 def test_served_with_drafts(server, engines):
@@ -356,3 +358,46 @@ def test_served_with_tensorrt_llm_draft_input_ids(server, engines):
                       draft_input_ids=np.array([10**6], np.int32))
     assert beyond.error and "beyond the vocabulary" in beyond.error
     assert_all_blocks_free(server)
+
+
+def test_served_cancellation_storm_with_drafts(server, engines):
+    """32 drafting streams cancelled after a few responses, a third of them with drafts of their own,
+    among drafting streams that must come out exact (two with drafts given, token ids in and out), in a
+    small pool: every block back."""
+    from grpc_stream import generate
+
+    _, plain = engines
+    greedy = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
+    expected = plain.generate(REPEATING, SamplingParams(**greedy))
+    prompt_ids = [plain.encode(prompt) for prompt in REPEATING]
+    rng = random.Random(9)
+    results = {}
+
+    def cancelled(i):
+        endless = dict(greedy, max_tokens=300)
+        if i % 3:
+            results[i] = generate(server.grpc_url, REPEATING[i % 4], cancel_after=rng.randint(1, 6),
+                                  sampling_parameters=endless)
+        else:
+            results[i] = generate(server.grpc_url, None, input_ids=np.array(prompt_ids[i % 4], np.int32),
+                                  draft_input_ids=np.array(expected[i % 4].outputs[0].token_ids[:4], np.int32),
+                                  cancel_after=rng.randint(1, 6), **endless)
+
+    def survivor(i):
+        if i < 2:
+            results[f"s{i}"] = generate(server.grpc_url, REPEATING[i], sampling_parameters=greedy)
+        else:
+            results[f"s{i}"] = generate(server.grpc_url, None, input_ids=np.array(prompt_ids[i], np.int32),
+                                        draft_input_ids=np.array(expected[i].outputs[0].token_ids[:4], np.int32),
+                                        **greedy)
+
+    calls = [lambda i=i: cancelled(i) for i in range(32)] + [lambda i=i: survivor(i) for i in range(4)]
+    random.Random(10).shuffle(calls)
+    with concurrently(calls, timeout=600):
+        pass
+    assert all(results[i].error == "cancelled" for i in range(32)), [results[i].error for i in range(32)]
+    assert [results[f"s{i}"].text for i in range(2)] == [out.outputs[0].text for out in expected[:2]]
+    for i in (2, 3):
+        assert [int(t) for r in results[f"s{i}"].responses for t in r["output_ids"]] == expected[i].outputs[0].token_ids
+    assert_all_blocks_free(server)
+
