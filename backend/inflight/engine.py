@@ -78,6 +78,11 @@ class _Speculated:
     tokens: torch.Tensor  # [rows]: a row per draft and one after the last, sequence after sequence
     logprobs: MeasuredLogprobs | None  # of the rows of sequences that asked for them, in their order
 
+    @staticmethod
+    def rows(seqs: list[Sequence], drafts: list[list[int]]) -> list[Sequence]:
+        """Each row's sequence: a row per draft and one after the last, sequence after sequence."""
+        return [seq for seq, seq_drafts in zip(seqs, drafts) for _ in range(len(seq_drafts) + 1)]
+
 
 class LLMEngine:
     def __init__(self, model: str, **settings):
@@ -396,8 +401,8 @@ class LLMEngine:
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence]) -> _Speculated:
         """Each drafting sequence's rows judged (speculative.py), with the logprobs of those that asked
         for them; copied to the host without waiting."""
-        rows = [seq for seq in seqs for _ in range(len(seq.drafts) + 1)]
         drafts = [list(seq.drafts) for seq in seqs]
+        rows = _Speculated.rows(seqs, drafts)
         judged = [draft for seq_drafts in drafts for draft in (*seq_drafts, -1)]
         wanting = [i for i, seq in enumerate(rows) if seq.params.logprobs is not None]
         at = to_device(wanting, logits.device) if wanting else None
@@ -467,8 +472,7 @@ class LLMEngine:
         """Each drafting sequence gains its tokens up to and with the first that differs from its draft;
         the KV of the drafts after it is taken back (it stays in the blocks, to be overwritten)."""
         tokens = spec.tokens.tolist()
-        entries = self._logprob_entries([seq for seq, d in zip(spec.seqs, spec.drafts) for _ in range(len(d) + 1)],
-                                        tokens, spec.logprobs)
+        entries = self._logprob_entries(_Speculated.rows(spec.seqs, spec.drafts), tokens, spec.logprobs)
         start = 0
         for seq, drafts in zip(spec.seqs, spec.drafts):
             rows = slice(start, start + len(drafts) + 1)

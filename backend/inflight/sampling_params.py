@@ -144,12 +144,15 @@ class SamplingParams:
             if getattr(self, name) not in defaults:
                 raise ValueError(f"{name} is not supported with beam search (beam_width {self.beam_width})")
 
-    # What given drafts need left at its default: each draft is judged by its own row, before the tokens
-    # before it are known (speculative.can_speculate: the same for the engine's own drafts).
-    _NOT_WITH_DRAFTS = {"n": (1,), "beam_width": (1,), "min_tokens": (0,), "repetition_penalty": (1.0,),
-                        "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "bad_words": ([],),
-                        "structured_outputs": (None,), "return_context_logits": (False,),
-                        "return_generation_logits": (False,)}
+    # What a draft's row needs left at its default: each draft is judged by its own row, before the tokens
+    # before it are known (drafts_judged_alone; speculative.can_speculate for the engine's own drafts).
+    _ROW_DEPENDS_ON_EARLIER_TOKENS = {"beam_width": (1,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
+                                      "frequency_penalty": (0.0,), "bad_words": ([],), "structured_outputs": (None,),
+                                      "return_generation_logits": (False,)}
+    # Drafts given with the request also ride with its prompt's end: that row is its completions' first
+    # (n forks them), the last prompt position's (context logits), and min_tokens has not begun.
+    _NOT_WITH_DRAFTS = {"n": (1,), "min_tokens": (0,), "return_context_logits": (False,),
+                        **_ROW_DEPENDS_ON_EARLIER_TOKENS}
 
     def _check_drafts(self) -> None:
         if self.draft_token_ids is None:
@@ -164,6 +167,11 @@ class SamplingParams:
             if self.draft_token_ids and getattr(self, name) not in defaults:
                 raise ValueError(f"{name} is not supported with draft_token_ids (each draft is judged by its own "
                                  "row, before the tokens before it are known)")
+
+    @cached_property
+    def drafts_judged_alone(self) -> bool:
+        """Whether a row of this request can judge a draft without knowing the tokens before it."""
+        return all(getattr(self, name) in defaults for name, defaults in self._ROW_DEPENDS_ON_EARLIER_TOKENS.items())
 
     @property
     def beam_search(self) -> bool:

@@ -30,11 +30,9 @@ from .sequence import Sequence
 
 def can_speculate(seq: Sequence) -> bool:
     """Whether each row of the sequence can be judged alone: nothing that depends on the tokens before
-    it beyond the model's logits."""
+    it beyond the model's logits (its parameters allow it, min_tokens are out, no token is in flight)."""
     p = seq.params
-    return (seq.beam is None and seq.matcher is None and not seq.bad_words_ids and not seq.num_pending
-            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and seq.num_output_tokens >= p.min_tokens and not p.return_generation_logits)
+    return p.drafts_judged_alone and seq.num_output_tokens >= p.min_tokens and not seq.num_pending
 
 
 class NgramProposer:
