@@ -30,6 +30,7 @@ want() { [[ " ${PARTS:-tests-engine bench-gpu bench-kernels tests-kernels} " == 
 want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -m "not slow" \
   tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py tests/test_engine_behaviour.py \
   tests/test_async_scheduling.py tests/test_lora.py tests/test_beam_search.py tests/test_speculative.py \
+  tests/test_prompt_embeds.py \
   -k "cuda or graphs or auto or padded or bucket or step_inputs or gpu or pipeline"
 # BENCH_SKIP: bench-gpu's parts to leave out (its --skip), e.g. "eager,sync,hf-static" for a short session.
 want bench-gpu && part bench-gpu "${BENCH_S:-300}" python3 client/bench_gpu.py --host-profile \

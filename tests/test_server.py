@@ -275,6 +275,42 @@ def test_token_ids_in_and_out_with_tensorrt_llm_logprobs(server, offline):
         assert error and name in error, error
 
 
+def test_tensorrt_llm_prompt_embedding_table(server, offline):
+    """p-tuning through tritonserver: input_ids with virtual ids and an FP16 table, and a table alone
+    (vLLM's prompt_embeds, here the text's own embeddings): the offline engine's tokens for the same
+    vectors; a table the model cannot take is refused by name and the server serves on."""
+    import torch
+
+    from inflight import SamplingParams
+
+    vocab, hidden = offline.runner.hf_config.vocab_size, offline.runner.hf_config.hidden_size
+    soft = (torch.randn(4, hidden, generator=torch.Generator().manual_seed(0)) * 0.3).half().numpy()
+    prompt_ids = offline.encode(PROMPTS[5])
+    ids = list(range(vocab, vocab + 4)) + prompt_ids
+    own = offline.runner.model.get_input_embeddings().weight[prompt_ids].detach().half().numpy()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in offline.generate(
+        [{"prompt_token_ids": ids, "prompt_embedding_table": soft}, {"prompt_embeds": own}, prompt_ids], params)]
+    assert expected[0] != expected[2], "the soft prompt changed nothing: a weak test"
+    tokens = lambda result: [int(t) for r in result.responses for t in r["output_ids"]]  # noqa: E731
+    given = generate(server.grpc_url, None, input_ids=np.array(ids, np.int32), prompt_embedding_table=soft,
+                     prompt_vocab_size=4, max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert given.error is None and tokens(given) == expected[0]
+    alone = generate(server.grpc_url, None, prompt_embedding_table=own, max_tokens=12, temperature=0.0,
+                     ignore_eos=True, return_num_input_tokens=True)
+    assert alone.error is None and tokens(alone) == expected[1]
+    assert int(alone.responses[-1]["num_input_tokens"][0]) == len(prompt_ids)
+    for inputs, words in ((dict(input_ids=np.array(ids, np.int32), prompt_embedding_table=soft[:, :10]),
+                           "hidden size"),
+                          (dict(input_ids=np.array(prompt_ids, np.int32), prompt_embedding_table=soft),
+                           "no prompt token id reads it"),
+                          (dict(prompt_embedding_table=own, sampling_parameters={"prompt_logprobs": 1}),
+                           "prompt_logprobs")):
+        error = generate(server.grpc_url, None, **inputs).error
+        assert error and words in error, error
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=5)
+
+
 def test_tensorrt_llm_context_and_generation_logits(server, offline):
     """return_context_logits / return_generation_logits: context_logits [prompt, vocab] in the response
     with the first tokens, generation_logits [1, tokens, vocab] in each, streamed or not, as the offline

@@ -165,6 +165,27 @@ def test_parse_errors_name_the_problem(inputs, words):
         parse_request(inputs)
 
 
+def test_parse_tensorrtllm_prompt_embedding_table():
+    """With input_ids, the table's rows stand for ids from the vocabulary's size up; alone, its rows are
+    the prompt (vLLM's prompt_embeds); beside text, or with a prompt_vocab_size of other rows, refused."""
+    table = np.ones((3, 8), np.float16)
+    ids = np.array([5, 9000, 9001], np.int32)
+    parsed = parse_request({"input_ids": ids, "prompt_embedding_table": table,
+                            "prompt_vocab_size": np.array([3], np.int32)})
+    prompt = parsed.engine_prompt(parsed.prompt)
+    assert prompt["prompt_token_ids"] == [5, 9000, 9001] and prompt["prompt_embedding_table"] is table
+    alone = parse_request({"prompt_embedding_table": table[None]})
+    assert alone.prompt == [] and alone.engine_prompt([])["prompt_embeds"].shape == (3, 8)
+    assert parse_request({"input_ids": ids}).engine_prompt([5]) == [5]
+    for inputs, words in (({"text_input": text("hi"), "prompt_embedding_table": table}, "not with 'text_input'"),
+                          ({"input_ids": ids, "prompt_embedding_table": table,
+                            "prompt_vocab_size": np.array([2], np.int32)}, "must be the number of rows"),
+                          ({"input_ids": ids, "prompt_vocab_size": np.array([3], np.int32)}, "needs 'prompt_embedding"),
+                          ({"prompt_embedding_table": np.ones((0, 8), np.float16)}, r"floats of shape \[rows")):
+        with pytest.raises(ValueError, match=words):
+            parse_request(inputs)
+
+
 def test_input_sizes_are_limited_by_the_settings():
     settings = split_settings({"model": "m", "max_input_bytes": 100, "max_words": 3, "max_word_chars": 5,
                                "max_tokens_limit": 50})[1]

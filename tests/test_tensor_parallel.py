@@ -64,9 +64,13 @@ def test_three_ranks_match_one_across_chunks_preemption_prefix_caching_and_forks
 def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused, drafts):
     """fused: each rank with fused layers (on by default on GPUs), inside transformers' sharded modules.
     The last prompt is a beam search (its beams fork and copy blocks on every rank). drafts: the ranks
-    judge n-gram drafts (speculative decoding), against one rank without them."""
+    judge n-gram drafts (speculative decoding), against one rank without them. The second prompt holds
+    virtual tokens of a p-tuning table (every rank embeds them: the step's message carries their rows)."""
     model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
     prompts = random_prompts(6, 3, 40, 512, seed=ranks)
+    table = torch.randn(5, 64, generator=torch.Generator().manual_seed(ranks)) * 0.2
+    prompts[1] = {"prompt_token_ids": prompts[1][:2] + list(range(512, 517)) + prompts[1][2:],
+                  "prompt_embedding_table": table}
     params = [GREEDY] * 5 + [SamplingParams(beam_width=3, n=2, max_tokens=24, ignore_eos=True)]
     settings = dict(num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1)
     expected = run_to_the_end(LLM(model, **settings), prompts, params)

@@ -1,6 +1,7 @@
 """The KV block pool: block tables, reference counts and automatic prefix caching.
 
-A full block is identified by a chained hash of (its parent's hash, its token ids); the first block's
+A full block is identified by a chained hash of (its parent's hash, its token ids; a virtual prompt
+token's row of vectors where a prompt has some: prompt_embeds.py); the first block's
 parent is the sequence's LoRA adapter, whose KV differs from the base model's. A block whose last
 user is gone keeps its contents and its hash in the free pool, so a later prompt with the same prefix
 can take it back; when a fresh block is needed, blocks with no cached contents go first, then cached
@@ -18,7 +19,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None  # set while the block is registered in the prefix cache
-    token_ids: tuple[int, ...] | None = None
+    token_ids: tuple | None = None  # its tokens as Sequence.cache_key gives them
     parent_id: int | None = None  # the block before it in the sequence that filled it
     lora_id: int = 0  # the LoRA adapter of the sequence that filled it
 
@@ -128,10 +129,10 @@ class BlockManager:
         assert not seq.block_table
         if not self.enable_prefix_caching or seq.params.needs_prompt_logits:
             return 0  # prompt logprobs and context logits need every prompt position computed
-        tokens = seq.token_ids
         parent_hash, parent_id = self._root_hash(seq), None
-        for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
-            chunk = tuple(tokens[start:start + self.block_size])
+        known = seq.num_prompt_tokens + len(seq.output_token_ids)
+        for start in range(0, known - 1 - self.block_size + 1, self.block_size):
+            chunk = seq.cache_key(start, start + self.block_size)
             h = self.hash_block(parent_hash, chunk)
             block_id = self._cached.get(h)
             if block_id is None:
@@ -159,7 +160,7 @@ class BlockManager:
             return
         parent_hash = seq.block_hashes[-1] if seq.block_hashes else self._root_hash(seq)
         for i in range(start, num_full):
-            chunk = tuple(seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
+            chunk = seq.cache_key(i * self.block_size, (i + 1) * self.block_size)
             h = self.hash_block(parent_hash, chunk)
             block = self.blocks[seq.block_table[i]]
             parent_id = seq.block_table[i - 1] if i else None

@@ -63,9 +63,10 @@ class DecodeGraphs:
                     time.perf_counter() - started, (free_before - torch.cuda.mem_get_info()[0]) / 2**20)
 
     def covers(self, inputs: StepInputs) -> bool:
-        """A decode step of at most the largest bucket, sampling every row in order."""
+        """A decode step of at most the largest bucket, sampling every row in order, of real tokens only
+        (a prompt's virtual last token comes as a vector: prompt_embeds.py)."""
         seqs = len(inputs.seq_lens)
-        return (bool(self._graphs) and 0 < seqs <= self.sizes[-1] and inputs.is_decode
+        return (bool(self._graphs) and 0 < seqs <= self.sizes[-1] and inputs.is_decode and inputs.embeds is None
                 and bool((inputs.logits_at == np.arange(seqs)).all()))
 
     def replay(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from . import beam_search, raw_logits
+from . import beam_search, prompt_embeds, raw_logits
 from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -32,6 +32,7 @@ from .logprobs import MeasuredLogprobs, entries, measure
 from .model_runner import ModelRunner
 from .outputs import RequestDelta, TokenLogprobs
 from .parallel import RanksFailedError, TensorParallelRunner
+from .prompt_embeds import PromptEmbeddings
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -157,11 +158,14 @@ class LLMEngine:
         encoding all of a huge one (encoders.py)."""
         return self._encoders.encode(text, add_special_tokens, max_tokens, limit_name)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, lora_name: str | None = None) -> None:
-        """Validate and queue a request. A lower `priority` is served earlier; `lora_name`: one of the
-        adapters of `lora_modules` (none: the base model). Raises ValueError naming the problem
-        (EngineDeadError once the engine has stopped); nothing is queued then."""
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    priority: int = 0, lora_name: str | None = None) -> list[int]:
+        """Validate and queue a request. `prompt`: text, token ids, or a dict of prompt embeddings
+        ({"prompt_embeds": [n, hidden]}, or {"prompt_token_ids": ids, "prompt_embedding_table": [rows,
+        hidden]} where ids from vocab_size up read the table: prompt_embeds.py). A lower `priority` is
+        served earlier; `lora_name`: one of the adapters of `lora_modules` (none: the base model). Returns
+        the prompt's token ids as queued. Raises ValueError naming the problem (EngineDeadError once the
+        engine has stopped); nothing is queued then."""
         params = params or SamplingParams()
         lora_id = self.lora_id(lora_name)
         if not isinstance(params, SamplingParams):
@@ -175,12 +179,19 @@ class LLMEngine:
                 and params.allowed_set <= {*self.eos_token_ids, *params.stop_token_ids}):
             raise ValueError("allowed_token_ids holds only end tokens (EOS or stop_token_ids), which min_tokens "
                              "forbids before its count: nothing could be generated")
+        embeds = None  # the vectors of its virtual tokens, for a prompt given as embeddings
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             # (a prompt to truncate is encoded whole: its length is no reason to refuse it)
             limit = None if params.truncate_prompt_tokens else self.max_model_len
             token_ids = self.encode(prompt, max_tokens=limit, limit_name="max_model_len")
+        elif isinstance(prompt, dict):
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be measured for a prompt given as embeddings")
+            hf_config = self.runner.hf_config
+            token_ids, embeds = prompt_embeds.resolve(prompt, vocab, hf_config.hidden_size, self.runner.dtype,
+                                                      self.max_model_len)
         else:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
@@ -196,7 +207,7 @@ class LLMEngine:
             raise ValueError(f"{what} ({width}) exceeds max_num_seqs ({self.config.max_num_seqs}): its sequences "
                              "run at once")
         seq = self._new_sequence(request_id, token_ids, params, self._bad_words_ids(params.bad_words), priority,
-                                 lora_id=lora_id)
+                                 lora_id=lora_id, prompt_embeds=embeds)
         seq.forks_left = width - 1  # (a beam search's other beams: seats kept for them at admission)
         if params.beam_search:
             self._start_beam_search(seq, vocab)
@@ -207,6 +218,7 @@ class LLMEngine:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox.append(seq)
             self.num_lora_requests[lora_id] += 1
+        return token_ids
 
     def _start_beam_search(self, seq: Sequence, vocab_size: int) -> None:
         p = seq.params
@@ -225,7 +237,8 @@ class LLMEngine:
         return names.index(lora_name) + 1
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      bad_words_ids: list[list[int]], priority: int, index: int = 0, lora_id: int = 0) -> Sequence:
+                      bad_words_ids: list[list[int]], priority: int, index: int = 0, lora_id: int = 0,
+                      prompt_embeds: PromptEmbeddings | None = None) -> Sequence:
         """Completion `index` of a request: its own detokenizer, grammar matcher, and generator (seeded
         with seed + index)."""
         generator = None
@@ -235,15 +248,23 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                               self._decode_lock, self._token_bytes),
+            detokenizer=self._detokenizer(token_ids, params, prompt_embeds),
             generator=generator,
             bad_words_ids=bad_words_ids,
             matcher=self.grammars().matcher(params.structured_outputs) if params.structured_outputs else None,
             priority=priority,
             index=index,
             lora_id=lora_id,
+            prompt_embeds=prompt_embeds,
         )
+
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams,
+                     embeds: PromptEmbeddings | None) -> IncrementalDetokenizer:
+        """A completion's detokenizer, which reads the prompt's real tokens before it."""
+        if embeds is not None:
+            prompt_token_ids = [t for t in prompt_token_ids if t < embeds.first_id]
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens, self._decode_lock,
+                                      self._token_bytes)
 
     def grammars(self) -> StructuredOutputs:
         """The structured-output compiler (its tokenizer info is built once, on first use)."""
@@ -522,7 +543,7 @@ class LLMEngine:
         """A sequence for a search's new seat (its first step): the request's prompt, adapter and place."""
         leader = search.seats[0]
         seq = self._new_sequence(leader.request_id, leader.prompt_token_ids, leader.params, [], leader.priority,
-                                 seat, leader.lora_id)
+                                 seat, leader.lora_id, leader.prompt_embeds)
         seq.arrival, seq.beam = leader.arrival, search
         return seq
 
@@ -532,9 +553,8 @@ class LLMEngine:
         for seq in search.seats:
             self.scheduler.finish(seq, "stop")
         self._requests.pop(leader.request_id, None)
-        return search.outputs(lambda: IncrementalDetokenizer(self.tokenizer, leader.prompt_token_ids,
-                                                             leader.params.skip_special_tokens, self._decode_lock,
-                                                             self._token_bytes), self._decode_one)
+        return search.outputs(lambda: self._detokenizer(leader.prompt_token_ids, leader.params, leader.prompt_embeds),
+                              self._decode_one)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         children = []
@@ -542,7 +562,8 @@ class LLMEngine:
             index = parent.params.n - parent.forks_left
             parent.forks_left -= 1
             child = self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params,
-                                       parent.bad_words_ids, parent.priority, index, parent.lora_id)
+                                       parent.bad_words_ids, parent.priority, index, parent.lora_id,
+                                       parent.prompt_embeds)
             child.arrival = parent.arrival
             self.block_manager.fork(parent, child)
             self.scheduler.add_running(child)

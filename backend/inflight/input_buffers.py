@@ -37,6 +37,9 @@ class StepInputs:
     pending_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     lora_ids: np.ndarray | None = None  # [T] each token's LoRA adapter (0: none); None: none at all
+    # Virtual prompt tokens (prompt_embeds.py): their flat positions and their vectors [V, hidden].
+    embeds_at: np.ndarray | None = None
+    embeds: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -67,9 +70,25 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[in
     token_rows = np.repeat(np.arange(len(seqs)), counts)
     slot_mapping = tables[token_rows, positions // block_size] * block_size + positions % block_size
     adapters = np.fromiter((s.lora_id for s in seqs), np.int64, len(seqs))
-    return StepInputs(input_ids, positions, slot_mapping, cu_seqlens, starts + counts, tables,
-                      np.asarray(logits_at, dtype=np.int64), list(block_copies or []),
-                      lora_ids=np.repeat(adapters, counts) if adapters.any() else None)
+    inputs = StepInputs(input_ids, positions, slot_mapping, cu_seqlens, starts + counts, tables,
+                        np.asarray(logits_at, dtype=np.int64), list(block_copies or []),
+                        lora_ids=np.repeat(adapters, counts) if adapters.any() else None)
+    _add_virtual_tokens(inputs, seqs)
+    return inputs
+
+
+def _add_virtual_tokens(inputs: StepInputs, seqs: list) -> None:
+    """The positions and vectors of the step's virtual prompt tokens, if it has any."""
+    found = []
+    for row, seq in enumerate(seqs):
+        if seq.prompt_embeds is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+            begin, end = inputs.cu_seqlens[row], inputs.cu_seqlens[row + 1]
+            at, rows = seq.prompt_embeds.rows(inputs.input_ids[begin:end])
+            if len(at):
+                found.append((at + begin, rows))
+    if found:
+        inputs.embeds_at = np.concatenate([at for at, _ in found])
+        inputs.embeds = torch.cat([rows for _, rows in found])
 
 
 @dataclass
@@ -84,6 +103,8 @@ class StepTensors:
     block_tables: torch.Tensor  # [S, W], rows max_blocks apart
     logits_at: torch.Tensor | None  # [L]; None: every token's logits
     lora_ids: torch.Tensor | None  # [T] each token's LoRA adapter, 0 for none; None: no token has one
+    embeds_at: torch.Tensor | None = None  # [V] the positions of virtual prompt tokens (prompt_embeds.py)
+    embeds: torch.Tensor | None = None  # [V, hidden] their vectors
 
 
 def empty_step(lora: bool = False) -> StepInputs:
@@ -190,7 +211,11 @@ class InputBuffers:
             self._field(self.device, "input_ids").index_copy_(0, at, sampled.index_select(0, source))
         lora = inputs.lora_ids is not None
         if pad_seqs is None:
-            return self.views(tokens, seqs, width, len(inputs.logits_at), lora)
+            step = self.views(tokens, seqs, width, len(inputs.logits_at), lora)
+            if inputs.embeds is not None:  # (a few prompts' worth at most: not worth a persistent buffer)
+                step.embeds_at = to_device(inputs.embeds_at, self.device.device)
+                step.embeds = inputs.embeds.to(self.device.device, non_blocking=True)
+            return step
         return self.views(rows, rows, self.max_blocks, None, lora)  # what a captured graph reads: every row's logits
 
     def views(self, tokens: int, seqs: int, width: int, logits: int | None, lora: bool = False) -> StepTensors:

@@ -13,13 +13,13 @@ from .sampling_params import SamplingParams
 class LLM(LLMEngine):
     _ids = itertools.count()
 
-    def generate(self, prompts: list[str] | list[list[int]],
+    def generate(self, prompts: list[str] | list[list[int]] | list[dict],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: list[int] | None = None,
                  lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in the order of `prompts`. `priority`:
         one per prompt, lower served earlier. `lora_name`: the LoRA adapter of every prompt, or one per
-        prompt (None: the base model)."""
+        prompt (None: the base model). A prompt is text, token ids, or a dict of embeddings (add_request)."""
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -32,9 +32,10 @@ class LLM(LLMEngine):
         if len(adapters) != len(prompts):
             raise ValueError(f"got {len(adapters)} LoRA adapter names for {len(prompts)} prompts")
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        prompt_ids = []
         for k, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):
             try:
-                self.add_request(request_id, prompt, p, priority[k], adapters[k])
+                prompt_ids.append(self.add_request(request_id, prompt, p, priority[k], adapters[k]))
             except ValueError as e:
                 for queued in ids[:k]:  # leave nothing behind for a batch that is refused
                     self.abort(queued)
@@ -53,8 +54,6 @@ class LLM(LLMEngine):
         by_request: dict[str, list[RequestDelta]] = {request_id: [] for request_id in ids}
         for delta in coalesce(steps):  # one delta per completion
             by_request.get(delta.request_id, []).append(delta)
-        prompt_ids = [p.truncated(ids if isinstance(ids, list) else self.encode(ids), self.max_model_len)
-                      for ids, p in zip(prompts, params)]
         outputs = []
         for k, request_id in enumerate(ids):
             parts = sorted(by_request[request_id], key=lambda d: d.index)

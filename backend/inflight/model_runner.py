@@ -23,6 +23,7 @@ from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
 from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, to_device
 from .kernel_warmup import compile_attention_kernels
 from .lora import LoRAAdapters
+from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -239,8 +240,12 @@ class ModelRunner:
             block_tables=step.block_tables,
             impl=self.attention_impl,
         )
+        if step.embeds is None:
+            tokens = dict(input_ids=step.input_ids[None])
+        else:
+            tokens = dict(inputs_embeds=embed(self.model, step.input_ids, step.embeds_at, step.embeds)[None])
         output = self._model_call(
-            input_ids=step.input_ids[None],
+            **tokens,
             position_ids=step.positions[None],
             use_cache=False,
             logits_to_keep=0 if step.logits_at is None else step.logits_at,

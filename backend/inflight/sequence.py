@@ -14,6 +14,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .beam_search import BeamSearch
+    from .prompt_embeds import PromptEmbeddings
 
 
 PENDING = -1  # the id of a token still on the GPU (its forward pass reads it from there)
@@ -40,6 +41,7 @@ class Sequence:
     forks_left: int = 0  # completions still to fork from this one once its prompt is computed
     lora_id: int = 0  # its LoRA adapter (1, 2, ... in the order of lora_modules); 0: the base model
     beam: "BeamSearch | None" = None  # under beam search: the request's search, of which it is a beam
+    prompt_embeds: "PromptEmbeddings | None" = None  # the vectors of its virtual prompt tokens (prompt_embeds.py)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time_ns()))
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -152,6 +154,13 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:end - n] + tail
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n] + tail
+
+    def cache_key(self, start: int, end: int) -> tuple:
+        """token_ids[start:end] as the prefix cache compares them (a virtual prompt token by its vector)."""
+        tokens = self.token_slice(start, end)
+        if self.prompt_embeds is None or start >= len(self.prompt_token_ids):
+            return tuple(tokens)
+        return self.prompt_embeds.cache_key(tokens)
 
     def _beyond_known(self, start: int, end: int) -> list[int]:
         """The tokens after the known ones, [start, end) counted from the first: drafts, or PENDING."""

@@ -19,6 +19,8 @@ Drafts given with a request (SamplingParams.draft_token_ids, a draft model's) ar
 in the step that computes the prompt's end (the scheduler puts them there).
 """
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -46,7 +48,11 @@ class NgramProposer:
         limit = min(limit, self.config.num_speculative_tokens)
         if limit <= 0 or not can_speculate(seq):
             return []
-        return lookup(seq.token_array, self.config.prompt_lookup_min, self.config.prompt_lookup_max, limit)
+        drafts = lookup(seq.token_array, self.config.prompt_lookup_min, self.config.prompt_lookup_max, limit)
+        if seq.prompt_embeds is not None:  # a virtual prompt token is no token to draft (prompt_embeds.py)
+            first = seq.prompt_embeds.first_id
+            drafts = list(itertools.takewhile(lambda t: t < first, drafts))
+        return drafts
 
 
 def lookup(tokens: np.ndarray, shortest: int, longest: int, limit: int) -> list[int]:

@@ -52,13 +52,14 @@ GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # Tensor
 BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM's logit bias by words
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
                 "priority", "num_return_sequences", "beam_search_diversity_rate", "pad_id", "draft_input_ids",
+                "prompt_embedding_table", "prompt_vocab_size",
                 *SCALAR_PARAMS, *FLAGS,
                 *GUIDE_INPUTS, *BIAS_INPUTS}
 
 
 @dataclass
 class ParsedRequest:
-    prompt: str | list[int]  # text, or token ids (input_ids)
+    prompt: str | list[int]  # text, or token ids (input_ids); [] where a prompt_embedding_table is the whole prompt
     params: SamplingParams
     priority: int = 0
     lora_name: str | None = None  # vllm_backend's: the LoRA adapter (one of the server's lora_modules)
@@ -73,6 +74,18 @@ class ParsedRequest:
     return_perf_metrics: bool = False
     per_completion_responses: bool = False  # TensorRT-LLM's num_return_sequences: a response per completion
     bias_words: list[tuple[str, float]] = field(default_factory=list)  # (word, bias), for `with_word_bias`
+    # TensorRT-LLM's p-tuning table [rows, hidden]: input_ids from the model's vocab_size up read its rows;
+    # without input_ids, its rows are the whole prompt (vLLM's prompt_embeds).
+    prompt_embedding_table: np.ndarray | None = None
+
+    def engine_prompt(self, token_ids: list[int]) -> list[int] | dict:
+        """What the engine takes (LLMEngine.add_request): the token ids, or the prompt of embeddings."""
+        table = self.prompt_embedding_table
+        if table is None:
+            return token_ids
+        if not token_ids:
+            return {"prompt_embeds": table}
+        return {"prompt_token_ids": token_ids, "prompt_embedding_table": table}
 
 
 def _scalar(name: str, array: np.ndarray):
@@ -167,7 +180,14 @@ def with_word_bias(params: SamplingParams, bias_words: list[tuple[str, float]],
 
 
 def _prompt(inputs: dict[str, np.ndarray], max_bytes: int) -> str | list[int]:
-    """The prompt: text_input, or input_ids (token ids, for clients that tokenize themselves)."""
+    """The prompt: text_input, or input_ids (token ids, for clients that tokenize themselves); no ids
+    where a prompt_embedding_table comes alone (its rows are the prompt)."""
+    if "prompt_embedding_table" in inputs:
+        if "text_input" in inputs:
+            raise ValueError("input 'prompt_embedding_table' goes with 'input_ids' (ids from the model's vocab_size up "
+                             "read its rows) or alone (its rows are the prompt), not with 'text_input'")
+        if "input_ids" not in inputs:
+            return []
     if ("text_input" in inputs) == ("input_ids" in inputs):
         raise ValueError("exactly one of the inputs 'text_input' and 'input_ids' is required")
     if "input_ids" in inputs:
@@ -179,6 +199,26 @@ def _prompt(inputs: dict[str, np.ndarray], max_bytes: int) -> str | list[int]:
     if not prompt:
         raise ValueError("input 'text_input' must not be empty")
     return prompt
+
+
+def _embedding_table(inputs: dict[str, np.ndarray]) -> np.ndarray | None:
+    """TensorRT-LLM's prompt_embedding_table [rows, hidden] (or [1, rows, hidden]), with its
+    prompt_vocab_size (the number of rows) when given."""
+    if "prompt_embedding_table" not in inputs:
+        if "prompt_vocab_size" in inputs:
+            raise ValueError("input 'prompt_vocab_size' needs 'prompt_embedding_table'")
+        return None
+    table = inputs["prompt_embedding_table"]
+    if table.ndim == 3 and table.shape[0] == 1:
+        table = table[0]
+    if table.ndim != 2 or table.dtype.kind != "f" or 0 in table.shape:
+        raise ValueError(f"input 'prompt_embedding_table' must be floats of shape [rows, hidden size], got "
+                         f"{table.dtype} {list(table.shape)}")
+    rows = _scalar("prompt_vocab_size", inputs["prompt_vocab_size"]) if "prompt_vocab_size" in inputs else len(table)
+    if rows != len(table):
+        raise ValueError(f"input 'prompt_vocab_size' ({rows}) must be the number of rows of 'prompt_embedding_table' "
+                         f"({len(table)})")
+    return table
 
 
 def _token_ids(name: str, ids: np.ndarray) -> list[int]:
@@ -347,4 +387,5 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         raise ValueError(f"max_tokens ({params.max_tokens}) exceeds this server's limit of "
                          f"{settings.max_tokens_limit}")
     return ParsedRequest(prompt=prompt, params=params, priority=priority, lora_name=lora_name,
-                         per_completion_responses=per_completion, bias_words=bias_words, **flags)
+                         per_completion_responses=per_completion, bias_words=bias_words,
+                         prompt_embedding_table=_embedding_table(inputs), **flags)

@@ -226,15 +226,18 @@ class TritonPythonModel:
             token_ids = self.engine.encode(parsed.prompt, max_tokens=self.engine.max_model_len,
                                            limit_name="max_model_len")
         token_ids = parsed.params.truncated(token_ids, self.engine.max_model_len)
-        if cap is not None and len(token_ids) > cap:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; this server accepts at most {cap}")
+        table = parsed.prompt_embedding_table
+        length = len(token_ids) or (len(table) if table is not None else 0)
+        if cap is not None and length > cap:
+            raise ValueError(f"the prompt has {length} tokens; this server accepts at most {cap}")
         params = with_word_bias(parsed.params, parsed.bias_words,
                                 lambda word: self.engine.encode(word, add_special_tokens=False))
         request_id = uuid.uuid4().hex
         self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(),
                                                 frozenset(request.requested_output_names()))
         try:
-            self.thread.submit(request_id, token_ids, params, parsed.priority, parsed.lora_name)
+            self.thread.submit(request_id, parsed.engine_prompt(token_ids), params, parsed.priority,
+                               parsed.lora_name)
         except Exception:
             del self.active[request_id]
             raise
