@@ -147,6 +147,74 @@ def test_beams_share_the_prefix_cache_and_their_prompt(model, hf_tiny_llama, pro
     llm.block_manager.check_all_free()
 
 
+PROCESSED = [  # SamplingParams beside beam_width 3, n 2; HF generate's arguments for the same
+    (dict(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
+    (dict(logit_bias={17: 4.0, 300: 2.5, 41: -100.0}),
+     dict(sequence_bias={(17,): 4.0, (300,): 2.5, (41,): -100.0})),
+    (dict(allowed_token_ids=list(range(100, 400))), dict(prefix_allowed_tokens_fn=lambda *_: list(range(100, 400)))),
+    (dict(repetition_penalty=0.7, logit_bias={5: 3.0}, min_tokens=6),
+     dict(repetition_penalty=0.7, sequence_bias={(5,): 3.0}, min_new_tokens=6)),
+]
+
+
+@pytest.mark.parametrize("values, hf_values", PROCESSED, ids=["repetition", "bias", "allowed", "all"])
+def test_beams_under_penalties_bias_and_allowed_tokens_equal_hf(model, hf_tiny_llama, prompts, end_tokens, values,
+                                                                 hf_values):
+    """HF's beam search applies its logits processors to the log probabilities it ranks: the same
+    hypotheses, token for token, and the same scores, with a repetition penalty, logit bias (HF's
+    sequence_bias) and allowed tokens; each changes what plain beam search finds."""
+    params = SamplingParams(beam_width=3, n=2, max_tokens=16, stop_token_ids=end_tokens, **values)
+    plain = SamplingParams(beam_width=3, n=2, max_tokens=16, stop_token_ids=end_tokens)
+    llm = LLM(model, num_kv_blocks=128)
+    outs, plain_outs = llm.generate(prompts, params), llm.generate(prompts, plain)
+    ends = [EOS, *end_tokens]
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            hf = hf_tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=3,
+                                        num_return_sequences=2, max_new_tokens=16, eos_token_id=ends, pad_token_id=0,
+                                        output_scores=True, return_dict_in_generate=True, **hf_values)
+        expected = []
+        for row in hf.sequences[:, len(prompt):].tolist():
+            end = next((i for i, t in enumerate(row) if t in ends), len(row) - 1)
+            expected.append(row[:end + 1])
+        assert [c.token_ids for c in out.outputs] == expected
+        for completion, score in zip(out.outputs, hf.sequences_scores.tolist()):
+            assert completion.cumulative_logprob / len(completion.token_ids) == pytest.approx(score, abs=1e-4)
+    assert [o.token_ids for o in outs] != [o.token_ids for o in plain_outs]
+    llm.block_manager.check_all_free()
+
+
+def _contains(tokens: list[int], part: list[int]) -> bool:
+    return any(tokens[i:i + len(part)] == part for i in range(len(tokens) - len(part) + 1))
+
+
+def test_beams_never_complete_a_bad_word(model, hf_tiny_llama, prompts):
+    """Words plain beam search produces, made bad words: no returned beam completes one (also beams that
+    took another's seat), and the hypotheses are HF's with the same bad_words_ids."""
+    llm = LLM(model, num_kv_blocks=128)
+    plain = SamplingParams(beam_width=3, n=3, max_tokens=16, ignore_eos=True)
+    found = [c.token_ids for o in llm.generate(prompts, plain) for c in o.outputs]
+    words = []
+    for token, _ in Counter(t for tokens in found for t in tokens).most_common():
+        word = llm.tokenizer.decode([token])
+        if word.strip() and any(_contains(tokens, ids) for tokens in found for ids in llm._bad_words_ids([word])):
+            words.append(word)
+        if len(words) == 4:
+            break
+    bad = llm._bad_words_ids(words)
+    banned = SamplingParams(beam_width=3, n=3, max_tokens=16, ignore_eos=True, bad_words=words)
+    for prompt, out in zip(prompts, llm.generate(prompts, banned)):
+        assert not any(_contains(c.token_ids, ids) for c in out.outputs for ids in bad), words
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            hf = hf_tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=3,
+                                        num_return_sequences=3, max_new_tokens=16, eos_token_id=None,
+                                        pad_token_id=0, bad_words_ids=bad)
+        assert [c.token_ids for c in out.outputs] == hf[:, len(prompt):].tolist()
+    llm.block_manager.check_all_free()
+
+
 def test_beam_logprobs_are_the_models_own(model, hf_tiny_llama, prompts):
     """logprobs under beam search: each hypothesis token's log probability, rank and the k likeliest,
     as log_softmax of HF's logits along the hypothesis; the cumulative logprob is their sum; prompt

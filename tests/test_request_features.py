@@ -86,11 +86,13 @@ def test_context_and_generation_logits_equal_hfs_raw_logits(model, hf_tiny_llama
     """TensorRT-LLM's return_context_logits and return_generation_logits: the model's raw logits at every
     prompt position and for each generated token (sampled ones too: before temperature and penalties),
     HF's within 1e-4, across chunked prefill, preemption and the prefix cache (which they bypass), beside
-    requests that ask for neither and with n completions; too many of them refused up front."""
-    prompts = random_prompts(6, 20, 90, vocab=512, seed=23)
+    requests that ask for neither, with n completions and under beam search (each hypothesis's rows
+    along its beams, a penalty changing none of them); too many of them refused up front."""
+    prompts = random_prompts(8, 20, 90, vocab=512, seed=23)
     logits = dict(return_context_logits=True, return_generation_logits=True, ignore_eos=True, max_tokens=20)
     params = [SamplingParams(temperature=0.0, **logits), SamplingParams(max_tokens=20, temperature=0.0),
-              SamplingParams(temperature=0.9, repetition_penalty=1.3, seed=1, n=2, **logits)] * 2
+              SamplingParams(temperature=0.9, repetition_penalty=1.3, seed=1, n=2, **logits),
+              SamplingParams(beam_width=3, n=2, repetition_penalty=1.3, **logits)] * 2
     roomy = LLM(model, num_kv_blocks=256, async_scheduling=async_scheduling)
     tight = LLM(model, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=6, async_scheduling=async_scheduling)
     for llm in (roomy, tight):
@@ -110,8 +112,9 @@ def test_context_and_generation_logits_equal_hfs_raw_logits(model, hf_tiny_llama
     assert tight.stats()["num_preemptions"] > 0
     with pytest.raises(ValueError, match="logits of n x max_tokens generated tokens' 8000000 positions"):
         roomy.add_request("huge", [5, 6], SamplingParams(max_tokens=8_000_000, return_generation_logits=True))
-    with pytest.raises(ValueError, match="return_context_logits is not supported with beam search"):
-        SamplingParams(beam_width=2, return_context_logits=True)
+    with pytest.raises(ValueError, match="logits of beam_width x max_tokens generated tokens' 16000000 positions"):
+        roomy.add_request("huge beams", [5, 6], SamplingParams(beam_width=2, max_tokens=8_000_000,
+                                                               return_generation_logits=True))
 
 
 def test_without_logprobs_nothing_is_computed(model):

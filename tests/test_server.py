@@ -313,8 +313,8 @@ def test_tensorrt_llm_prompt_embedding_table(server, offline):
 
 def test_tensorrt_llm_context_and_generation_logits(server, offline):
     """return_context_logits / return_generation_logits: context_logits [prompt, vocab] in the response
-    with the first tokens, generation_logits [1, tokens, vocab] in each, streamed or not, as the offline
-    engine gives them."""
+    with the first tokens, generation_logits [1, tokens, vocab] in each, streamed or not, and a beam
+    search's, as the offline engine gives them."""
     from inflight import SamplingParams
 
     prompt_ids = offline.encode(PROMPTS[3])
@@ -334,6 +334,20 @@ def test_tensorrt_llm_context_and_generation_logits(server, offline):
     error = generate(server.grpc_url, PROMPTS[3], return_generation_logits=True,
                      sampling_parameters={"n": 2, "max_tokens": 4}).error
     assert error and "num_return_sequences" in error
+    # TensorRT-LLM's beam search with its logits (and a penalty): each beam's rows in its own responses.
+    beams = offline.generate([prompt_ids], SamplingParams(max_tokens=6, beam_width=2, n=2, repetition_penalty=1.2,
+                                                          return_context_logits=True,
+                                                          return_generation_logits=True))[0]
+    result = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32), beam_width=2, max_tokens=6,
+                      repetition_penalty=1.2, return_context_logits=True, return_generation_logits=True)
+    assert result.error is None
+    contexts = [r["context_logits"] for r in result.responses if "context_logits" in r]
+    assert len(contexts) == 1 and np.allclose(contexts[0], beams.context_logits, atol=1e-5)
+    for r in result.responses:
+        completion = beams.outputs[int(r["sequence_index"][0])]
+        assert [int(t) for t in r["output_ids"]] == completion.token_ids
+        assert np.allclose(r["generation_logits"][0], completion.generation_logits, atol=1e-5)
+    assert len(result.responses) == 2
 
 
 def test_vllm_style_logprobs_priority_and_parameters_as_sampling_parameters(server, offline_texts):

@@ -4,10 +4,11 @@
 A request with beam_width W keeps W beams, each a Sequence on KV blocks it shares with the others: a
 beam that continues another's text takes over a seat whose beam was dropped and forks the other's
 blocks (copied on write, as n completions' are). Each step, every beam's last row gives its most
-likely next tokens (`measure`, on the device, read with the step); once every beam of the search has
-its row, `advance` ranks the continuations by total log probability as HF does: those that end (an
-end token, or the length limit) among the W best become finished hypotheses, scored by log probability
-/ generated length ** length_penalty; the W best others are the next beams. The search stops when no
+likely next tokens (`measure`, on the device, read with the step; log probabilities after the
+request's token controls, penalties and bad words, where HF applies its logits processors); once every
+beam of the search has its row, `advance` ranks the continuations by total log probability as HF does:
+those that end (an end token, or the length limit) among the W best become finished hypotheses, scored
+by log probability / generated length ** length_penalty; the W best others are the next beams. The search stops when no
 running beam can beat the finished ones (HF's early_stopping rules), and its n best hypotheses are the
 request's completions. Nothing streams before that.
 """
@@ -21,15 +22,20 @@ import torch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .outputs import Logprob, RequestDelta, TokenLogprobs
+from .sampler import apply_logits_processors
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
 
-def measure(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k most likely tokens: (log probabilities, ids), most likely first, copied to the host
-    without waiting for the device (read once the step's copy event has passed)."""
-    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+def measure(logits: torch.Tensor, k: int, beams: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each beam's row's k most likely tokens: (log probabilities, ids), most likely first, after the
+    request's token controls, penalties and bad words (as HF's beam search applies its logits
+    processors: to the log probabilities); copied to the host without waiting for the device (read
+    once the step's copy event has passed)."""
+    scores = torch.log_softmax(logits.float(), dim=-1)
+    apply_logits_processors(scores, beams)
+    values, ids = scores.topk(min(k, logits.shape[-1]), dim=-1)
     if values.device.type == "cpu":
         return values, ids
     return values.to("cpu", non_blocking=True), ids.to("cpu", non_blocking=True)
@@ -37,12 +43,14 @@ def measure(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class TokenStep:
-    """A beam's token, for its logprobs: its log probability and rank, and its row's likeliest tokens."""
+    """A beam's token, for its logprobs: its log probability and rank, and its row's likeliest tokens;
+    and for its generation logits, the raw row it was chosen from."""
 
     token: int
     logprob: float
     rank: int
     top: list[tuple[int, float]]
+    logits: np.ndarray | None = None
 
 
 @dataclass
@@ -70,8 +78,9 @@ class BeamSearch:
     vocab_size: int
     seats: list[Sequence] = field(default_factory=list)  # seat 0: the request's first sequence
     scores: list[np.float32] = field(default_factory=lambda: [np.float32(0.0)])
-    steps: list[list[TokenStep]] = field(default_factory=lambda: [[]])  # per seat, when logprobs are asked
-    rows: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)  # seat -> its measured row
+    steps: list[list[TokenStep]] = field(default_factory=lambda: [[]])  # per seat, when logprobs or logits are asked
+    # seat -> its measured row (log probabilities, ids) and its raw logits where generation logits are asked
+    rows: dict[int, tuple[list[float], list[int], np.ndarray | None]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)  # the best, at most beam_width, best first
     improvable: bool = True  # HF's early-stop heuristic: a running beam may still beat a finished one
     done: bool = False
@@ -91,9 +100,14 @@ class BeamSearch:
         logprobs asked for."""
         return max(self.kept + len(self.end_tokens), self.params.logprobs or 0)
 
-    def add_row(self, seq: Sequence, values: list[float], ids: list[int]) -> bool:
-        """A beam's measured row; True once every beam has its row for this step."""
-        self.rows[self.seats.index(seq)] = (values, ids)
+    @property
+    def logged(self) -> bool:
+        """Whether each beam keeps its tokens' steps: for logprobs or generation logits."""
+        return self.params.logprobs is not None or self.params.return_generation_logits
+
+    def add_row(self, seq: Sequence, values: list[float], ids: list[int], logits: np.ndarray | None = None) -> bool:
+        """A beam's measured row (and its raw logits); True once every beam has its row for this step."""
+        self.rows[self.seats.index(seq)] = (values, ids, logits)
         return len(self.rows) == len(self.seats)
 
     def has_row(self, seq: Sequence) -> bool:
@@ -106,18 +120,19 @@ class BeamSearch:
         at_limit = length >= self.max_new_tokens
         ends_masked = num_out < self.params.min_tokens  # HF's min_new_tokens: end tokens at -inf
         ranked = []
-        for seat, (values, ids) in self.rows.items():
+        for seat, (values, ids, _) in self.rows.items():
             for rank, (logprob, token) in enumerate(zip(values, ids), start=1):
                 if not (ends_masked and token in self.end_tokens):
                     score = np.float32(logprob) + self.scores[seat]
                     ranked.append((-score, seat * self.vocab_size + token, seat, token, logprob, rank))
         ranked.sort()  # best first; among equal scores, HF's flattened (beam, token) order
         k = self.params.logprobs or 0
-        tops = {seat: list(zip(ids[:k], values[:k])) for seat, (values, ids) in self.rows.items()}
+        tops = {seat: list(zip(ids[:k], values[:k])) for seat, (values, ids, _) in self.rows.items()}
+        logits = {seat: row for seat, (_, _, row) in self.rows.items()}
         self.rows.clear()
         continuations, ended = [], []
         for position, (negated, _, seat, token, logprob, rank) in enumerate(ranked[:self.kept]):
-            c = Continuation(seat, token, -negated, TokenStep(token, logprob, rank, tops[seat]))
+            c = Continuation(seat, token, -negated, TokenStep(token, logprob, rank, tops[seat], logits[seat]))
             if at_limit or token in self.end_tokens:
                 if position < self.width:  # only the W best may finish (HF's top_num_beam_mask)
                     ended.append(c)
@@ -139,7 +154,7 @@ class BeamSearch:
         divisor = np.float32(length ** self.params.length_penalty)
         for c in ended:
             tokens = self.seats[c.parent].output_token_ids + [c.token]
-            steps = self.steps[c.parent] + [c.step] if self.params.logprobs is not None else []
+            steps = self.steps[c.parent] + [c.step] if self.logged else []
             self.finished.append(Hypothesis(tokens, float(c.score / divisor), float(c.score),
                                             c.token in self.end_tokens, steps))
         self.finished.sort(key=lambda h: -h.score)  # stable: among equals, the earlier finished first
@@ -169,7 +184,7 @@ class BeamSearch:
             self.seats.append(new_seat(len(self.seats)))
             self.scores.append(np.float32(0.0))
             self.steps.append([])
-        logged = self.params.logprobs is not None
+        logged = self.logged
         for seat, c in zip(free, moved):  # (free seats are no beam's parent: nothing read below changes)
             seq, parent = self.seats[seat], self.seats[c.parent]
             block_manager.free(seq)
@@ -209,7 +224,9 @@ class BeamSearch:
                 new_logprobs=None if p.logprobs is None else self._logprobs(hypothesis, p.logprobs, decode),
                 cumulative_logprob=hypothesis.cumulative_logprob, metrics=leader.metrics if last else None,
                 prompt_logprobs=(leader.prompt_logprobs or [None]) if p.prompt_logprobs is not None and not index
-                else None))
+                else None,
+                context_logits=np.stack(leader.context_logits) if p.return_context_logits and not index else None,
+                new_generation_logits=[s.logits for s in hypothesis.steps] if p.return_generation_logits else None))
         return deltas
 
     @staticmethod

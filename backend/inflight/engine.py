@@ -65,7 +65,7 @@ class _InFlight:
     logprobs: MeasuredLogprobs | None = None  # of the sequences that asked for them, copied like `host`
     prompt_logprobs: tuple | None = None  # what _measure_prompt_logprobs measured, copied like `host`
     beams: list[Sequence] | None = None  # the beams (beam search) whose rows the step measured
-    beam_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # beam_search.measure's, copied like `host`
+    beam_rows: tuple | None = None  # beam_search.measure's (and the raw rows, where asked), copied like `host`
     sampled_logits: tuple[list[int], torch.Tensor] | None = None  # raw rows kept (raw_logits.py), copied like `host`
     speculated: "_Speculated | None" = None  # the sequences that judged drafts (speculative decoding)
 
@@ -443,8 +443,10 @@ class LLMEngine:
         if not beam_rows:
             return logits, sampling, None, None
         beams = [sampling[row] for row in beam_rows]
-        measured = beam_search.measure(logits[to_device(beam_rows, logits.device)],
-                                       max(seq.beam.row_size for seq in beams))
+        rows = logits[to_device(beam_rows, logits.device)]
+        measured = beam_search.measure(rows, max(seq.beam.row_size for seq in beams), beams)
+        if any(raw_logits.wants_sampled_row(seq) for seq in beams):  # (raw: measure changed a copy)
+            measured = (*measured, raw_logits.to_host(rows))
         rest = [row for row, seq in enumerate(sampling) if seq.beam is None]
         return logits[to_device(rest, logits.device)], [sampling[row] for row in rest], beams, measured
 
@@ -487,7 +489,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.block_manager.cache_full_blocks(seq)  # (a chunk of a prompt, which did not sample)
         if step.beams:
-            self._advance_beams(step.beams, *step.beam_rows, deltas)
+            self._advance_beams(step.beams, *step.beam_rows, deltas=deltas)
 
     def _accept_drafts(self, spec: _Speculated, deltas: list[RequestDelta]) -> None:
         """Each drafting sequence gains its tokens up to and with the first that differs from its draft;
@@ -520,11 +522,18 @@ class LLMEngine:
 
     # -- beam search (beam_search.py) ------------------------------------------------------------
     def _advance_beams(self, beams: list[Sequence], values: torch.Tensor, ids: torch.Tensor,
-                       deltas: list[RequestDelta]) -> None:
-        """Give each search its beams' rows; advance those that have them all."""
+                       raw: torch.Tensor | None = None, *, deltas: list[RequestDelta]) -> None:
+        """Give each search its beams' rows (and raw logits, where a beam's request asks for them);
+        advance those that have them all."""
         ready: dict[BeamSearch, None] = {}  # (a search once, if a recomputed beam brought its row again)
-        for seq, row_values, row_ids in zip(beams, values.tolist(), ids.tolist()):
-            if not seq.is_finished and seq.beam.add_row(seq, row_values, row_ids):
+        for i, (seq, row_values, row_ids) in enumerate(zip(beams, values.tolist(), ids.tolist())):
+            if seq.is_finished:
+                continue
+            row = raw_logits.own_row(raw[i]) if raw is not None and raw_logits.wants_sampled_row(seq) else None
+            if row is not None:
+                raw_logits.record_prompts_last(seq, row)
+            generation = row if seq.params.return_generation_logits else None
+            if seq.beam.add_row(seq, row_values, row_ids, generation):
                 ready[seq.beam] = None
         for search in ready:
             continuations = search.advance()
@@ -542,8 +551,8 @@ class LLMEngine:
     def _new_beam(self, search: BeamSearch, seat: int) -> Sequence:
         """A sequence for a search's new seat (its first step): the request's prompt, adapter and place."""
         leader = search.seats[0]
-        seq = self._new_sequence(leader.request_id, leader.prompt_token_ids, leader.params, [], leader.priority,
-                                 seat, leader.lora_id, leader.prompt_embeds)
+        seq = self._new_sequence(leader.request_id, leader.prompt_token_ids, leader.params, leader.bad_words_ids,
+                                 leader.priority, seat, leader.lora_id, leader.prompt_embeds)
         seq.arrival, seq.beam = leader.arrival, search
         return seq
 

@@ -2,6 +2,7 @@
 parameter touches them) at every prompt position, and for each generated token the logits it was drawn
 from. Context logits come from the rows that prompt logprobs read (positions 0 to P-2) and from the
 row of the first sampled token (position P-1, whose logits are also the first generated token's);
+under beam search, each hypothesis's generated tokens' rows come along its beams (beam_search.py);
 rows are copied to the host without waiting for the device, read with the step's other copies, and
 handed out as numpy arrays (a torch tensor sent to the Triton model's process would go through torch's
 shared-memory file descriptors, which processes not started by torch.multiprocessing cannot open).
@@ -21,9 +22,10 @@ MAX_LOGITS_BYTES = 1 << 30
 def check_size(params: SamplingParams, num_prompt_tokens: int, vocab_size: int) -> None:
     """ValueError when the logits a request asks for could exceed MAX_LOGITS_BYTES."""
     row = 4 * vocab_size
+    completions, which = (params.beam_width, "beam_width") if params.beam_search else (params.n, "n")
     for wanted, rows, what in ((params.return_context_logits, num_prompt_tokens, "its prompt's"),
-                               (params.return_generation_logits, params.n * params.max_tokens,
-                                "n x max_tokens generated tokens'")):
+                               (params.return_generation_logits, completions * params.max_tokens,
+                                f"{which} x max_tokens generated tokens'")):
         if wanted and rows * row > MAX_LOGITS_BYTES:
             raise ValueError(f"the logits of {what} {rows} positions would take {rows * row / 2**20:.0f} MiB, "
                              f"more than the {MAX_LOGITS_BYTES >> 20} MiB a request may hold")
@@ -50,9 +52,13 @@ def wants_sampled_row(seq: Sequence) -> bool:
 
 def record_sampled(seq: Sequence, row: torch.Tensor) -> None:
     """The row a token of `seq` was sampled from, its value now known."""
-    p = seq.params
     row = own_row(row)
-    if p.return_context_logits and seq.index == 0 and len(seq.context_logits) == seq.num_prompt_tokens - 1:
-        seq.context_logits.append(row)
-    if p.return_generation_logits:
+    record_prompts_last(seq, row)
+    if seq.params.return_generation_logits:
         seq.generation_logits.append(row)
+
+
+def record_prompts_last(seq: Sequence, row: np.ndarray) -> None:
+    """`row`, the first token's logits, as the context logits' last (prompt position P-1) where asked."""
+    if seq.params.return_context_logits and seq.index == 0 and len(seq.context_logits) == seq.num_prompt_tokens - 1:
+        seq.context_logits.append(row)

@@ -198,21 +198,28 @@ def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,
 
 
 @torch.inference_mode()
+def apply_logits_processors(scores: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None) -> None:
+    """The request's token controls (allowed tokens, logit bias), penalties and bad words, in that
+    order (HF's), for the rows that ask: on the logits before sampling, on the log probabilities under
+    beam search (where HF applies its logits processors)."""
+    if any(s.params.allowed_token_ids is not None or s.params.logit_bias for s in seqs):
+        apply_token_controls(scores, seqs)
+    if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
+           for s in seqs):
+        apply_penalties(scores, seqs, in_flight)
+    if any(s.bad_words_ids for s in seqs):
+        ban_bad_words(scores, seqs)
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], grammars=None,
            in_flight: torch.Tensor | None = None) -> torch.Tensor:
     """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place), on the
     logits' device: nothing here waits for the GPU. `grammars` (a StructuredOutputs) masks the rows of
     sequences that have a grammar matcher; `in_flight`: the tokens of the step still running, which
     hold the pending tokens (penalties count them)."""
-    if any(s.params.allowed_token_ids is not None or s.params.logit_bias for s in seqs):
-        apply_token_controls(logits, seqs)
-    if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
-           for s in seqs):
-        apply_penalties(logits, seqs, in_flight)
+    apply_logits_processors(logits, seqs, in_flight)
     if any(s.params.min_tokens for s in seqs):
         suppress_stops(logits, seqs, eos_token_ids)
-    if any(s.bad_words_ids for s in seqs):
-        ban_bad_words(logits, seqs)
     if grammars is not None:  # (a sequence that ended since it was scheduled has a spent matcher: its row goes)
         grammars.apply(logits, [None if s.is_finished else s.matcher for s in seqs])
     # max's indices are argmax's (the first of equal values), computed 2-3x faster on a CPU (48 x 49,152: 0.6

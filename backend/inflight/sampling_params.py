@@ -118,12 +118,10 @@ class SamplingParams:
         self._check_beam_search()
         self._check_drafts()
 
-    # What beam search leaves at its default: it ranks beams by the model's own log probabilities.
-    _NOT_WITH_BEAM_SEARCH = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "repetition_penalty": (1.0,),
-                             "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "stop": ([],),
-                             "bad_words": ([],), "logit_bias": (None,), "allowed_token_ids": (None,),
-                             "structured_outputs": (None,), "include_stop_str_in_output": (False,),
-                             "return_context_logits": (False,), "return_generation_logits": (False,)}
+    # What beam search leaves at its default: it ranks beams by log probabilities (after token controls,
+    # penalties and bad words, as HF's logits processors), never filtered for sampling.
+    _NOT_WITH_BEAM_SEARCH = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "stop": ([],),
+                             "structured_outputs": (None,), "include_stop_str_in_output": (False,)}
 
     def _check_beam_search(self) -> None:
         self._check_int("beam_width", minimum=1)
