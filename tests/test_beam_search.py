@@ -152,17 +152,18 @@ PROCESSED = [  # SamplingParams beside beam_width 3, n 2; HF generate's argument
     (dict(logit_bias={17: 4.0, 300: 2.5, 41: -100.0}),
      dict(sequence_bias={(17,): 4.0, (300,): 2.5, (41,): -100.0})),
     (dict(allowed_token_ids=list(range(100, 400))), dict(prefix_allowed_tokens_fn=lambda *_: list(range(100, 400)))),
-    (dict(repetition_penalty=0.7, logit_bias={5: 3.0}, min_tokens=6),
-     dict(repetition_penalty=0.7, sequence_bias={(5,): 3.0}, min_new_tokens=6)),
+    (dict(no_repeat_ngram_size=2), dict(no_repeat_ngram_size=2)),
+    (dict(repetition_penalty=0.7, logit_bias={5: 3.0}, min_tokens=6, no_repeat_ngram_size=3),
+     dict(repetition_penalty=0.7, sequence_bias={(5,): 3.0}, min_new_tokens=6, no_repeat_ngram_size=3)),
 ]
 
 
-@pytest.mark.parametrize("values, hf_values", PROCESSED, ids=["repetition", "bias", "allowed", "all"])
+@pytest.mark.parametrize("values, hf_values", PROCESSED, ids=["repetition", "bias", "allowed", "ngrams", "all"])
 def test_beams_under_penalties_bias_and_allowed_tokens_equal_hf(model, hf_tiny_llama, prompts, end_tokens, values,
                                                                  hf_values):
     """HF's beam search applies its logits processors to the log probabilities it ranks: the same
     hypotheses, token for token, and the same scores, with a repetition penalty, logit bias (HF's
-    sequence_bias) and allowed tokens; each changes what plain beam search finds."""
+    sequence_bias), allowed tokens and no repeated n-grams; each changes what plain beam search finds."""
     params = SamplingParams(beam_width=3, n=2, max_tokens=16, stop_token_ids=end_tokens, **values)
     plain = SamplingParams(beam_width=3, n=2, max_tokens=16, stop_token_ids=end_tokens)
     llm = LLM(model, num_kv_blocks=128)

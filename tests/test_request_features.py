@@ -117,6 +117,39 @@ def test_context_and_generation_logits_equal_hfs_raw_logits(model, hf_tiny_llama
                                                                return_generation_logits=True))
 
 
+def _ngrams(tokens: list[int], n: int) -> list[tuple[int, ...]]:
+    return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+
+
+@PIPELINED
+def test_no_repeat_ngram_size_equals_hf_generate(model, hf_tiny_llama, async_scheduling):
+    """HF's (and TensorRT-LLM's) no_repeat_ngram_size, the prompt's n-grams included: greedy output equal
+    to HF generate's for sizes 1 to 3, beside requests without it, where the same prompts repeat
+    themselves; sampled output never repeats an n-gram."""
+    prompts = random_prompts(4, 5, 30, vocab=512, seed=31) + [[7, 8, 9] * 5]
+    llm = LLM(model, num_kv_blocks=128, async_scheduling=async_scheduling)
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    repeating = [o.token_ids for o in llm.generate(prompts, plain)]
+    assert any(len(set(_ngrams(p + t, 2))) < len(_ngrams(p + t, 2)) for p, t in zip(prompts, repeating))
+    for size in (1, 2, 3):
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, no_repeat_ngram_size=size)
+        outs = llm.generate(prompts * 2, [params] * len(prompts) + [plain] * len(prompts))
+        for prompt, out in zip(prompts, outs):
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                hf = hf_tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                            max_new_tokens=30, eos_token_id=None, pad_token_id=0,
+                                            no_repeat_ngram_size=size)
+            assert out.token_ids == hf[0, len(prompt):].tolist(), size
+        assert [o.token_ids for o in outs[len(prompts):]] == repeating
+    sampled = SamplingParams(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True, no_repeat_ngram_size=2)
+    for prompt, out in zip(prompts, llm.generate(prompts, sampled)):
+        grams = _ngrams(prompt + out.token_ids, 2)
+        first_new = len(prompt) - 1  # (the prompt may repeat itself: the output must not)
+        assert all(gram not in grams[:i] for i, gram in enumerate(grams) if i >= first_new)
+    llm.block_manager.check_all_free()
+
+
 def test_without_logprobs_nothing_is_computed(model):
     out = LLM(model, num_kv_blocks=64).generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]
     assert out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None

@@ -444,8 +444,8 @@ def test_beam_search_in_both_conventions(server, offline):
 
 def test_token_controls_prompt_truncation_and_kept_stop_strings(server, offline):
     """vllm_backend's sampling_parameters logit_bias, allowed_token_ids, truncate_prompt_tokens and
-    include_stop_str_in_output, and TensorRT-LLM's embedding_bias_words / _weights, served as the
-    offline engine generates them."""
+    include_stop_str_in_output, TensorRT-LLM's embedding_bias_words / _weights, and no_repeat_ngram_size
+    both ways, served as the offline engine generates them."""
     from inflight import SamplingParams
 
     prompt = PROMPTS[3]
@@ -460,6 +460,8 @@ def test_token_controls_prompt_truncation_and_kept_stop_strings(server, offline)
          dict(stop=[plain.text[5:9]], include_stop_str_in_output=True)),
         ({}, {"embedding_bias_words": [word, " the"], "embedding_bias_weights": np.array([-50, 4], np.float32)},
          dict(logit_bias={first: -50.0, **{t: 4.0 for t in offline.encode(" the", add_special_tokens=False)}})),
+        ({"no_repeat_ngram_size": 1}, {}, dict(no_repeat_ngram_size=1)),
+        ({}, {"no_repeat_ngram_size": 1}, dict(no_repeat_ngram_size=1)),
     ]
     for sampling, inputs, params in cases:
         expected = offline.generate([prompt], SamplingParams(**greedy(**params)))[0]

@@ -41,10 +41,11 @@ def test_parse_tensorrtllm_style():
                             "min_length": np.array([3], np.int32), "end_id": np.array([2], np.int32),
                             "stop_words": np.array([b"END", b""], dtype=np.object_),
                             "bad_words": np.array([b"darn"], dtype=np.object_),
-                            "random_seed": np.array([42], np.uint64)})
+                            "random_seed": np.array([42], np.uint64),
+                            "no_repeat_ngram_size": np.array([3], np.int32)})
     p = parsed.params
     assert (p.max_tokens, p.min_tokens, p.stop_token_ids, p.stop, p.bad_words) == (7, 3, [2], ["END"], ["darn"])
-    assert p.seed == 42
+    assert p.seed == 42 and p.no_repeat_ngram_size == 3
 
 
 def test_parse_beam_search_in_both_conventions():

@@ -395,7 +395,8 @@ class LLMEngine:
         logits = logits[to_device(rows, logits.device)] if len(rows) > len(logits) else logits
         kept = [row for row, seq in enumerate(sampling) if raw_logits.wants_sampled_row(seq)]
         sampled_logits = (kept, raw_logits.to_host(logits[to_device(kept, logits.device)])) if kept else None
-        if any((s.matcher is not None or s.bad_words_ids) and s.num_pending for s in sampling):
+        if any((s.matcher is not None or s.bad_words_ids or s.params.no_repeat_ngram_size) and s.num_pending
+               for s in sampling):
             self._complete_in_flight(deltas)  # their masks follow from the tokens in flight
         tokens, logprobs = self._sample(logits, sampling,
                                         self._in_flight.tokens if self._in_flight is not None else None)

@@ -109,6 +109,24 @@ def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: li
                   for t in (*eos_token_ids, *seq.params.stop_token_ids)])
 
 
+def ban_repeated_ngrams(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """no_repeat_ngram_size n: a token that would complete an n-gram already in the sequence (prompt and
+    output) is banned, as HF's NoRepeatNGramLogitsProcessor bans it."""
+    banned = []
+    for row, seq in enumerate(seqs):
+        n = seq.params.no_repeat_ngram_size
+        tokens = seq.token_array
+        if not n or len(tokens) < n:  # (no n-gram complete yet)
+            continue
+        if n == 1:  # (no earlier tokens to match: every token seen is banned)
+            banned += [(row, t) for t in np.unique(tokens).tolist()]
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n - 1)  # each n-gram's first n-1
+        matches = np.flatnonzero((windows == tokens[len(tokens) - n + 1:]).all(axis=1))
+        banned += [(row, t) for t in np.unique(tokens[matches + n - 1]).tolist()]
+    _ban(logits, banned)
+
+
 def ban_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """A bad word's last token is banned wherever the output so far ends with the rest of it."""
     banned = []
@@ -197,7 +215,6 @@ def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,
     return ranked.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True), mass[:, -1:] >= top_p
 
 
-@torch.inference_mode()
 def apply_logits_processors(scores: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None) -> None:
     """The request's token controls (allowed tokens, logit bias), penalties and bad words, in that
     order (HF's), for the rows that ask: on the logits before sampling, on the log probabilities under
@@ -207,10 +224,13 @@ def apply_logits_processors(scores: torch.Tensor, seqs: list[Sequence], in_fligh
     if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
            for s in seqs):
         apply_penalties(scores, seqs, in_flight)
+    if any(s.params.no_repeat_ngram_size for s in seqs):
+        ban_repeated_ngrams(scores, seqs)
     if any(s.bad_words_ids for s in seqs):
         ban_bad_words(scores, seqs)
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], grammars=None,
            in_flight: torch.Tensor | None = None) -> torch.Tensor:
     """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place), on the

@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
     bad_words: list[str] = field(default_factory=list)  # never generated (TensorRT-LLM's bad_words)
+    no_repeat_ngram_size: int = 0  # HF's and TensorRT-LLM's: no n-gram of this size twice (prompt included)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before any other processing
     allowed_token_ids: list[int] | None = None  # only these tokens can be generated
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as max_model_len)
@@ -82,6 +83,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         self._check_float("presence_penalty", minimum=-2.0, maximum=2.0)
         self._check_float("frequency_penalty", minimum=-2.0, maximum=2.0)
+        self._check_int("no_repeat_ngram_size", minimum=0)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "return_context_logits",
                      "return_generation_logits"):
             if not isinstance(getattr(self, name), bool):
@@ -145,7 +147,8 @@ class SamplingParams:
     # What a draft's row needs left at its default: each draft is judged by its own row, before the tokens
     # before it are known (drafts_judged_alone; speculative.can_speculate for the engine's own drafts).
     _ROW_DEPENDS_ON_EARLIER_TOKENS = {"beam_width": (1,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
-                                      "frequency_penalty": (0.0,), "bad_words": ([],), "structured_outputs": (None,),
+                                      "frequency_penalty": (0.0,), "bad_words": ([],), "no_repeat_ngram_size": (0,),
+                                      "structured_outputs": (None,),
                                       "return_generation_logits": (False,)}
     # Drafts given with the request also ride with its prompt's end: that row is its completions' first
     # (n forks them), the last prompt position's (context logits), and min_tokens has not begun.

@@ -30,6 +30,7 @@ SCALAR_PARAMS = {
     "repetition_penalty": "repetition_penalty",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    "no_repeat_ngram_size": "no_repeat_ngram_size",
     "seed": "seed",
     "random_seed": "seed",  # TensorRT-LLM's name
     "ignore_eos": "ignore_eos",
