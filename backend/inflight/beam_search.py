@@ -5,12 +5,13 @@ A request with beam_width W keeps W beams, each a Sequence on KV blocks it share
 beam that continues another's text takes over a seat whose beam was dropped and forks the other's
 blocks (copied on write, as n completions' are). Each step, every beam's last row gives its most
 likely next tokens (`measure`, on the device, read with the step; log probabilities after the
-request's token controls, penalties and bad words, where HF applies its logits processors); once every
-beam of the search has its row, `advance` ranks the continuations by total log probability as HF does:
-those that end (an end token, or the length limit) among the W best become finished hypotheses, scored
-by log probability / generated length ** length_penalty; the W best others are the next beams. The search stops when no
-running beam can beat the finished ones (HF's early_stopping rules), and its n best hypotheses are the
-request's completions. Nothing streams before that.
+request's token controls, penalties, n-gram and bad-word bans, where HF applies its logits
+processors); once every beam of the search has its row, `advance` ranks the continuations by total
+log probability as HF does: those that end (an end token, or the length limit) among the W best become
+finished hypotheses, scored by log probability / generated length ** length_penalty; the W best others
+are the next beams. The search stops when no running beam can beat the finished ones (HF's
+early_stopping rules), and its n best hypotheses are the request's completions. Nothing streams before
+that.
 """
 
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from .sequence import Sequence, SequenceStatus
 
 def measure(logits: torch.Tensor, k: int, beams: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each beam's row's k most likely tokens: (log probabilities, ids), most likely first, after the
-    request's token controls, penalties and bad words (as HF's beam search applies its logits
+    request's token controls, penalties and bans (as HF's beam search applies its logits
     processors: to the log probabilities); copied to the host without waiting for the device (read
     once the step's copy event has passed)."""
     scores = torch.log_softmax(logits.float(), dim=-1)

@@ -216,9 +216,9 @@ def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,
 
 
 def apply_logits_processors(scores: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None) -> None:
-    """The request's token controls (allowed tokens, logit bias), penalties and bad words, in that
-    order (HF's), for the rows that ask: on the logits before sampling, on the log probabilities under
-    beam search (where HF applies its logits processors)."""
+    """The request's token controls (allowed tokens, logit bias), penalties, repeated n-grams and bad
+    words, in that order (HF's), for the rows that ask: on the logits before sampling, on the log
+    probabilities under beam search (where HF applies its logits processors)."""
     if any(s.params.allowed_token_ids is not None or s.params.logit_bias for s in seqs):
         apply_token_controls(scores, seqs)
     if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty

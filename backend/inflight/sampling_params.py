@@ -121,7 +121,7 @@ class SamplingParams:
         self._check_drafts()
 
     # What beam search leaves at its default: it ranks beams by log probabilities (after token controls,
-    # penalties and bad words, as HF's logits processors), never filtered for sampling.
+    # penalties and bans, as HF's logits processors), never filtered for sampling.
     _NOT_WITH_BEAM_SEARCH = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "stop": ([],),
                              "structured_outputs": (None,), "include_stop_str_in_output": (False,)}
 
