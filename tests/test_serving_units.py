@@ -187,6 +187,20 @@ def test_parse_tensorrtllm_prompt_embedding_table():
             parse_request(inputs)
 
 
+def test_parse_tensorrtllm_draft_logits():
+    """draft_logits [drafts, vocab] beside draft_input_ids; given twice (input and sampling_parameters),
+    refused."""
+    ids, drafts = np.array([5, 6], np.int32), np.array([7, 8, 9], np.int32)
+    logits = np.zeros((3, 16), np.float32)
+    parsed = parse_request({"input_ids": ids, "draft_input_ids": drafts, "draft_logits": logits})
+    assert parsed.params.draft_token_ids == [7, 8, 9] and parsed.params.draft_logits.shape == (3, 16)
+    with pytest.raises(ValueError, match="not both"):
+        parse_request({"input_ids": ids, "draft_input_ids": drafts, "draft_logits": logits,
+                       "sampling_parameters": text(json.dumps({"draft_logits": logits.tolist()}))})
+    with pytest.raises(ValueError, match="draft_logits need draft_token_ids"):
+        parse_request({"input_ids": ids, "draft_logits": logits})
+
+
 def test_input_sizes_are_limited_by_the_settings():
     settings = split_settings({"model": "m", "max_input_bytes": 100, "max_words": 3, "max_word_chars": 5,
                                "max_tokens_limit": 50})[1]

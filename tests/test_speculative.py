@@ -101,6 +101,41 @@ def test_kept_tokens_follow_the_model_distribution(params, device):
         assert not any(len(k) > 1 and k[1] == drafts[1] for k in kept)
 
 
+@DEVICES
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)],
+                         ids=["plain", "top-k"])
+def test_drafts_drawn_from_a_draft_model_keep_the_model_distribution(params, device):
+    """A draft model's drafts (TensorRT-LLM's draft_logits): each trial draws its drafts from the draft
+    model's rows q, each row keeps its draft with probability min(1, p/q), else draws from max(0, p - q):
+    the kept tokens are distributed as the model's rows p at each depth, and a draft is kept as often as
+    sum(min(p, q)) says (against a one-hot proposal the output would still be p's, but fewer drafts
+    kept: sum(p q))."""
+    vocab, count = 6, 30_000
+    logits = torch.tensor([[1.0, 2.0, 0.5, 1.5, -1.0, 0.0],
+                           [0.2, -0.5, 1.8, 1.0, 0.3, 0.9],
+                           [2.0, 0.1, 0.3, -2.0, 1.2, 0.6]], device=device)
+    q = torch.softmax(torch.tensor([[0.0, -1.0, 2.0, 1.0, 0.5, 1.5],
+                                    [1.0, 2.0, -1.0, 0.0, 0.0, 1.0]]), dim=-1).numpy()
+    rng = np.random.default_rng(5)
+    drafts = np.stack([rng.choice(vocab, size=count, p=q[i] / q[i].sum()) for i in range(2)], axis=1).tolist()
+    torch.manual_seed(0)
+    seq = SimpleNamespace(params=params, generator=None)
+    tokens = verify(logits.repeat(count, 1), [seq] * (3 * count), [t for d in drafts for t in (*d, -1)],
+                    [*q, None] * count).view(count, 3).tolist()
+    kept = [accepted_tokens(row, d) for row, d in zip(tokens, drafts)]
+    for depth in range(3):
+        # the trials whose drafts before this depth were all kept: (tokens kept, drafts)
+        reached = [(k, d) for k, d in zip(kept, drafts) if len(k) > depth and k[:depth] == d[:depth]]
+        observed = _frequencies([k[depth] for k, _ in reached], vocab)
+        expected = _target(params, logits[depth].cpu())
+        tolerance = 5 * np.sqrt(0.25 / len(reached))
+        assert np.abs(observed - expected).max() < tolerance, (depth, observed, expected)
+        if depth < 2:
+            kept_rate = np.mean([k[depth] == d[depth] for k, d in reached])
+            assert abs(kept_rate - np.minimum(expected, q[depth]).sum()) < tolerance, depth
+            assert abs(kept_rate - (expected * q[depth]).sum()) > 3 * tolerance  # (the test can tell them apart)
+
+
 def test_a_seeded_judgement_repeats():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, seed=7)
@@ -301,6 +336,37 @@ def test_given_drafts_refuse_what_a_row_cannot_judge_alone(values, message):
         SamplingParams(**{"draft_token_ids": [5, 6], **values})
 
 
+def test_given_drafts_with_a_draft_models_logits(tiny_models, hf_reference):
+    """draft_logits beside given drafts: greedy output unchanged (HF's), sampled output repeated by its
+    seed; logits that do not fit the drafts or the model are refused by name."""
+    model = tiny_models["llama"]
+    llm = LLM(model, num_kv_blocks=64)
+    prompt = random.Random(4).sample(range(3, 512), 20)
+    expected = hf_reference(model, prompt, 16)
+    drafts = expected[:2] + [(expected[2] + 1) % 512, expected[3]]
+    logits = np.random.default_rng(0).normal(size=(4, 512)).astype(np.float32)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, draft_token_ids=drafts,
+                            draft_logits=logits)
+    first, tokens = _first_tokens(llm, "greedy", prompt, greedy)
+    assert first == expected[:3] and tokens == expected
+    sampled = SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True, draft_token_ids=drafts,
+                             draft_logits=logits)
+    outs = [llm.generate([prompt], sampled)[0].outputs[0].token_ids for _ in range(2)]
+    assert outs[0] == outs[1] and len(outs[0]) == 16
+    with pytest.raises(ValueError, match="draft_logits rows have 100 entries; the model's vocabulary has 512"):
+        llm.add_request("narrow", prompt, SamplingParams(draft_token_ids=drafts, draft_logits=logits[:, :100]))
+    for values, message in ((dict(draft_logits=logits), "draft_logits need draft_token_ids"),
+                            (dict(draft_token_ids=drafts[:3], draft_logits=logits), "a row for each of the 3"),
+                            (dict(draft_token_ids=drafts, draft_logits=np.where(np.arange(512) == drafts[1], -np.inf,
+                                                                                logits)),
+                             "draft 1 has no probability"),
+                            (dict(draft_token_ids=drafts, draft_logits=logits * np.nan), "finite")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**values)
+    assert not llm.has_unfinished()
+    llm.block_manager.check_all_free()
+
+
 def test_given_drafts_beyond_the_vocabulary_are_refused(tiny_models):
     llm = LLM(tiny_models["llama"], num_kv_blocks=16)
     with pytest.raises(ValueError, match="draft_token_ids holds token ids beyond the vocabulary of 512"):
@@ -335,8 +401,8 @@ def test_served_with_drafts(server, engines):
 
 
 def test_served_with_tensorrt_llm_draft_input_ids(server, engines):
-    """TensorRT-LLM's draft-target flow: input_ids and a draft model's draft_input_ids in, the tokens the
-    target keeps out (here: two right drafts, then a wrong one)."""
+    """TensorRT-LLM's draft-target flow: input_ids and a draft model's draft_input_ids (and draft_logits)
+    in, the tokens the target keeps out (here: two right drafts, then a wrong one)."""
     from grpc_stream import generate
 
     _, plain = engines
@@ -357,6 +423,18 @@ def test_served_with_tensorrt_llm_draft_input_ids(server, engines):
     beyond = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32),
                       draft_input_ids=np.array([10**6], np.int32))
     assert beyond.error and "beyond the vocabulary" in beyond.error
+    # With the draft model's logits (TensorRT-LLM's draft_logits): greedy rows judge as before.
+    vocab = plain.runner.hf_config.vocab_size
+    logits = np.random.default_rng(1).normal(size=(4, vocab)).astype(np.float32)
+    with_logits = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32),
+                           draft_input_ids=np.array(drafts, np.int32), draft_logits=logits, max_tokens=8,
+                           temperature=0.0, ignore_eos=True, return_perf_metrics=True)
+    assert with_logits.error is None
+    assert [int(t) for r in with_logits.responses for t in r["output_ids"]] == right
+    assert int(with_logits.responses[-1]["total_accepted_draft_tokens"][0]) == 2
+    short = generate(server.grpc_url, None, input_ids=np.array(prompt_ids, np.int32),
+                     draft_input_ids=np.array(drafts, np.int32), draft_logits=logits[:3])
+    assert short.error and "a row for each of the 4 drafts" in short.error
     assert_all_blocks_free(server)
 
 

@@ -37,7 +37,7 @@ from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
-from .speculative import NgramProposer, accepted_tokens, verify
+from .speculative import NgramProposer, accepted_tokens, proposals, verify
 from .structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -429,7 +429,7 @@ class LLMEngine:
         wanting = [i for i, seq in enumerate(rows) if seq.params.logprobs is not None]
         at = to_device(wanting, logits.device) if wanting else None
         raw = logits[at] if wanting else None  # a copy: verify changes `logits`
-        tokens = verify(logits, rows, judged)
+        tokens = verify(logits, rows, judged, [q for seq in seqs for q in proposals(seq)])
         logprobs = None
         if wanting:
             logprobs = measure(raw, tokens[at], max(rows[i].params.logprobs for i in wanting)).to_host()

@@ -49,6 +49,9 @@ class SamplingParams:
     # Drafts of the first tokens (TensorRT-LLM's draft_input_ids: proposed by a draft model elsewhere), judged
     # in the step that computes the prompt's end; what is kept is the model's output (speculative.py).
     draft_token_ids: list[int] | None = None
+    # The draft model's logits [drafts, vocab] (TensorRT-LLM's draft_logits): each draft was drawn from the
+    # softmax of its row, which a sampled row judges it against; none: a one-hot proposal.
+    draft_logits: np.ndarray | None = None
 
     # The engine's ceilings for words (each stop string and bad word is searched or tokenized per
     # request); a server may set lower limits (serving/settings.py).
@@ -119,6 +122,7 @@ class SamplingParams:
             raise ValueError(f"structured_outputs must be an object, got {self.structured_outputs!r}")
         self._check_beam_search()
         self._check_drafts()
+        self._check_draft_logits()
 
     # What beam search leaves at its default: it ranks beams by log probabilities (after token controls,
     # penalties and bans, as HF's logits processors), never filtered for sampling.
@@ -169,6 +173,29 @@ class SamplingParams:
                 raise ValueError(f"{name} is not supported with draft_token_ids (each draft is judged by its own "
                                  "row, before the tokens before it are known)")
 
+    def _check_draft_logits(self) -> None:
+        """[drafts, vocab] floats (-inf allowed: a token the draft model could not draw), under which each
+        draft has a probability above 0; their width is checked against the model (check_token_ids)."""
+        if self.draft_logits is None:
+            return
+        if not self.draft_token_ids:
+            raise ValueError("draft_logits need draft_token_ids: the drafts drawn from them")
+        try:
+            logits = np.array(self.draft_logits, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ValueError("draft_logits must be numbers of shape [drafts, vocab]") from None
+        if logits.ndim != 2 or len(logits) != len(self.draft_token_ids) or not logits.shape[1]:
+            raise ValueError(f"draft_logits must have a row for each of the {len(self.draft_token_ids)} drafts, "
+                             f"got shape {list(logits.shape)}")
+        if np.isnan(logits).any() or np.isposinf(logits).any():
+            raise ValueError("draft_logits must be finite numbers (or -inf)")
+        self.draft_logits = logits
+        # (a draft beyond the rows' width is left to check_token_ids, which names the width)
+        drawable = [d >= logits.shape[1] or self.draft_probs[i, d] > 0 for i, d in enumerate(self.draft_token_ids)]
+        if not all(drawable):
+            raise ValueError(f"draft {drawable.index(False)} has no probability under its row of draft_logits: it "
+                             "could not have been drawn from them")
+
     @cached_property
     def drafts_judged_alone(self) -> bool:
         """Whether a row of this request can judge a draft without knowing the tokens before it."""
@@ -208,12 +235,23 @@ class SamplingParams:
             self._check_int("truncate_prompt_tokens", minimum=1)
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """The token ids of logit_bias, allowed_token_ids and draft_token_ids are within the model's vocabulary."""
+        """The token ids of logit_bias, allowed_token_ids and draft_token_ids are within the model's
+        vocabulary, and draft_logits rows span it."""
         for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
                           ("draft_token_ids", self.draft_token_ids or ())):
             beyond = sorted(t for t in ids if t >= vocab_size)
             if beyond:
                 raise ValueError(f"{name} holds token ids beyond the vocabulary of {vocab_size}: {beyond[:8]}")
+        if self.draft_logits is not None and self.draft_logits.shape[1] != vocab_size:
+            raise ValueError(f"draft_logits rows have {self.draft_logits.shape[1]} entries; the model's vocabulary "
+                             f"has {vocab_size}")
+
+    @cached_property
+    def draft_probs(self) -> np.ndarray:
+        """The distributions the drafts were drawn from: softmax of draft_logits' rows (float32)."""
+        with np.errstate(invalid="ignore"):  # (a row of -inf only: NaN, which _check_draft_logits refuses)
+            exp = np.exp(self.draft_logits - self.draft_logits.max(axis=1, keepdims=True))
+            return exp / exp.sum(axis=1, keepdims=True)
 
     @cached_property
     def allowed_array(self) -> np.ndarray:

@@ -139,7 +139,7 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence, limit: int) -> list[int]:
         """The request's own drafts for its first tokens, else the proposer's."""
-        if seq.params.draft_token_ids and not seq.num_output_tokens:
+        if seq.takes_given_drafts:
             return seq.params.draft_token_ids[:limit]
         return self.proposer.propose(seq, limit) if self.proposer is not None else []
 
@@ -209,7 +209,7 @@ class Scheduler:
         n = min(seq.num_uncomputed_tokens, budget, self.block_manager.max_new_tokens(seq))
         if n <= 0 or not self.block_manager.allocate(seq, n):
             return 0
-        if n == seq.num_uncomputed_tokens and seq.params.draft_token_ids and not seq.num_output_tokens:
+        if n == seq.num_uncomputed_tokens and seq.takes_given_drafts:
             n += self._fit_drafts(seq, n, budget - n, len(self.running))
         batch.add(seq, n)
         return n

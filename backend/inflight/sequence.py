@@ -119,6 +119,11 @@ class Sequence:
         """Output tokens, pending ones included."""
         return len(self.output_token_ids) + self.num_pending
 
+    @property
+    def takes_given_drafts(self) -> bool:
+        """Its drafts are the request's own (draft_token_ids, drafts of its first tokens), not proposed."""
+        return bool(self.params.draft_token_ids) and not self.num_output_tokens
+
     def is_last_token_pending(self, max_model_len: int) -> bool:
         """Its pending token is the last it may have: nothing is left to compute for it."""
         return self.num_pending > 0 and (self.num_output_tokens >= self.params.max_tokens

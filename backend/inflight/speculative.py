@@ -16,7 +16,9 @@ draft, are valid.
 Only what a row can judge alone is speculated on: a sequence with penalties, bad words, a grammar,
 min_tokens still to come, raw generation logits or beam search decodes a token a step, as before.
 Drafts given with a request (SamplingParams.draft_token_ids, a draft model's) are judged the same way,
-in the step that computes the prompt's end (the scheduler puts them there).
+in the step that computes the prompt's end (the scheduler puts them there); with the draft model's
+logits (draft_logits), a sampled row judges each draft against the distribution it was drawn from:
+kept with probability min(1, p(d) / q(d)), else a token drawn from max(0, p - q).
 """
 
 import itertools
@@ -79,11 +81,14 @@ def lookup(tokens: np.ndarray, shortest: int, longest: int, limit: int) -> list[
 
 
 @torch.inference_mode()
-def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int]) -> torch.Tensor:
+def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int],
+           proposals: list[np.ndarray | None] | None = None) -> torch.Tensor:
     """The token of each row of `logits` [rows, vocab] (float32, changed in place): `seqs[i]` the row's
-    sequence, `drafts[i]` the draft it judges (-1: none, the row after a sequence's last draft). A
-    greedy row's token is its argmax; a row that samples keeps its draft with the draft's probability,
-    else draws from the rest (see the module's docstring). Nothing here waits for the device."""
+    sequence, `drafts[i]` the draft it judges (-1: none, the row after a sequence's last draft),
+    `proposals[i]` the distribution the draft was drawn from (None: one-hot, the draft itself). A greedy
+    row's token is its argmax. A row that samples keeps its draft d with probability min(1, p(d) / q(d)),
+    else draws from max(0, p - q) renormalized: every token comes out distributed as p (rejection
+    sampling; with a one-hot q, p(d) and p without d). Nothing here waits for the device."""
     device = logits.device
     if any(s.params.allowed_token_ids is not None or s.params.logit_bias for s in seqs):
         apply_token_controls(logits, seqs)
@@ -98,11 +103,24 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int]) -> tor
     column = draft.clamp(min=0)[:, None]
     p_draft = probs.gather(1, column)[:, 0]
     generators = [seqs[i].generator for i in rows]
-    # probs may sum to less than 1 (min-p drops tokens without renormalizing): compare against the total
-    keep = has_draft & (uniforms(generators, device)[:, 0] * probs.sum(dim=-1) < p_draft)
-    rest = probs.scatter(1, column, torch.where(has_draft, 0.0, p_draft)[:, None])
+    proposal = torch.zeros_like(probs).scatter_(1, column, has_draft[:, None].to(probs.dtype))  # one-hot
+    given = [(k, proposals[i]) for k, i in enumerate(rows) if proposals is not None and proposals[i] is not None]
+    if given:
+        proposal[to_device([k for k, _ in given], device)] = to_device(np.stack([q for _, q in given]), device,
+                                                                       torch.float32)
+    # probs may sum to less than 1 (min-p drops tokens without renormalizing): scale q to their total
+    total = probs.sum(dim=-1)
+    keep = has_draft & (uniforms(generators, device)[:, 0] * proposal.gather(1, column)[:, 0] * total < p_draft)
+    rest = (probs - total[:, None] * proposal).clamp_(min=0)
     tokens[at] = torch.where(keep, draft, draw(rest, generators, tokens[at]))
     return tokens
+
+
+def proposals(seq: Sequence) -> list[np.ndarray | None]:
+    """The distributions its scheduled drafts were drawn from, and None for the row after them: the
+    request's draft_logits for its own drafts, else None (one-hot: a lookup's drafts)."""
+    given = seq.params.draft_logits is not None and seq.takes_given_drafts
+    return [*(seq.params.draft_probs[:len(seq.drafts)] if given else [None] * len(seq.drafts)), None]
 
 
 def accepted_tokens(tokens: list[int], drafts: list[int]) -> list[int]:

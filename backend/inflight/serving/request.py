@@ -53,6 +53,7 @@ GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # Tensor
 BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM's logit bias by words
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
                 "priority", "num_return_sequences", "beam_search_diversity_rate", "pad_id", "draft_input_ids",
+                "draft_logits",
                 "prompt_embedding_table", "prompt_vocab_size",
                 *SCALAR_PARAMS, *FLAGS,
                 *GUIDE_INPUTS, *BIAS_INPUTS}
@@ -340,6 +341,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
             raise ValueError("give drafts either as 'draft_token_ids' in 'sampling_parameters' or as "
                              "'draft_input_ids', not both")
         values["draft_token_ids"] = _token_ids("draft_input_ids", inputs["draft_input_ids"])
+    if "draft_logits" in inputs:  # the draft model's logits, [drafts, vocab]: what each draft was drawn from
+        if "draft_logits" in from_json:
+            raise ValueError("give draft logits either in 'sampling_parameters' or as 'draft_logits', not both")
+        values["draft_logits"] = inputs["draft_logits"]
     if any(name in inputs for name in GUIDE_INPUTS):
         if "structured_outputs" in from_json:
             raise ValueError("give structured outputs either in 'sampling_parameters' or as "
