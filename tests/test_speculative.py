@@ -4,6 +4,7 @@ speculate, under preemption, a small token budget and the prefix cache), aborts,
 tritonserver with its metrics; drafts given with a request (TensorRT-LLM's draft_input_ids) judged
 with its prompt's end, one step at a time and pipelined, offline and served."""
 
+import json
 import random
 from types import SimpleNamespace
 
@@ -214,6 +215,34 @@ def test_sampled_drafts_are_kept_and_a_seed_repeats(engines):
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert first.outputs[0].token_ids != first.outputs[1].token_ids  # seed + index: completions of their own
     drafting.block_manager.check_all_free()
+
+
+CARD = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                         "city": {"type": "string"}},
+        "required": ["name", "born", "city"], "additionalProperties": False}
+COPY_CARDS = ['Copy this record as JSON: {"name": "Ada Lovelace", "born": 1815, "city": "London"}\nJSON: ',
+              'Records: {"name": "Alan Turing", "born": 1912, "city": "London"} and {"name": "Grace Hopper", '
+              '"born": 1906, "city": "New York"}. The second one as JSON: ']
+
+
+def test_structured_outputs_draft_under_their_grammar(engines):
+    """A JSON schema beside n-gram drafts: each row is masked to what the grammar allows after the drafts
+    before it, so drafts that quote the prompt are kept, and the greedy output is the engine's without
+    drafts (valid JSON); given drafts too, one of them one the grammar refuses."""
+    drafting, plain = engines
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs={"json": CARD})
+    before = drafting.stats()["spec_decode_accepted_tokens_total"]
+    got, expected = drafting.generate(COPY_CARDS, params), plain.generate(COPY_CARDS, params)
+    assert _results(got) == _results(expected)
+    assert all(json.loads(out.outputs[0].text)["born"] > 1800 for out in got)
+    assert drafting.stats()["spec_decode_accepted_tokens_total"] - before > 10
+    right = expected[0].outputs[0].token_ids
+    refused = drafting.encode("}", add_special_tokens=False)[0]  # (a JSON object cannot close at its start)
+    for drafts in (right[:5], right[:2] + [refused] + right[3:5]):
+        given = SamplingParams(temperature=0, max_tokens=48, structured_outputs={"json": CARD}, draft_token_ids=drafts)
+        assert _results(plain.generate([COPY_CARDS[0]], given)) == _results(expected[:1])
+    drafting.block_manager.check_all_free()
+    plain.block_manager.check_all_free()
 
 
 def test_an_abort_between_drafting_steps_frees_every_block(engines):

@@ -429,6 +429,8 @@ class LLMEngine:
         wanting = [i for i, seq in enumerate(rows) if seq.params.logprobs is not None]
         at = to_device(wanting, logits.device) if wanting else None
         raw = logits[at] if wanting else None  # a copy: verify changes `logits`
+        if any(seq.matcher is not None for seq in seqs):  # each row to what its grammar allows after the drafts
+            self.grammars().apply_drafts(logits, [seq.matcher for seq in seqs], drafts)
         tokens = verify(logits, rows, judged, [q for seq in seqs for q in proposals(seq)])
         logprobs = None
         if wanting:
@@ -472,9 +474,7 @@ class LLMEngine:
             if seq.is_finished:  # ended while the step ran (aborted, or finished the step before)
                 continue
             if not self._possible(seq, token):  # its constraints left no token: it alone ends, with an error
-                for s in self._requests.get(seq.request_id, [seq]):
-                    if not s.is_finished:
-                        deltas.append(self._fail(s, NO_TOKEN_LEFT, "invalid"))
+                self._fail_constrained(seq, deltas)
                 continue
             self._record_logprobs(seq, token, entry)
             if row in kept_rows:
@@ -512,14 +512,20 @@ class LLMEngine:
             self.num_accepted_draft_tokens += len(kept) - 1
             seq.metrics.num_draft_tokens += len(drafts)
             seq.metrics.num_accepted_draft_tokens += len(kept) - 1
+            failed = False
             for token, entry in zip(kept, entries[rows]):
+                if not self._possible(seq, token):  # (its rows were masked: only constraints leaving none)
+                    self._fail_constrained(seq, deltas)
+                    failed = True
+                    break
                 self._record_logprobs(seq, token, entry)
                 seq.append_token(token)
                 self.num_generated_tokens += 1
                 self._check_finished(seq, token)
                 if seq.is_finished:
                     break
-            deltas.append(self._delta(seq))
+            if not failed:
+                deltas.append(self._delta(seq))
 
     # -- beam search (beam_search.py) ------------------------------------------------------------
     def _advance_beams(self, beams: list[Sequence], values: torch.Tensor, ids: torch.Tensor,
@@ -724,6 +730,12 @@ class LLMEngine:
             for seq in list(self._requests.get(request_id, [])):
                 if not seq.is_finished:
                     deltas.append(self._fail(seq, self.dead_reason or message))
+
+    def _fail_constrained(self, seq: Sequence, deltas: list[RequestDelta]) -> None:
+        """Its constraints left no token: its request alone ends, with an error."""
+        for s in self._requests.get(seq.request_id, [seq]):
+            if not s.is_finished:
+                deltas.append(self._fail(s, NO_TOKEN_LEFT, "invalid"))
 
     def _fail(self, seq: Sequence, message: str, kind: str | None = None) -> RequestDelta:
         """End `seq` with an error (`kind`: see RequestDelta.error_kind)."""

@@ -152,7 +152,6 @@ class SamplingParams:
     # before it are known (drafts_judged_alone; speculative.can_speculate for the engine's own drafts).
     _ROW_DEPENDS_ON_EARLIER_TOKENS = {"beam_width": (1,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
                                       "frequency_penalty": (0.0,), "bad_words": ([],), "no_repeat_ngram_size": (0,),
-                                      "structured_outputs": (None,),
                                       "return_generation_logits": (False,)}
     # Drafts given with the request also ride with its prompt's end: that row is its completions' first
     # (n forks them), the last prompt position's (context logits), and min_tokens has not begun.

@@ -13,8 +13,10 @@ distributed as if drawn one by one (the rejection sampling of Leviathan et al. a
 one-hot proposal). A row's token equal to its draft means the next row's logits, computed after that
 draft, are valid.
 
-Only what a row can judge alone is speculated on: a sequence with penalties, bad words, a grammar,
-min_tokens still to come, raw generation logits or beam search decodes a token a step, as before.
+Only what a row can judge alone is speculated on: a sequence with penalties, bad words, repeated
+n-gram bans, min_tokens still to come, raw generation logits or beam search decodes a token a step, as
+before. A grammar (structured outputs) drafts: its matcher takes the drafts one by one to mask each
+row to what may follow the drafts before it, and is rolled back; a draft it refuses is not proposed.
 Drafts given with a request (SamplingParams.draft_token_ids, a draft model's) are judged the same way,
 in the step that computes the prompt's end (the scheduler puts them there); with the draft model's
 logits (draft_logits), a sampled row judges each draft against the distribution it was drawn from:
@@ -54,7 +56,18 @@ class NgramProposer:
         if seq.prompt_embeds is not None:  # a virtual prompt token is no token to draft (prompt_embeds.py)
             first = seq.prompt_embeds.first_id
             drafts = list(itertools.takewhile(lambda t: t < first, drafts))
+        if seq.matcher is not None and drafts:  # what the grammar would refuse is never kept: not drafted
+            drafts = drafts[:_grammatical(seq.matcher, drafts)]
         return drafts
+
+
+def _grammatical(matcher, drafts: list[int]) -> int:
+    """How many of the drafts, in order, the grammar's matcher takes (it is rolled back after)."""
+    taken = 0
+    while taken < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[taken]):
+        taken += 1
+    matcher.rollback(taken)
+    return taken
 
 
 def lookup(tokens: np.ndarray, shortest: int, longest: int, limit: int) -> list[int]:

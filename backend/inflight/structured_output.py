@@ -148,6 +148,33 @@ class StructuredOutputs:
         bitmask = self._xgr.allocate_token_bitmask(len(matchers), self._info.vocab_size)
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)
+        self._mask(logits, bitmask, rows)
+
+    def apply_drafts(self, logits: torch.Tensor, matchers: list, drafts: list[list[int]]) -> None:
+        """Mask the rows of drafting sequences (speculative.py), a sequence's len(drafts) + 1 rows after
+        another's in `logits`: row i to what the grammar allows after the sequence's first i drafts (taken
+        by the matcher, then rolled back). Past a draft the grammar refuses (or its end), the rows keep the
+        last mask: that draft is never kept, so they judge nothing."""
+        bitmask = self._xgr.allocate_token_bitmask(len(logits), self._info.vocab_size)
+        rows, start = [], 0
+        for matcher, seq_drafts in zip(matchers, drafts):
+            count = len(seq_drafts) + 1
+            if matcher is not None:
+                taken = 0
+                for i in range(count):
+                    if i == 0 or (i == taken and not matcher.is_terminated()):  # every draft before it taken
+                        matcher.fill_next_token_bitmask(bitmask, start + i)
+                        if i < len(seq_drafts) and matcher.accept_token(seq_drafts[i]):
+                            taken += 1
+                    else:  # after a refused draft (or the grammar's end): a row that judges nothing
+                        bitmask[start + i] = bitmask[start + i - 1]
+                matcher.rollback(taken)
+                rows += range(start, start + count)
+            start += count
+        if rows:
+            self._mask(logits, bitmask, rows)
+
+    def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         # Through pinned memory, the rows as a tensor: a plain copy to a GPU would wait for it.
         self._xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device, torch.int32),
                                               indices=to_device(rows, logits.device, torch.int32))
