@@ -216,6 +216,56 @@ def test_beams_never_complete_a_bad_word(model, hf_tiny_llama, prompts):
     llm.block_manager.check_all_free()
 
 
+@PIPELINED
+def test_beams_under_a_grammar_equal_hf_with_the_grammars_allowed_tokens(model, hf_tiny_llama, prompts,
+                                                                         async_scheduling):
+    """Structured outputs under beam search: each beam's row masked to what its own grammar state allows
+    (a beam that takes another's seat forks that beam's matcher), as HF's beam search with a
+    prefix_allowed_tokens_fn giving the same grammar's tokens: the same hypotheses, each matching the
+    regex; a small pool preempts and recomputes beams."""
+    import re
+
+    import xgrammar as xgr
+
+    pattern = "[a-z]{1,6}( [a-z]{1,6}){1,3}\\."
+    spec = {"regex": pattern}
+    params = SamplingParams(beam_width=3, n=2, max_tokens=24, structured_outputs=spec)
+    llm = capped(LLM(model, num_kv_blocks=7, max_num_seqs=6, async_scheduling=async_scheduling), max_steps=1000)
+    outs = llm.generate(prompts[:3], params)
+    grammars = llm.grammars()
+
+    def allowed(prompt):
+        def tokens(batch_id, input_ids):
+            matcher = grammars.matcher(spec)
+            for t in input_ids[len(prompt):].tolist():
+                assert matcher.accept_token(t)
+            if matcher.is_terminated():  # (HF asks for beams that already ended too: any answer does)
+                return list(range(VOCAB))
+            bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            row = torch.zeros(1, VOCAB)
+            xgr.apply_token_bitmask_inplace(row, bitmask)
+            return torch.nonzero(row[0] == 0)[:, 0].tolist()
+        return tokens
+
+    for prompt, out in zip(prompts[:3], outs):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            hf = hf_tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=3,
+                                        num_return_sequences=2, max_new_tokens=24, eos_token_id=EOS, pad_token_id=0,
+                                        prefix_allowed_tokens_fn=allowed(prompt))
+        expected = []
+        for row in hf[:, len(prompt):].tolist():
+            expected.append(row[:row.index(EOS) + 1] if EOS in row else row)
+        assert [c.token_ids for c in out.outputs] == expected
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and re.fullmatch(pattern, c.text), c.text
+    assert llm.stats()["num_preemptions"] > 0
+    llm.block_manager.check_all_free()
+    with pytest.raises(ValueError, match="ignore_eos is not supported with structured_outputs under beam search"):
+        SamplingParams(beam_width=2, structured_outputs=spec, ignore_eos=True)
+
+
 def test_beam_logprobs_are_the_models_own(model, hf_tiny_llama, prompts):
     """logprobs under beam search: each hypothesis token's log probability, rank and the k likeliest,
     as log_softmax of HF's logits along the hypothesis; the cumulative logprob is their sum; prompt
@@ -271,7 +321,7 @@ def test_beam_search_parameters_are_checked(model):
             ({"beam_width": 2, "temperature": 0.7}, "temperature must be 0 or 1"),
             ({"beam_width": 2, "top_p": 0.9}, "top_p is not supported with beam search"),
             ({"beam_width": 2, "stop": ["x"]}, "stop is not supported with beam search"),
-            ({"beam_width": 2, "structured_outputs": {"regex": "a+"}}, "structured_outputs is not supported"),
+            ({"beam_width": 2, "include_stop_str_in_output": True}, "include_stop_str_in_output is not supported"),
             ({"beam_width": 0}, "beam_width must be at least 1"),
             ({"beam_width": 2, "early_stopping": "sometimes"}, "early_stopping must be"),
             ({"beam_width": 2, "length_penalty": math.inf}, "length_penalty must be a finite number"),

@@ -29,13 +29,16 @@ from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
 
-def measure(logits: torch.Tensor, k: int, beams: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+def measure(logits: torch.Tensor, k: int, beams: list[Sequence], grammars=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each beam's row's k most likely tokens: (log probabilities, ids), most likely first, after the
-    request's token controls, penalties and bans (as HF's beam search applies its logits
-    processors: to the log probabilities); copied to the host without waiting for the device (read
-    once the step's copy event has passed)."""
+    request's token controls, penalties and bans, and its grammar's mask (`grammars`, a
+    StructuredOutputs, for beams with a matcher): as HF's beam search applies its logits processors, to
+    the log probabilities. Copied to the host without waiting for the device (read once the step's copy
+    event has passed)."""
     scores = torch.log_softmax(logits.float(), dim=-1)
     apply_logits_processors(scores, beams)
+    if grammars is not None:
+        grammars.apply(scores, [beam.matcher for beam in beams])
     values, ids = scores.topk(min(k, logits.shape[-1]), dim=-1)
     if values.device.type == "cpu":
         return values, ids
@@ -191,6 +194,9 @@ class BeamSearch:
             block_manager.free(seq)
             seq.output_token_ids = parent.output_token_ids + [c.token]
             seq.forget_token_array()
+            if parent.matcher is not None:  # the parent's grammar state, then its token
+                seq.matcher = parent.matcher.fork()
+                seq.matcher.accept_token(c.token)
             # It runs on a fork of the parent's blocks if both run (a preempted seat waits to be admitted
             # again, which keeps max_num_seqs), else waits to be computed from the prefix cache.
             runs = bool(parent.block_table) and (seat in new or seq.status is SequenceStatus.RUNNING)
@@ -201,6 +207,8 @@ class BeamSearch:
             self.steps[seat] = self.steps[c.parent] + [c.step] if logged else []
         for seat, c in kept.items():
             self.seats[seat].append_token(c.token)
+            if self.seats[seat].matcher is not None:
+                self.seats[seat].matcher.accept_token(c.token)
             self.scores[seat] = c.score
             if logged:
                 self.steps[seat].append(c.step)

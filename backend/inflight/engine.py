@@ -438,8 +438,7 @@ class LLMEngine:
         host = tokens if tokens.device.type == "cpu" else tokens.to("cpu", non_blocking=True)
         return _Speculated(seqs, drafts, host, logprobs)
 
-    @staticmethod
-    def _measure_beams(logits: torch.Tensor, sampling: list[Sequence]):
+    def _measure_beams(self, logits: torch.Tensor, sampling: list[Sequence]):
         """Take the beams (beam search) out of the sampling rows: their rows' likeliest tokens are
         measured instead. Returns the other rows' logits and sequences, the beams and what was measured."""
         beam_rows = [row for row, seq in enumerate(sampling) if seq.beam is not None]
@@ -447,7 +446,8 @@ class LLMEngine:
             return logits, sampling, None, None
         beams = [sampling[row] for row in beam_rows]
         rows = logits[to_device(beam_rows, logits.device)]
-        measured = beam_search.measure(rows, max(seq.beam.row_size for seq in beams), beams)
+        grammars = self._grammars if any(seq.matcher is not None for seq in beams) else None
+        measured = beam_search.measure(rows, max(seq.beam.row_size for seq in beams), beams, grammars)
         if any(raw_logits.wants_sampled_row(seq) for seq in beams):  # (raw: measure changed a copy)
             measured = (*measured, raw_logits.to_host(rows))
         rest = [row for row, seq in enumerate(sampling) if seq.beam is None]

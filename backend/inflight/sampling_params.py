@@ -127,7 +127,7 @@ class SamplingParams:
     # What beam search leaves at its default: it ranks beams by log probabilities (after token controls,
     # penalties and bans, as HF's logits processors), never filtered for sampling.
     _NOT_WITH_BEAM_SEARCH = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "stop": ([],),
-                             "structured_outputs": (None,), "include_stop_str_in_output": (False,)}
+                             "include_stop_str_in_output": (False,)}
 
     def _check_beam_search(self) -> None:
         self._check_int("beam_width", minimum=1)
@@ -147,6 +147,9 @@ class SamplingParams:
         for name, defaults in self._NOT_WITH_BEAM_SEARCH.items():
             if getattr(self, name) not in defaults:
                 raise ValueError(f"{name} is not supported with beam search (beam_width {self.beam_width})")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("ignore_eos is not supported with structured_outputs under beam search: a beam's "
+                             "grammar ends it with EOS")
 
     # What a draft's row needs left at its default: each draft is judged by its own row, before the tokens
     # before it are known (drafts_judged_alone; speculative.can_speculate for the engine's own drafts).
