@@ -37,7 +37,7 @@ from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
-from .speculative import NgramProposer, accepted_tokens, proposals, verify
+from .speculative import NgramProposer, accepted_tokens, draft_distributions, verify
 from .structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -431,7 +431,7 @@ class LLMEngine:
         raw = logits[at] if wanting else None  # a copy: verify changes `logits`
         if any(seq.matcher is not None for seq in seqs):  # each row to what its grammar allows after the drafts
             self.grammars().apply_drafts(logits, [seq.matcher for seq in seqs], drafts)
-        tokens = verify(logits, rows, judged, [q for seq in seqs for q in proposals(seq)])
+        tokens = verify(logits, rows, judged, [q for seq in seqs for q in draft_distributions(seq)])
         logprobs = None
         if wanting:
             logprobs = measure(raw, tokens[at], max(rows[i].params.logprobs for i in wanting)).to_host()

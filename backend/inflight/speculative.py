@@ -129,7 +129,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int],
     return tokens
 
 
-def proposals(seq: Sequence) -> list[np.ndarray | None]:
+def draft_distributions(seq: Sequence) -> list[np.ndarray | None]:
     """The distributions its scheduled drafts were drawn from, and None for the row after them: the
     request's draft_logits for its own drafts, else None (one-hot: a lookup's drafts)."""
     given = seq.params.draft_logits is not None and seq.takes_given_drafts
