@@ -168,7 +168,7 @@ def test_ngram_drafts_never_propose_a_virtual_token(tiny_models, tiny_reference)
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
     _, embeds = resolve({"prompt_token_ids": ids, "prompt_embedding_table": table}, ref.vocab, 64, torch.float32, 256)
     for tokens, drafts in (([40, 41, 11], [12, 13]), ([9, 11, 12, 13], [])):
-        seq = SimpleNamespace(params=SamplingParams(temperature=0), num_output_tokens=1, num_pending=0,
+        seq = SimpleNamespace(params=SamplingParams(temperature=0), num_output_tokens=1, num_pending=0, matcher=None,
                               token_array=np.array(ids[:-3] + tokens), prompt_embeds=embeds)
         assert proposer.propose(seq, 4) == drafts
     llm = LLM(tiny_models["llama"], num_kv_blocks=32,
