@@ -448,7 +448,7 @@ class LLMEngine:
         rows = logits[to_device(beam_rows, logits.device)]
         grammars = self._grammars if any(seq.matcher is not None for seq in beams) else None
         measured = beam_search.measure(rows, max(seq.beam.row_size for seq in beams), beams, grammars)
-        if any(raw_logits.wants_sampled_row(seq) for seq in beams):  # (raw: measure changed a copy)
+        if any(raw_logits.wants_sampled_row(seq) for seq in beams):  # (as the model gave them: measure works on a copy)
             measured = (*measured, raw_logits.to_host(rows))
         rest = [row for row, seq in enumerate(sampling) if seq.beam is None]
         return logits[to_device(rest, logits.device)], [sampling[row] for row in rest], beams, measured
