@@ -12,6 +12,7 @@ import torch
 
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
+from inflight.detokenizer import find_stop_string
 
 PIPELINED = pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "pipelined"])
 VOCAB = 512
@@ -266,6 +267,47 @@ def test_beams_under_a_grammar_equal_hf_with_the_grammars_allowed_tokens(model, 
         SamplingParams(beam_width=2, structured_outputs=spec, ignore_eos=True)
 
 
+STOPS = [(["an"], False, False), (["ag", "ed"], True, True), ([" h", "nt", "\n "], False, True)]
+
+
+@pytest.mark.parametrize("stop, include, async_scheduling", STOPS, ids=["one", "two-included-pipelined",
+                                                                        "three-pipelined"])
+def test_beams_end_at_stop_strings_as_hf_stop_strings(model, hf_tiny_llama, prompts, stop, include, async_scheduling):
+    """Stop strings under beam search: a beam whose token completes one ends there, as with HF's
+    stop_strings (its StopStringCriteria): the same hypotheses and scores; a stopped one's text is cut
+    before the stop string (after it with include_stop_str_in_output), the others hold none. A small
+    pool preempts and recomputes beams."""
+    from transformers import AutoTokenizer
+
+    params = SamplingParams(beam_width=3, n=3, max_tokens=20, stop=stop, include_stop_str_in_output=include)
+    llm = capped(LLM(model, num_kv_blocks=9, max_num_seqs=6, async_scheduling=async_scheduling), max_steps=1000)
+    outs = llm.generate(prompts, params)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    reasons = Counter()
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            hf = hf_tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=3,
+                                        num_return_sequences=3, max_new_tokens=20, eos_token_id=EOS, pad_token_id=0,
+                                        stop_strings=stop, tokenizer=tokenizer, output_scores=True,
+                                        return_dict_in_generate=True)
+        lengths = (hf.beam_indices >= 0).sum(dim=1).tolist()  # (-1 past a hypothesis's end)
+        expected = [row[:n] for row, n in zip(hf.sequences[:, len(prompt):].tolist(), lengths)]
+        assert [c.token_ids for c in out.outputs] == expected
+        for c, score in zip(out.outputs, hf.sequences_scores.tolist()):
+            assert c.cumulative_logprob / len(c.token_ids) == pytest.approx(score, abs=1e-4)
+            text = llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            found = find_stop_string(text, stop, 0)
+            assert (c.finish_reason == "stop") == (found is not None or c.token_ids[-1] == EOS)
+            if found is not None:
+                text = text[:found[1] if include else found[0]]
+            assert c.text == text
+        reasons.update(c.finish_reason for c in out.outputs)
+    assert reasons["stop"] > 0 and reasons["length"] > 0
+    assert llm.stats()["num_preemptions"] > 0
+    llm.block_manager.check_all_free()
+
+
 def test_beam_logprobs_are_the_models_own(model, hf_tiny_llama, prompts):
     """logprobs under beam search: each hypothesis token's log probability, rank and the k likeliest,
     as log_softmax of HF's logits along the hypothesis; the cumulative logprob is their sum; prompt
@@ -320,8 +362,7 @@ def test_beam_search_parameters_are_checked(model):
             ({"beam_width": 2, "n": 3}, "must not exceed beam_width"),
             ({"beam_width": 2, "temperature": 0.7}, "temperature must be 0 or 1"),
             ({"beam_width": 2, "top_p": 0.9}, "top_p is not supported with beam search"),
-            ({"beam_width": 2, "stop": ["x"]}, "stop is not supported with beam search"),
-            ({"beam_width": 2, "include_stop_str_in_output": True}, "include_stop_str_in_output is not supported"),
+            ({"beam_width": 2, "min_p": 0.1}, "min_p is not supported with beam search"),
             ({"beam_width": 0}, "beam_width must be at least 1"),
             ({"beam_width": 2, "early_stopping": "sometimes"}, "early_stopping must be"),
             ({"beam_width": 2, "length_penalty": math.inf}, "length_penalty must be a finite number"),

@@ -7,11 +7,15 @@ blocks (copied on write, as n completions' are). Each step, every beam's last ro
 likely next tokens (`measure`, on the device, read with the step; log probabilities after the
 request's token controls, penalties, n-gram and bad-word bans, where HF applies its logits
 processors); once every beam of the search has its row, `advance` ranks the continuations by total
-log probability as HF does: those that end (an end token, or the length limit) among the W best become
-finished hypotheses, scored by log probability / generated length ** length_penalty; the W best others
-are the next beams. The search stops when no running beam can beat the finished ones (HF's
-early_stopping rules), and its n best hypotheses are the request's completions. Nothing streams before
-that.
+log probability as HF does: those that end (an end token, a stop string, or the length limit) among
+the W best become finished hypotheses, scored by log probability / generated length ** length_penalty;
+the W best others are the next beams. The search stops when no running beam can beat the finished ones
+(HF's early_stopping rules), and its n best hypotheses are the request's completions. Nothing streams
+before that.
+
+Stop strings end a beam as HF's StopStringCriteria does: a continuation whose token completes one in
+the beam's text ends there (each beam keeps its text and detokenizer; each ranked continuation tries
+its token on a fork of them), its text cut at the stop string as a sampled completion's is.
 """
 
 from dataclasses import dataclass, field
@@ -21,7 +25,7 @@ import numpy as np
 import torch
 
 from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, find_stop_string
 from .outputs import Logprob, RequestDelta, TokenLogprobs
 from .sampler import apply_logits_processors
 from .sampling_params import SamplingParams
@@ -63,6 +67,11 @@ class Continuation:
     token: int
     score: np.float32  # the log probability of the beam's generated tokens, summed as HF sums it
     step: TokenStep
+    # Where stop strings are watched: the beam's text with the token (cut where a stop string ended it)
+    # and the detokenizer that made it
+    text: str | None = None
+    decoder: IncrementalDetokenizer | None = None
+    stopped: bool = False  # a stop string ended it
 
 
 @dataclass
@@ -70,8 +79,9 @@ class Hypothesis:
     token_ids: list[int]
     score: float  # for ranking: log probability / generated length ** length_penalty
     cumulative_logprob: float
-    ended: bool  # with an end token ("stop"), else at the length limit ("length")
+    ended: bool  # with an end token or a stop string ("stop"), else at the length limit ("length")
     steps: list[TokenStep]
+    text: str | None = None  # cut at the stop string that ended it; None: decoded from its tokens
 
 
 @dataclass(eq=False)
@@ -86,6 +96,9 @@ class BeamSearch:
     # seat -> its measured row (log probabilities, ids) and its raw logits where generation logits are asked
     rows: dict[int, tuple[list[float], list[int], np.ndarray | None]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)  # the best, at most beam_width, best first
+    # Per seat, where the request has stop strings: the beam's text and its detokenizer
+    texts: list[str] | None = None
+    decoders: list[IncrementalDetokenizer] | None = None
     improvable: bool = True  # HF's early-stop heuristic: a running beam may still beat a finished one
     done: bool = False
 
@@ -137,7 +150,9 @@ class BeamSearch:
         continuations, ended = [], []
         for position, (negated, _, seat, token, logprob, rank) in enumerate(ranked[:self.kept]):
             c = Continuation(seat, token, -negated, TokenStep(token, logprob, rank, tops[seat], logits[seat]))
-            if at_limit or token in self.end_tokens:
+            if self.texts is not None:
+                self._read_stop_strings(c, length)
+            if at_limit or token in self.end_tokens or c.stopped:
                 if position < self.width:  # only the W best may finish (HF's top_num_beam_mask)
                     ended.append(c)
             elif len(continuations) < self.width:
@@ -152,6 +167,17 @@ class BeamSearch:
         self.done = at_limit or not continuations or not self.improvable or full_and_stopping
         return [] if self.done else continuations
 
+    def _read_stop_strings(self, c: Continuation, length: int) -> None:
+        """The continuation's text, and whether its token completes a stop string (once min_tokens are
+        out, as for sampled completions)."""
+        p, before = self.params, self.texts[c.parent]
+        c.decoder = self.decoders[c.parent].fork()
+        c.text = before + c.decoder.add_tokens([c.token])
+        found = find_stop_string(c.text, p.stop, len(before)) if length >= p.min_tokens else None
+        if found is not None:
+            c.text = c.text[:found[1] if p.include_stop_str_in_output else found[0]]
+            c.stopped = True
+
     def _finish(self, ended: list[Continuation], length: int) -> None:
         if not ended or (self.params.early_stopping is True and len(self.finished) == self.width):
             return  # (HF: once full, early stopping takes no more)
@@ -160,7 +186,8 @@ class BeamSearch:
             tokens = self.seats[c.parent].output_token_ids + [c.token]
             steps = self.steps[c.parent] + [c.step] if self.logged else []
             self.finished.append(Hypothesis(tokens, float(c.score / divisor), float(c.score),
-                                            c.token in self.end_tokens, steps))
+                                            c.token in self.end_tokens or c.stopped, steps,
+                                            c.text if c.stopped else None))
         self.finished.sort(key=lambda h: -h.score)  # stable: among equals, the earlier finished first
         del self.finished[self.width:]
 
@@ -188,6 +215,9 @@ class BeamSearch:
             self.seats.append(new_seat(len(self.seats)))
             self.scores.append(np.float32(0.0))
             self.steps.append([])
+            if self.texts is not None:
+                self.texts.append("")
+                self.decoders.append(None)
         logged = self.logged
         for seat, c in zip(free, moved):  # (free seats are no beam's parent: nothing read below changes)
             seq, parent = self.seats[seat], self.seats[c.parent]
@@ -205,6 +235,7 @@ class BeamSearch:
             scheduler.requeue(seq, running=runs)
             self.scores[seat] = c.score
             self.steps[seat] = self.steps[c.parent] + [c.step] if logged else []
+            self._take_text(seat, c)
         for seat, c in kept.items():
             self.seats[seat].append_token(c.token)
             if self.seats[seat].matcher is not None:
@@ -212,8 +243,13 @@ class BeamSearch:
             self.scores[seat] = c.score
             if logged:
                 self.steps[seat].append(c.step)
+            self._take_text(seat, c)
         for seq in self.seats:
             seq.num_tokens_sent = len(seq.output_token_ids)  # beams hand out nothing before the end
+
+    def _take_text(self, seat: int, c: Continuation) -> None:
+        if self.texts is not None:
+            self.texts[seat], self.decoders[seat] = c.text, c.decoder
 
     def outputs(self, detokenizer: Callable[[], IncrementalDetokenizer], decode: Callable[[int], str]
                 ) -> list[RequestDelta]:
@@ -223,8 +259,10 @@ class BeamSearch:
         best = self.best()
         deltas = []
         for index, hypothesis in enumerate(best):
-            decoder = detokenizer()
-            text = decoder.add_tokens(hypothesis.token_ids) + decoder.flush()
+            text = hypothesis.text
+            if text is None:
+                decoder = detokenizer()
+                text = decoder.add_tokens(hypothesis.token_ids) + decoder.flush()
             last = index == len(best) - 1
             deltas.append(RequestDelta(
                 request_id=leader.request_id, new_token_ids=hypothesis.token_ids, new_text=text, finished=last,

@@ -12,6 +12,7 @@ for a tokenizer whose own decode it reproduces on a sample of sequences (TokenBy
 """
 
 import codecs
+import copy
 import logging
 import random
 import threading
@@ -125,6 +126,14 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(self._read_offset, len(self._ids) - _CONTEXT_TOKENS)
         self._read_offset = len(self._ids)
         return new_text
+
+    def fork(self) -> "IncrementalDetokenizer":
+        """A copy that goes on from here on its own (beam search tries each continuation's text)."""
+        other = copy.copy(self)
+        other._ids = list(self._ids)
+        other._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        other._utf8.setstate(self._utf8.getstate())
+        return other
 
     def flush(self) -> str:
         """At the end of a sequence, emit whatever was held back (an incomplete character stays as U+FFFD)."""

@@ -225,6 +225,9 @@ class LLMEngine:
         ends = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
         seq.beam = BeamSearch(p, max(1, min(p.max_tokens, self.max_model_len - seq.num_prompt_tokens)), ends,
                               vocab_size, seats=[seq])
+        if p.stop:  # each beam's text is read for them
+            seq.beam.texts = [""]
+            seq.beam.decoders = [self._detokenizer(seq.prompt_token_ids, p, seq.prompt_embeds)]
 
     def lora_id(self, lora_name: str | None) -> int:
         """The adapter's id in the step inputs (0: the base model); ValueError for a name not served."""

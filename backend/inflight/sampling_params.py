@@ -126,8 +126,7 @@ class SamplingParams:
 
     # What beam search leaves at its default: it ranks beams by log probabilities (after token controls,
     # penalties and bans, as HF's logits processors), never filtered for sampling.
-    _NOT_WITH_BEAM_SEARCH = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "stop": ([],),
-                             "include_stop_str_in_output": (False,)}
+    _NOT_WITH_BEAM_SEARCH = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,)}
 
     def _check_beam_search(self) -> None:
         self._check_int("beam_width", minimum=1)
