@@ -172,7 +172,8 @@ def test_parse_tensorrtllm_prompt_embedding_table():
     table = np.ones((3, 8), np.float16)
     ids = np.array([5, 9000, 9001], np.int32)
     parsed = parse_request({"input_ids": ids, "prompt_embedding_table": table,
-                            "prompt_vocab_size": np.array([3], np.int32)})
+                            "prompt_vocab_size": np.array([3], np.int32),
+                            "prompt_table_extra_ids": np.array([0, 7, 7], np.uint64)})
     prompt = parsed.engine_prompt(parsed.prompt)
     assert prompt["prompt_token_ids"] == [5, 9000, 9001] and prompt["prompt_embedding_table"] is table
     alone = parse_request({"prompt_embedding_table": table[None]})
@@ -182,7 +183,13 @@ def test_parse_tensorrtllm_prompt_embedding_table():
                           ({"input_ids": ids, "prompt_embedding_table": table,
                             "prompt_vocab_size": np.array([2], np.int32)}, "must be the number of rows"),
                           ({"input_ids": ids, "prompt_vocab_size": np.array([3], np.int32)}, "needs 'prompt_embedding"),
-                          ({"prompt_embedding_table": np.ones((0, 8), np.float16)}, r"floats of shape \[rows")):
+                          ({"prompt_embedding_table": np.ones((0, 8), np.float16)}, r"floats of shape \[rows"),
+                          ({"input_ids": ids, "prompt_embedding_table": table,
+                            "prompt_table_extra_ids": np.array([0, 7], np.uint64)}, r"one per input token \(3\)"),
+                          ({"prompt_embedding_table": table, "prompt_table_extra_ids": np.array([0], np.uint64)},
+                           "goes with 'input_ids'"),
+                          ({"input_ids": ids, "prompt_table_extra_ids": np.array([0, 7, 7], np.uint64)},
+                           "'prompt_table_extra_ids' needs 'prompt_embedding_table'")):
         with pytest.raises(ValueError, match=words):
             parse_request(inputs)
 

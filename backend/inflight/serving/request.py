@@ -54,7 +54,7 @@ BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
                 "priority", "num_return_sequences", "beam_search_diversity_rate", "pad_id", "draft_input_ids",
                 "draft_logits",
-                "prompt_embedding_table", "prompt_vocab_size",
+                "prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_ids",
                 *SCALAR_PARAMS, *FLAGS,
                 *GUIDE_INPUTS, *BIAS_INPUTS}
 
@@ -207,8 +207,9 @@ def _embedding_table(inputs: dict[str, np.ndarray]) -> np.ndarray | None:
     """TensorRT-LLM's prompt_embedding_table [rows, hidden] (or [1, rows, hidden]), with its
     prompt_vocab_size (the number of rows) when given."""
     if "prompt_embedding_table" not in inputs:
-        if "prompt_vocab_size" in inputs:
-            raise ValueError("input 'prompt_vocab_size' needs 'prompt_embedding_table'")
+        for name in ("prompt_vocab_size", "prompt_table_extra_ids"):
+            if name in inputs:
+                raise ValueError(f"input '{name}' needs 'prompt_embedding_table'")
         return None
     table = inputs["prompt_embedding_table"]
     if table.ndim == 3 and table.shape[0] == 1:
@@ -220,7 +221,22 @@ def _embedding_table(inputs: dict[str, np.ndarray]) -> np.ndarray | None:
     if rows != len(table):
         raise ValueError(f"input 'prompt_vocab_size' ({rows}) must be the number of rows of 'prompt_embedding_table' "
                          f"({len(table)})")
+    _check_extra_ids(inputs)
     return table
+
+
+def _check_extra_ids(inputs: dict[str, np.ndarray]) -> None:
+    """TensorRT-LLM's prompt_table_extra_ids, an id per input token telling its prefix cache which
+    virtual tokens share rows: read and checked, never needed (the prefix cache compares the rows
+    themselves, so equal rows share blocks and different ones never do)."""
+    if "prompt_table_extra_ids" not in inputs:
+        return
+    if "input_ids" not in inputs:
+        raise ValueError("input 'prompt_table_extra_ids' goes with 'input_ids' and 'prompt_embedding_table'")
+    extra, tokens = inputs["prompt_table_extra_ids"], inputs["input_ids"].size
+    if extra.dtype.kind not in "iu" or extra.ndim > 2 or extra.size != tokens:
+        raise ValueError(f"input 'prompt_table_extra_ids' must be UINT64 ids, one per input token ({tokens}), got "
+                         f"{extra.dtype} {list(extra.shape)}")
 
 
 def _token_ids(name: str, ids: np.ndarray) -> list[int]:
