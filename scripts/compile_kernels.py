@@ -4,6 +4,7 @@ that need more registers or shared memory than the GPU has. Prints one row per k
 
     .venv/bin/python scripts/compile_kernels.py                  # sm_80 and sm_90, every dtype
     .venv/bin/python scripts/compile_kernels.py --targets 90 --dtypes float16
+    .venv/bin/python scripts/compile_kernels.py --jobs 1        # one variant at a time (default: a core each)
 
 The variants are those the engine launches: decode (whole and split-KV) and prefill tiles for the
 default model's shape (9 query heads on 3 KV heads, head_dim 64) and a Llama-3-8B-like one (32 on 8,
@@ -11,6 +12,7 @@ head_dim 128), with and without a sliding window, and the split-KV merge.
 """
 
 import argparse
+import multiprocessing
 import os
 import re
 import subprocess
@@ -121,31 +123,48 @@ def variants(dtypes: list[torch.dtype], block_size: int = 16):
                 yield f"merge_splits {shape}", merge, constants, dtype, multiples_of_16(merge, heads, head_dim)
 
 
+def report(job: tuple[int, list[str], int]) -> tuple[str, bool]:
+    """Compile the index-th variant of `dtypes` for `arch`: its table row, and whether it failed (did not
+    compile, spilled, or needs more shared memory than the GPU has). Variants are found by index, so that
+    worker processes rebuild them rather than receive kernels."""
+    arch, dtype_names, index = job
+    name, kernel, constants, dtype, hinted = list(variants([getattr(torch, n) for n in dtype_names]))[index]
+    try:
+        compiled = compile_variant(kernel, constants, dtype, arch, hinted)
+    except Exception as e:  # report every failing variant, not just the first
+        return (f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | FAILED: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''} | | | |"), True
+    usage = resource_usage(compiled.asm["ptx"])
+    shared = compiled.metadata.shared
+    too_big = shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[80])
+    return (f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | {compiled.metadata.num_warps} | "
+            f"{usage['registers']} | {usage['spills']}{' (spilled)' if usage['spills'] else ''} | "
+            f"{shared}{' (over the limit)' if too_big else ''} |"), too_big or usage["spills"] > 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated")
     parser.add_argument("--dtypes", default="float16,bfloat16,float32")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="variants compiled at once")
     args = parser.parse_args()
-    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
-    failures = 0
+    dtype_names = args.dtypes.split(",")
+    count = len(list(variants([getattr(torch, n) for n in dtype_names])))
+    jobs = [(arch, dtype_names, i) for arch in map(int, args.targets.split(",")) for i in range(count)]
     print("| target | kernel | dtype | warps | registers | spill stores (bytes) | shared memory (bytes) |")
     print("|---|---|---|---:|---:|---:|---:|")
-    for arch in map(int, args.targets.split(",")):
-        for name, kernel, constants, dtype, hinted in variants(dtypes):
-            try:
-                compiled = compile_variant(kernel, constants, dtype, arch, hinted)
-            except Exception as e:  # report every failing variant, not just the first
-                failures += 1
-                print(f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | FAILED: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''} | | | |")
-                continue
-            usage = resource_usage(compiled.asm["ptx"])
-            shared = compiled.metadata.shared
-            too_big = shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[80])
-            failures += too_big or usage["spills"] > 0
-            print(f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | {compiled.metadata.num_warps} | "
-                  f"{usage['registers']} | {usage['spills']}{' (spilled)' if usage['spills'] else ''} | "
-                  f"{shared}{' (over the limit)' if too_big else ''} |")
+    failures = 0
+    if args.jobs > 1:  # (spawned: a forked torch is not safe to compile in)
+        pool = multiprocessing.get_context("spawn").Pool(args.jobs)
+        rows = pool.imap(report, jobs)
+    else:
+        pool, rows = None, map(report, jobs)
+    for row, failed in rows:
+        print(row, flush=True)
+        failures += failed
+    if pool is not None:
+        pool.close()
+        pool.join()
     return 1 if failures else 0
 
 
