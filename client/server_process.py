@@ -29,11 +29,14 @@ def free_ports(n: int) -> list[int]:
 
 
 class TritonServer:
-    def __init__(self, env: dict | None = None, repository: Path | None = None, **settings):
-        """`settings` override the shipped model.json; `env` adds environment variables. `repository`: a
-        copy of the model repository to serve, its model.json rewritten with the settings (where an
-        operator would edit it); by default this project's, the settings in a model.json of its own."""
+    def __init__(self, env: dict | None = None, repository: Path | None = None, server_args: tuple = (),
+                 **settings):
+        """`settings` override the shipped model.json; `env` adds environment variables; `server_args`,
+        tritonserver options. `repository`: a copy of the model repository to serve, its model.json
+        rewritten with the settings (where an operator would edit it); by default this project's, the
+        settings in a model.json of its own."""
         self.extra_env = dict(env or {})
+        self.server_args = list(server_args)
         self.repository = repository or ROOT / "model_repository"
         base = json.loads((self.repository / "llm" / "1" / "model.json").read_text())
         base.update(settings)
@@ -55,6 +58,7 @@ class TritonServer:
 
     def start(self, timeout: float = 180.0) -> "TritonServer":
         command, env = server_command(self.repository, self.http_port, self.grpc_port, self.metrics_port)
+        command += self.server_args
         env["INFLIGHT_MODEL_JSON"] = str(self.settings_path)
         env.update(self.extra_env)
         self._log = open(self.log_path, "wb")
