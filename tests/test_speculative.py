@@ -29,7 +29,6 @@ SPEC = {"num_speculative_tokens": 4}
      r"prompt_lookup_min \(5\) exceeds prompt_lookup_max \(3\)"),
     (dict(speculative_config={"num_speculative_tokens": 2, "draft_model": "x"}), "unknown speculative_config key"),
     (dict(speculative_config="ngram"), "must be an object"),
-    (dict(speculative_config=SPEC, async_scheduling=True), "async_scheduling and speculative_config"),
 ])
 def test_the_settings_are_checked(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -43,7 +42,7 @@ def test_one_lookup_bound_fits_the_other():
                                                                               "prompt_lookup_max": 1})
     assert (only_min.speculative_config.prompt_lookup_min, only_min.speculative_config.prompt_lookup_max) == (6, 6)
     assert (only_max.speculative_config.prompt_lookup_min, only_max.speculative_config.prompt_lookup_max) == (1, 1)
-    assert not EngineConfig(model="unused", device="cpu", speculative_config=SPEC).async_scheduling
+    assert not EngineConfig(model="unused", device="cpu", speculative_config=SPEC).async_scheduling  # (a CPU's)
 
 
 def test_lookup_takes_the_longest_then_latest_match():
@@ -290,16 +289,34 @@ def test_preemption_a_small_budget_and_the_prefix_cache(tiny_models, hf_referenc
     assert 0 < stats["spec_decode_accepted_tokens_total"] < stats["spec_decode_draft_tokens_total"]
 
 
+def test_async_scheduling_pipelines_large_batches_and_drafts_for_small_ones(tiny_models, hf_reference):
+    """n-gram drafts under async scheduling: while disable_by_batch_size or more sequences decode, steps
+    pipeline without drafts; once fewer do, the step in flight is read first and each sequence proposes
+    from its latest token. Every output is HF's."""
+    model = tiny_models["llama"]
+    prompts = _repeating_prompts(8, 512, seed=9)
+    params = [SamplingParams(temperature=0, max_tokens=12 if i % 2 else 40, ignore_eos=True) for i in range(8)]
+    llm = LLM(model, num_kv_blocks=64, async_scheduling=True,
+              speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 5})
+    outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.outputs[0].token_ids == hf_reference(model, prompt, p.max_tokens)
+    assert llm.num_pipelined_steps > 5, "steps of 8 decoding sequences were meant to pipeline"
+    assert llm.stats()["spec_decode_accepted_tokens_total"] > 0, "the 4 left were meant to draft"
+    llm.block_manager.check_all_free()
+
+
 @ON_A_GPU
 def test_drafts_on_a_gpu_beside_cuda_graphs(tiny_models):
-    """On a GPU (float32, CUDA graphs for the steps without drafts): the CPU's greedy outputs, with n-gram
-    drafts, and with drafts given with the requests under async scheduling (on by default there)."""
+    """On a GPU (float32, CUDA graphs for the steps without drafts, async scheduling on by default): the
+    CPU's greedy outputs, with n-gram drafts, and with drafts given with the requests."""
     model = tiny_models["llama"]
     prompts = _repeating_prompts(8, 512, seed=5)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(model, num_kv_blocks=64).generate(prompts, params)]
     llm = LLM(model, device="cuda", dtype="float32", num_kv_blocks=64,
               speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    assert llm.config.async_scheduling
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.stats()["spec_decode_accepted_tokens_total"] > 0
     llm.block_manager.check_all_free()

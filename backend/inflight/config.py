@@ -155,13 +155,9 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if self.async_scheduling is None:
-            self.async_scheduling = (self.device_type == "cuda" and self.tensor_parallel_size == 1
-                                     and self.speculative_config is None)
+            self.async_scheduling = self.device_type == "cuda" and self.tensor_parallel_size == 1
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true, false or null, got {self.async_scheduling!r}")
-        if self.async_scheduling and self.speculative_config is not None:
-            raise ValueError("async_scheduling and speculative_config: set one (a sequence proposes drafts from "
-                             "its latest token, which async scheduling has not read yet when it schedules)")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1 (the workers would need the GPU's "
                              "sampled tokens)")

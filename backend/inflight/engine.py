@@ -314,8 +314,10 @@ class LLMEngine:
         batch = None
         try:
             self._drain_inbox(deltas)
-            if self._in_flight is not None and (self._in_flight.beams or self._in_flight.speculated):
-                # the beams it ranks, or the drafts it judges, decide what the next step computes
+            if self._in_flight is not None and (self._in_flight.beams or self._in_flight.speculated
+                                                or self.scheduler.drafts_await_tokens()):
+                # the beams it ranks, or the drafts it judges, decide what the next step computes; n-gram
+                # drafts are proposed from each sequence's latest token
                 self._complete_in_flight(deltas)
             if self.dead_reason is None:
                 batch = self.scheduler.schedule()

@@ -90,10 +90,8 @@ class Scheduler:
         # 1. Decodes: one token for every running sequence whose prompt is fully computed (under async
         #    scheduling, not for one whose token still on the GPU is its last), and its drafts under
         #    speculative decoding where budget and free blocks allow.
-        decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1
-                    and not seq.is_last_token_pending(self.max_model_len)]
-        limit = self.proposer.config.disable_by_batch_size if self.proposer is not None else None
-        speculate = self.proposer is not None and (limit is None or len(decoding) < limit)
+        decoding = self._decoding()
+        speculate = self._speculates(decoding)
         for i, seq in enumerate(decoding):
             if seq.status is SequenceStatus.RUNNING and self._make_room(batch, seq, 1):  # (or preempted for one before)
                 self.block_manager.allocate(seq, 1)
@@ -121,6 +119,22 @@ class Scheduler:
                 self.preempt(seq)
             self._admit(batch, budget)
         return batch
+
+    def _decoding(self) -> list[Sequence]:
+        return [seq for seq in self.running if seq.num_uncomputed_tokens == 1
+                and not seq.is_last_token_pending(self.max_model_len)]
+
+    def _speculates(self, decoding: list[Sequence]) -> bool:
+        """Whether decodes get n-gram drafts this step: under speculative decoding, with fewer decoding
+        sequences than disable_by_batch_size."""
+        limit = self.proposer.config.disable_by_batch_size if self.proposer is not None else None
+        return self.proposer is not None and (limit is None or len(decoding) < limit)
+
+    def drafts_await_tokens(self) -> bool:
+        """Whether a decoding sequence would get n-gram drafts but for its token still in flight (async
+        scheduling): reading that step first lets it propose from its latest token."""
+        decoding = self._decoding()
+        return self._speculates(decoding) and any(self.proposer.awaits_token(seq) for seq in decoding)
 
     def _fit_drafts(self, seq: Sequence, scheduled: int, spare: int, blocks_kept: int) -> int:
         """After the `scheduled` tokens of `seq` just given their blocks (its decode, or its prompt's last

@@ -37,13 +37,22 @@ from .sequence import Sequence
 def can_speculate(seq: Sequence) -> bool:
     """Whether each row of the sequence can be judged alone: nothing that depends on the tokens before
     it beyond the model's logits (its parameters allow it, min_tokens are out, no token is in flight)."""
+    return _rows_judged_alone(seq) and not seq.num_pending
+
+
+def _rows_judged_alone(seq: Sequence) -> bool:
     p = seq.params
-    return p.drafts_judged_alone and seq.num_output_tokens >= p.min_tokens and not seq.num_pending
+    return p.drafts_judged_alone and seq.num_output_tokens >= p.min_tokens
 
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+
+    @staticmethod
+    def awaits_token(seq: Sequence) -> bool:
+        """Whether `seq` could speculate but for its token in flight (async scheduling)."""
+        return seq.num_pending > 0 and _rows_judged_alone(seq)
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to `limit` drafts for `seq` (at most num_speculative_tokens): the tokens that followed the
