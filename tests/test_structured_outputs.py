@@ -172,8 +172,29 @@ def test_max_tokens_cuts_a_constrained_output_as_length(llm, person_prompts):
     ({"structural_tag": {"type": "structural_tag", "format": {"type": "nonsense"}}}, "structural_tag could not be"),
     ({"jsonschema": {}}, "jsonschema"),
     ({"regex": "a", "choice": ["b"]}, "exactly one"),
+    ({"json_object": True, "disable_any_whitespace": "yes"}, "disable_any_whitespace must be true or false"),
 ])
 def test_a_bad_constraint_is_refused_when_added(llm, spec, words):
     with pytest.raises(ValueError, match=words):
         llm.add_request("bad", "Hello", SamplingParams(structured_outputs=spec))
     assert not llm.has_unfinished()
+
+
+def test_vllms_whitespace_and_strictness_options(llm):
+    """vLLM's disable_any_whitespace, disable_additional_properties and disable_fallback may be true: a
+    JSON object then takes no free whitespace (one line, xgrammar's ", " and ": "); JSON schemas are so
+    and closed (xgrammar's strict mode) either way, so those options change nothing there."""
+    grammars = llm.grammars()
+
+    def takes(spec, text):
+        return grammars.matcher(spec).accept_string(text)
+
+    one_line, tight, loose = '{"a": [1, 2]}', '{"a":[1,2]}', '{\n  "a" : [1,  2]}'
+    assert all(takes({"json_object": True}, text) for text in (one_line, tight, loose))
+    spec = {"json_object": True, "disable_any_whitespace": True, "disable_fallback": True}
+    assert takes(spec, one_line) and not takes(spec, tight) and not takes(spec, loose)  # (xgrammar's one form)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for options in ({}, {"disable_any_whitespace": True, "disable_additional_properties": True}):
+        spec = {"json": schema, **options}
+        assert takes(spec, '{"a": 1}') and not takes(spec, '{"a":1}')
+        assert not takes(spec, '{"a": 1, "b": 2}')

@@ -346,7 +346,9 @@ class LLMEngine:
     # sampled and of prompt tokens) are measured on the device and read with the tokens. A grammar or
     # a bad word needs the previous token's value to mask the next: when a step samples such a sequence
     # with a token pending, step N completes after step N+1's forward is launched and before it samples
-    # (the forward still runs while the host works). Without async scheduling a step completes at once.
+    # (the forward still runs while the host works). A step that ranks beams or judges drafts, and one
+    # after which sequences would get n-gram drafts (proposed from their latest token), is read before
+    # the next is scheduled. Without async scheduling a step completes at once.
 
     def _launch(self, batch: ScheduledBatch, deltas: list[RequestDelta]) -> "_InFlight | None":
         """Run `batch` and sample, without waiting for the GPU (unless a sequence's sampling needs the

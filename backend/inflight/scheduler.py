@@ -133,6 +133,8 @@ class Scheduler:
     def drafts_await_tokens(self) -> bool:
         """Whether a decoding sequence would get n-gram drafts but for its token still in flight (async
         scheduling): reading that step first lets it propose from its latest token."""
+        if self.proposer is None:
+            return False
         decoding = self._decoding()
         return self._speculates(decoding) and any(self.proposer.awaits_token(seq) for seq in decoding)
 

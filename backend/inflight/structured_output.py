@@ -23,6 +23,10 @@ import torch
 from .input_buffers import to_device
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# vLLM's options that may be true here: JSON schemas are compiled compact and closed (xgrammar's strict
+# mode: no properties or items the schema does not name) whatever they say; `json_object` takes
+# disable_any_whitespace; there is no other backend to fall back to.
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 # TensorRT-LLM's guided_decoding_guide_type -> our key (its "json" is any JSON object).
 TENSORRT_LLM_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
                             "ebnf_grammar": "grammar", "structural_tag": "structural_tag"}
@@ -34,9 +38,12 @@ def canonical_spec(spec) -> tuple[str, str]:
     if not isinstance(spec, dict):
         raise ValueError(f"structured_outputs must be an object with one of {', '.join(KINDS)}, got "
                          f"{type(spec).__name__}")
-    given = [k for k in spec if spec[k] is not None and spec[k] is not False]
-    # (vLLM's options beyond these may come along null or false, as a serialized StructuredOutputsParams
-    # has them: they ask for nothing)
+    given = [k for k in spec if spec[k] is not None and spec[k] is not False and k not in OPTIONS]
+    # (vLLM's other options may come along null or false, as a serialized StructuredOutputsParams has
+    # them: they ask for nothing)
+    for option in OPTIONS:
+        if spec.get(option) not in (None, False, True):
+            raise ValueError(f"structured_outputs.{option} must be true or false, got {spec[option]!r}")
     unknown = sorted(set(given) - set(KINDS))
     if unknown:
         raise ValueError(f"unknown structured_outputs key(s): {', '.join(unknown)}; use one of {', '.join(KINDS)}")
@@ -51,7 +58,7 @@ def canonical_spec(spec) -> tuple[str, str]:
     if kind == "json_object":
         if value is not True:
             raise ValueError("structured_outputs.json_object must be true")
-        return kind, ""
+        return kind, "compact" if spec.get("disable_any_whitespace") else ""
     if kind == "structural_tag":
         return kind, _structural_tag(value)
     if kind == "choice":
@@ -128,7 +135,7 @@ class StructuredOutputs:
             if kind == "json":
                 return self._compiler.compile_json_schema(text, any_whitespace=False)
             if kind == "json_object":  # an object, as asked (xgrammar's builtin JSON grammar takes any value)
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=text != "compact")
             if kind == "regex":
                 return self._compiler.compile_regex(text)
             if kind == "structural_tag":
