@@ -32,6 +32,7 @@ from .config import SpeculativeConfig
 from .input_buffers import to_device
 from .sampler import apply_token_controls, draw, filter_probs, uniforms
 from .sequence import Sequence
+from .structured_output import grammatical_prefix
 
 
 def can_speculate(seq: Sequence) -> bool:
@@ -66,17 +67,8 @@ class NgramProposer:
             first = seq.prompt_embeds.first_id
             drafts = list(itertools.takewhile(lambda t: t < first, drafts))
         if seq.matcher is not None and drafts:  # what the grammar would refuse is never kept: not drafted
-            drafts = drafts[:_grammatical(seq.matcher, drafts)]
+            drafts = drafts[:grammatical_prefix(seq.matcher, drafts)]
         return drafts
-
-
-def _grammatical(matcher, drafts: list[int]) -> int:
-    """How many of the drafts, in order, the grammar's matcher takes (it is rolled back after)."""
-    taken = 0
-    while taken < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[taken]):
-        taken += 1
-    matcher.rollback(taken)
-    return taken
 
 
 def lookup(tokens: np.ndarray, shortest: int, longest: int, limit: int) -> list[int]:

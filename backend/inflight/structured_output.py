@@ -185,3 +185,13 @@ class StructuredOutputs:
         # Through pinned memory, the rows as a tensor: a plain copy to a GPU would wait for it.
         self._xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device, torch.int32),
                                               indices=to_device(rows, logits.device, torch.int32))
+
+
+def grammatical_prefix(matcher, drafts: list[int]) -> int:
+    """How many of the drafts, in order, the grammar's matcher takes (it is rolled back after): a
+    proposer drafts no further than that."""
+    taken = 0
+    while taken < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[taken]):
+        taken += 1
+    matcher.rollback(taken)
+    return taken
