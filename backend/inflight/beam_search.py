@@ -99,6 +99,7 @@ class BeamSearch:
     # Per seat, where the request has stop strings: the beam's text and its detokenizer
     texts: list[str] | None = None
     decoders: list[IncrementalDetokenizer] | None = None
+    resting: set[int] = field(default_factory=set)  # seats without a continuation this step (reseat)
     improvable: bool = True  # HF's early-stop heuristic: a running beam may still beat a finished one
     done: bool = False
 
@@ -125,7 +126,7 @@ class BeamSearch:
     def add_row(self, seq: Sequence, values: list[float], ids: list[int], logits: np.ndarray | None = None) -> bool:
         """A beam's measured row (and its raw logits); True once every beam has its row for this step."""
         self.rows[self.seats.index(seq)] = (values, ids, logits)
-        return len(self.rows) == len(self.seats)
+        return len(self.rows) == len(self.seats) - len(self.resting)
 
     def has_row(self, seq: Sequence) -> bool:
         return self.seats.index(seq) in self.rows
@@ -199,7 +200,10 @@ class BeamSearch:
                new_seat: Callable[[int], Sequence]) -> None:
         """Make `continuations` the beams: a beam continued keeps its seat for its first continuation;
         its others take the seats of beams continued by none (or new seats, on the first step), with a
-        fork of its blocks and tokens."""
+        fork of its blocks and tokens. Seats left over (fewer continuations than beams: stop strings can
+        end more of the ranked ones than the end tokens the ranking makes room for) rest, out of the
+        scheduler's queues and their blocks freed, until a later step has a continuation for them; HF's
+        search runs such beams on with a score of -inf, which no continuation of theirs can win with."""
         kept: dict[int, Continuation] = {}
         moved: list[Continuation] = []
         for c in continuations:
@@ -244,6 +248,9 @@ class BeamSearch:
             if logged:
                 self.steps[seat].append(c.step)
             self._take_text(seat, c)
+        self.resting = set(free[len(moved):])
+        for seat in self.resting:
+            scheduler.set_aside(self.seats[seat])
         for seq in self.seats:
             seq.num_tokens_sent = len(seq.output_token_ids)  # beams hand out nothing before the end
 

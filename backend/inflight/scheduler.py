@@ -238,6 +238,16 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=_queue_order)
         self.num_preemptions += 1
 
+    def set_aside(self, seq: Sequence) -> None:
+        """Take a beam that has no continuation this step out of the queues, its blocks freed: it waits,
+        unqueued, until its search gives it one (requeue) or ends (finish)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = SequenceStatus.WAITING
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the queues for good and return its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
