@@ -127,8 +127,10 @@ class Scheduler:
     def _speculates(self, decoding: list[Sequence]) -> bool:
         """Whether decodes get n-gram drafts this step: under speculative decoding, with fewer decoding
         sequences than disable_by_batch_size."""
-        limit = self.proposer.config.disable_by_batch_size if self.proposer is not None else None
-        return self.proposer is not None and (limit is None or len(decoding) < limit)
+        if self.proposer is None:
+            return False
+        limit = self.proposer.config.disable_by_batch_size
+        return limit is None or len(decoding) < limit
 
     def drafts_await_tokens(self) -> bool:
         """Whether a decoding sequence would get n-gram drafts but for its token still in flight (async
@@ -241,22 +243,23 @@ class Scheduler:
     def set_aside(self, seq: Sequence) -> None:
         """Take a beam that has no continuation this step out of the queues, its blocks freed: it waits,
         unqueued, until its search gives it one (requeue) or ends (finish)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self._free(seq)
+        self._take_out(seq)
         seq.status = SequenceStatus.WAITING
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the queues for good and return its blocks at once."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # not queued if never added
-            self.waiting.remove(seq)
-        self._free(seq)
+        self._take_out(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _take_out(self, seq: Sequence) -> None:
+        """Out of whichever queue holds it (a waiting one may be in none: never added, or set aside), its
+        blocks freed."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
         seq.metrics.kv_total_blocks = max(seq.metrics.kv_total_blocks, len(seq.block_table))
