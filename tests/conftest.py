@@ -23,7 +23,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "client"))  # the clients and helpers the tests share with the benchmarks
 DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 
-torch.set_num_threads(int(os.environ.get("INFLIGHT_TEST_THREADS", "2")))
+# Two torch threads per test process, one each when pytest-xdist runs two (`make test` on 2 cores).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("INFLIGHT_TEST_THREADS", max(1, 2 // _workers))))
 
 # The engines under test run on the CPU unless a test asks for a GPU (device="cuda"): "auto" would pick
 # a GPU where there is one, but the HF references and the served tests' expectations are computed on

@@ -474,12 +474,14 @@ def test_token_controls_prompt_truncation_and_kept_stop_strings(server, offline)
         ({"no_repeat_ngram_size": 1}, {}, dict(no_repeat_ngram_size=1)),
         ({}, {"no_repeat_ngram_size": 1}, dict(no_repeat_ngram_size=1)),
     ]
-    for sampling, inputs, params in cases:
-        expected = offline.generate([prompt], SamplingParams(**greedy(**params)))[0]
-        result = generate(server.grpc_url, prompt, sampling_parameters={**greedy(), **sampling},
-                          return_num_input_tokens=True, **inputs)
-        assert result.error is None and result.text == expected.text != plain.text, (sampling, inputs)
-        assert int(result.responses[0]["num_input_tokens"][0]) == len(expected.prompt_token_ids)
+    # All at once, offline as one batch and served as concurrent streams.
+    expected = offline.generate([prompt] * len(cases), [SamplingParams(**greedy(**params)) for *_, params in cases])
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: generate(server.grpc_url, prompt, return_num_input_tokens=True,
+                                                      sampling_parameters={**greedy(), **case[0]}, **case[1]), cases))
+    for (sampling, inputs, _), result, want in zip(cases, results, expected):
+        assert result.error is None and result.text == want.text != plain.text, (sampling, inputs)
+        assert int(result.responses[0]["num_input_tokens"][0]) == len(want.prompt_token_ids)
     # A client that sends every field of vLLM's SamplingParams: nulls and the defaults of fields we lack.
     every_field = {**greedy(), "seed": None, "logit_bias": None, "best_of": None, "detokenize": True,
                    "spaces_between_special_tokens": True, "guided_decoding": None}

@@ -428,6 +428,7 @@ def server():
                      max_num_batched_tokens=256)
 
 
+@pytest.mark.server
 def test_served_with_drafts(server, engines):
     """Through tritonserver: the streamed text equals the engine's without drafts; the final response's
     perf metrics count the request's drafts, and the Prometheus counters the server's."""
@@ -446,6 +447,7 @@ def test_served_with_drafts(server, engines):
     assert_all_blocks_free(server)
 
 
+@pytest.mark.server
 def test_served_with_tensorrt_llm_draft_input_ids(server, engines):
     """TensorRT-LLM's draft-target flow: input_ids and a draft model's draft_input_ids (and draft_logits)
     in, the tokens the target keeps out (here: two right drafts, then a wrong one)."""
@@ -484,6 +486,7 @@ def test_served_with_tensorrt_llm_draft_input_ids(server, engines):
     assert_all_blocks_free(server)
 
 
+@pytest.mark.server
 def test_served_cancellation_storm_with_drafts(server, engines):
     """32 drafting streams cancelled after a few responses, a third of them with drafts of their own,
     among drafting streams that must come out exact (two with drafts given, token ids in and out), in a
