@@ -568,8 +568,9 @@ def test_adapters_added_by_loading_the_model_again(tmp_path, lora_modules, offli
 
     shutil.copytree(ROOT / "model_repository", tmp_path / "repository", ignore=shutil.ignore_patterns("__pycache__"))
     long_params = dict(max_tokens=160, temperature=0.0, ignore_eos=True)
-    expected_long = offline.generate([PROMPTS[0]], SamplingParams(**long_params))[0].text
-    expected_alpha = offline.generate([PROMPTS[4]], SamplingParams(**greedy()), lora_name="alpha")[0].text
+    expected_long, expected_alpha = (o.text for o in offline.generate(  # one batch, the base model beside alpha
+        [PROMPTS[0], PROMPTS[4]], [SamplingParams(**long_params), SamplingParams(**greedy())],
+        lora_name=[None, "alpha"]))
     with TritonServer(repository=tmp_path / "repository", device="cpu", server_args=("--exit-timeout-secs", "5"),
                       **SETTINGS) as server:
         error = generate(server.grpc_url, PROMPTS[4], sampling_parameters={**greedy(), "lora_name": "alpha"}).error
