@@ -33,7 +33,7 @@ test: setup-serving
 	exit $$(( engine || served ))
 
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests -m "not slow and not server"
+	$(PY) -m pytest -q -p no:cacheprovider tests -m "not slow and not server" -n $(TEST_WORKERS) --dist worksteal
 
 bench: setup-serving
 	$(PY) client/bench.py --threads $(THREADS)
