@@ -10,6 +10,8 @@ MINUTES ?= 10
 CONCURRENCY ?= 1,2,4,8,16,32
 REQUESTS ?= 64
 TEST_WORKERS ?= $(if $(wildcard /dev/nvidia0),0,2)
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+IN_WORKERS = -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: setup setup-serving serve test test-fast bench bench-kernels bench-gpu compile-kernels load soak clean
 
@@ -26,14 +28,14 @@ serve: setup-serving
 # a GPU host, where they would share one GPU's memory), then the served ones one at a time: their
 # timings (refusals within a second, latency gaps) assume the server has the cores to itself.
 test: setup-serving
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m "not server" -n $(TEST_WORKERS) --dist worksteal tests; \
+	$(PYTEST) --durations=15 -m "not server" $(IN_WORKERS) tests; \
 	engine=$$?; \
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 -m server tests; \
+	$(PYTEST) --durations=15 -m server tests; \
 	served=$$?; \
 	exit $$(( engine || served ))
 
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests -m "not slow and not server" -n $(TEST_WORKERS) --dist worksteal
+	$(PYTEST) -m "not slow and not server" $(IN_WORKERS) tests
 
 bench: setup-serving
 	$(PY) client/bench.py --threads $(THREADS)
