@@ -4,6 +4,7 @@ speculate, under preemption, a small token budget and the prefix cache), aborts,
 tritonserver with its metrics; drafts given with a request (TensorRT-LLM's draft_input_ids) judged
 with its prompt's end, one step at a time and pipelined, offline and served."""
 
+import dataclasses
 import json
 import random
 from types import SimpleNamespace
@@ -287,6 +288,63 @@ def test_preemption_a_small_budget_and_the_prefix_cache(tiny_models, hf_referenc
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert 0 < stats["spec_decode_accepted_tokens_total"] < stats["spec_decode_draft_tokens_total"]
+
+
+def _run_capped(llm, prompt, params, steps: int = 40) -> tuple[dict, dict, np.ndarray | None]:
+    """Each completion's tokens and finish reason, and the context logits, stepping at most `steps` times
+    (a stranded completion would keep generate() waiting forever)."""
+    llm.add_request("r", prompt, params)
+    tokens, ends, context = {}, {}, None
+    for _ in range(steps):
+        for d in llm.step():
+            tokens[d.index] = tokens.get(d.index, []) + d.new_token_ids
+            ends[d.index] = d.finish_reason
+            context = d.context_logits if d.context_logits is not None else context
+        if not llm.has_unfinished():
+            return tokens, ends, context
+    raise AssertionError(f"unfinished after {steps} steps: {tokens}")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "pipelined"])
+def test_a_prompt_end_drafts_only_for_its_own_next_token(tiny_models, hf_reference, async_scheduling):
+    """A prompt whose last chunk is its last token alone, the end of a repeated segment: that chunk is
+    scheduled like a decode, and drafts from there are judged with it. Not where its row is more than
+    the sequence's own next token: with n = 2 both completions draw their first token from it (drafts
+    there once stranded the second completion, never scheduled again), and with context logits it is
+    their last row (drafts there once dropped it). A plain request still drafts from its prompt's end."""
+    model = tiny_models["llama"]
+    prompt = list(range(5, 15)) * 3  # a budget of 29 leaves the 30th token a chunk of its own
+    settings = dict(num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=29, async_scheduling=async_scheduling,
+                    enable_prefix_caching=False)  # (every run computes its prompt as 29 tokens, then 1)
+    llm = LLM(model, speculative_config={"num_speculative_tokens": 3}, **settings)
+    greedy = hf_reference(model, prompt, 8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    schedule, drafts_scheduled = llm.scheduler.schedule, []
+
+    def recording_schedule():
+        batch = schedule()
+        drafts_scheduled.append([len(seq.drafts) for seq in batch.seqs])
+        return batch
+
+    llm.scheduler.schedule = recording_schedule
+    for kind in (dict(n=2), dict(return_context_logits=True), {}):
+        llm.add_request("first steps", prompt, dataclasses.replace(params, **kind))
+        for _ in range(2):  # the first 29 prompt tokens, then the last
+            llm.step()
+        llm.abort("first steps")
+        llm.step()
+    assert drafts_scheduled[1::3] == [[0], [0], [3]]  # the steps of the prompts' last tokens
+    tokens, ends, _ = _run_capped(llm, prompt, dataclasses.replace(params, n=2))
+    assert tokens == {0: greedy, 1: greedy} and ends == {0: "length", 1: "length"}
+    tokens, ends, _ = _run_capped(llm, prompt, SamplingParams(temperature=1.0, max_tokens=8, n=2, seed=3,
+                                                                 ignore_eos=True))
+    assert sorted(map(len, tokens.values())) == [8, 8] and ends == {0: "length", 1: "length"}
+    tokens, _, context = _run_capped(llm, prompt, dataclasses.replace(params, return_context_logits=True))
+    _, _, expected = _run_capped(LLM(model, **settings), prompt,
+                                 dataclasses.replace(params, return_context_logits=True))
+    assert tokens == {0: greedy} and context.shape == (len(prompt), 512)
+    np.testing.assert_allclose(context, expected, atol=1e-5, rtol=1e-5)
+    llm.block_manager.check_all_free()
 
 
 def test_async_scheduling_pipelines_large_batches_and_drafts_for_small_ones(tiny_models, hf_reference):

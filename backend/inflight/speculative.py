@@ -37,8 +37,12 @@ from .structured_output import grammatical_prefix
 
 def can_speculate(seq: Sequence) -> bool:
     """Whether each row of the sequence can be judged alone: nothing that depends on the tokens before
-    it beyond the model's logits (its parameters allow it, min_tokens are out, no token is in flight)."""
-    return _rows_judged_alone(seq) and not seq.num_pending
+    it beyond the model's logits (its parameters allow it, min_tokens are out, no token is in flight),
+    and, where a sequence drafts from its prompt's last token, that row is its own next token's only:
+    not also its other completions' first (n forks them from it) nor the context logits' last."""
+    at_prompt_end = seq.num_output_tokens == 0
+    return (_rows_judged_alone(seq) and not seq.num_pending
+            and not (at_prompt_end and (seq.forks_left or seq.params.return_context_logits)))
 
 
 def _rows_judged_alone(seq: Sequence) -> bool:
