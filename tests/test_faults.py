@@ -84,6 +84,31 @@ def test_injected_faults_end_each_request_once_and_the_engine_serves_on(model, e
     assert [[t for d in again[f"again{i}"] for t in d.new_token_ids] for i in range(4)] == outputs[:4]
 
 
+def test_a_failure_reading_the_step_in_flight_ends_its_requests_alone(model, expected):
+    """Pipelined, a step that ranks beams is read before the next one is scheduled; a failure there
+    ends the requests of that step, not the others (it once ended every request, waiting ones too)."""
+    prompts, outputs = expected
+    engine = LLM(model, num_kv_blocks=128, max_num_seqs=4, async_scheduling=True)
+    real, failed_step = engine._complete, []
+
+    def complete(step, deltas):
+        if step is not None and step.beams and not failed_step:
+            failed_step.append({seq.request_id for seq in step.batch.seqs})
+            raise RuntimeError("reading the beams broke")
+        return real(step, deltas)
+
+    engine._complete = complete
+    beams = SamplingParams(max_tokens=8, beam_width=2, temperature=0.0)
+    deltas = run(engine, {"beams": (prompts[0], beams)} | {str(i): (p, GREEDY) for i, p in enumerate(prompts[1:], 1)})
+    assert_one_final_each(deltas)
+    failed = {request_id for request_id, ds in deltas.items() if ds[-1].error}
+    assert "beams" in failed and failed == failed_step[0] and len(failed) < len(prompts) // 2
+    for i in range(1, len(prompts)):
+        if str(i) not in failed:
+            assert [t for d in deltas[str(i)] for t in d.new_token_ids] == outputs[i]
+    engine.block_manager.check_all_free()
+
+
 def test_a_failure_outside_the_batch_fails_every_request(model):
     """When the scheduler itself raises, no request's state can be trusted: all end, blocks come back."""
     engine = LLM(model, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)

@@ -1,9 +1,11 @@
 """Random mixes: requests of every kind arriving over the steps of one engine, some aborted, with
 priorities, over a pool small enough to preempt and a budget small enough to chunk every prompt, on
 prompts that share prefixes (the prefix cache) and repeat themselves (n-gram drafts), some given as
-embeddings or with drafts of their own. Whatever ran beside a request, its output must be the one it
-gets alone, every refusal the same, every block back. One step at a time and pipelined, with and
-without speculative decoding, and with LoRA adapters; three seeds each.
+embeddings or with drafts of their own, some constrained to a regex, a choice or a JSON schema.
+Whatever ran beside a request, its output must be the one it gets alone, every refusal the same, every
+block back. One step at a time and pipelined, with and without speculative decoding, and with LoRA
+adapters; three seeds each. And with faults injected at random steps: only the requests of those steps
+may fail.
 
 Mixes like these found that a prompt's end which drafted stranded the second of n completions (never
 scheduled again, so its request never finished) and dropped the last row of context logits, while
@@ -17,12 +19,15 @@ import numpy as np
 import pytest
 import torch
 
-from inflight import LLM, SamplingParams
+from inflight import LLM, SamplingParams, faults
 from lora_adapters import make_lora_adapters
 
 VOCAB = 512
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 TIGHT = dict(num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=16, block_size=8, max_model_len=96)
+CONSTRAINTS = [{"regex": "[a-z]{2,6}( [a-z]{2,6}){0,3}"}, {"choice": ["yes", "no", "maybe not"]},
+               {"json": {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+                         "required": ["n", "ok"], "additionalProperties": False}}]
 CONFIGS = {
     "one-at-a-time": dict(async_scheduling=False),
     "pipelined": dict(async_scheduling=True),
@@ -56,6 +61,10 @@ def random_params(rng: random.Random) -> SamplingParams:
         sampled,
         dict(sampled, n=2),
         dict(sampled, temperature=0.8, top_p=1.0, top_k=5, min_p=0.05, logprobs=1),
+        dict(greedy, max_tokens=rng.randint(8, 24), ignore_eos=False, structured_outputs=rng.choice(CONSTRAINTS)),
+        dict(sampled, ignore_eos=False, structured_outputs=rng.choice(CONSTRAINTS), logprobs=1),
+        dict(greedy, max_tokens=rng.randint(1, 16), beam_width=2, ignore_eos=False,
+             structured_outputs=rng.choice(CONSTRAINTS)),
     ]
     return SamplingParams(**rng.choice(kinds))
 
@@ -153,6 +162,58 @@ def run_alone(llm: LLM, requests) -> Outputs:
     return alone
 
 
+def record_batches(llm: LLM) -> dict[int, set[str]]:
+    """{step number: the requests its batch ran}, steps counted as faults count them (those that run a
+    batch)."""
+    batches, schedule = {}, llm.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        if batch.seqs:
+            batches[llm.num_steps + 1] = {seq.request_id for seq in batch.seqs}
+        return batch
+
+    llm.scheduler.schedule = recording
+    return batches
+
+
+def assert_as_alone(got: Outputs, alone: Outputs, requests, settings: dict, aborted: set[str],
+                    failed: set[str] = frozenset()) -> None:
+    """Each request's outputs are those it got alone; an aborted or failed one only as far as it got,
+    ending as it did alone, or aborted, or (failed) with an error."""
+    for request_id, _, params, _, _ in requests:
+        assert got.refused.get(request_id) == alone.refused.get(request_id), request_id
+        # A sampled request's draws follow the steps that carried its drafts (budget, batch size): with
+        # drafts its tokens may differ from its own alone; where it can stop (EOS, a grammar's end), so
+        # may their number and how they ended.
+        sampled = params.temperature > 0 and ("speculative_config" in settings or bool(params.draft_token_ids))
+        ends_anywhere = sampled and not params.ignore_eos
+
+        def ends_as_alone(key, end) -> bool:
+            return end in ("stop", "length") if ends_anywhere else end == alone.ends.get(key)
+
+        completions = alone.completions(request_id)
+        if request_id in aborted | failed:
+            for key in got.completions(request_id):
+                end = got.ends.get(key)
+                assert end == "abort" or ends_as_alone(key, end) or (request_id in failed and end[0] == "error"), key
+                if not (sampled or params.beam_search):  # (beams give their tokens at the end)
+                    assert got.tokens[key] == alone.tokens[key][:len(got.tokens[key])], key
+            continue
+        assert got.completions(request_id) == completions, request_id
+        for key in completions:
+            assert ends_as_alone(key, got.ends.get(key)), (key, params)
+            if ends_anywhere:
+                assert len(got.tokens[key]) <= params.max_tokens, (key, params)
+            elif sampled:
+                assert len(got.tokens[key]) == len(alone.tokens[key]), (key, params)
+            else:
+                assert got.tokens[key] == alone.tokens[key], (key, params)
+            assert got.prompt_logprob_ids.get(key) == alone.prompt_logprob_ids.get(key), key
+            if key in alone.context_logits:
+                np.testing.assert_allclose(got.context_logits[key], alone.context_logits[key], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("config", CONFIGS)
 def test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, tmp_path_factory, config, seed):
@@ -164,31 +225,35 @@ def test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, tmp_pa
     got, aborted = run_mix(llm, requests, seed)
     llm.block_manager.check_all_free()
     alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings), requests)
-    for request_id, _, params, _, _ in requests:
-        assert got.refused.get(request_id) == alone.refused.get(request_id), request_id
-        # A sampled request's draws follow the steps that carried its drafts (budget, batch size): with
-        # drafts its tokens may differ from its own alone, never their number or how they ended.
-        sampled = params.temperature > 0 and ("speculative_config" in settings or bool(params.draft_token_ids))
-        completions = alone.completions(request_id)
-        if request_id in aborted:
-            for key in got.completions(request_id):
-                assert got.ends.get(key) in ("abort", alone.ends.get(key)), key
-                if not (sampled or params.beam_search):  # (beams give their tokens at the end)
-                    assert got.tokens[key] == alone.tokens[key][:len(got.tokens[key])], key
-            continue
-        assert got.completions(request_id) == completions, request_id
-        for key in completions:
-            assert got.ends.get(key) == alone.ends.get(key), (key, params)
-            if sampled:
-                assert len(got.tokens[key]) == len(alone.tokens[key]), (key, params)
-            else:
-                assert got.tokens[key] == alone.tokens[key], (key, params)
-            assert got.prompt_logprob_ids.get(key) == alone.prompt_logprob_ids.get(key), key
-            if key in alone.context_logits:
-                np.testing.assert_allclose(got.context_logits[key], alone.context_logits[key], atol=1e-4, rtol=1e-4)
+    assert_as_alone(got, alone, requests, settings, aborted)
     stats = llm.stats()
     assert aborted and stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     if settings["async_scheduling"]:
         assert llm.num_pipelined_steps > 0
     if "speculative_config" in settings:
         assert stats["spec_decode_draft_tokens_total"] > 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("config", ["one-at-a-time", "drafts-pipelined"])
+def test_faults_in_a_random_mix_end_only_the_requests_of_their_steps(tiny_models, config, seed):
+    """The forward pass, the sampler or the detokenizer raises at six steps of the mix: a request in
+    such a step (pipelined, also one in the step in flight before it) may end with that error; every
+    other request gets its output alone; the engine serves on, every block back."""
+    model, settings = tiny_models["llama"], CONFIGS[config]
+    requests = random_requests(seed, [])
+    rng = random.Random(seed + 2000)
+    fault_steps = sorted(rng.sample(range(2, 120, 3), 6))  # (never in a row: three in a row stop the engine)
+    llm = faults.inject(LLM(model, **TIGHT, **settings),
+                        ",".join(f"{rng.choice(list(faults.STAGES))}@{step}" for step in fault_steps))
+    batches = record_batches(llm)
+    got, aborted = run_mix(llm, requests, seed)
+    llm.block_manager.check_all_free()
+    assert llm.dead_reason is None and llm.stats()["failed_steps_total"] > 0
+    errors = {key[0]: end[1] for key, end in got.ends.items() if isinstance(end, tuple)}
+    assert errors and all("injected" in error for error in errors.values()), errors
+    before = 1 if settings["async_scheduling"] else 0  # (the step in flight)
+    assert errors.keys() <= set().union(*(batches.get(step, set()) | batches.get(step - before, set())
+                                          for step in fault_steps))
+    alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings), requests)
+    assert_as_alone(got, alone, requests, settings, aborted, errors.keys())

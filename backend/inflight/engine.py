@@ -311,16 +311,19 @@ class LLMEngine:
         """Schedule, run one forward pass, sample, and return what each touched request gained.
         Never raises for a failure of the step itself: see the module's docstring."""
         deltas: list[RequestDelta] = []
-        batch = None
+        touched = None  # the sequences a failure now would end; None: all, nothing is known good
         try:
             self._drain_inbox(deltas)
             if self._in_flight is not None and (self._in_flight.beams or self._in_flight.speculated
                                                 or self.scheduler.drafts_await_tokens()):
                 # the beams it ranks, or the drafts it judges, decide what the next step computes; n-gram
                 # drafts are proposed from each sequence's latest token
+                touched = self._in_flight.batch.seqs
                 self._complete_in_flight(deltas)
+                touched = None
             if self.dead_reason is None:
                 batch = self.scheduler.schedule()
+                touched = batch.seqs + (self._in_flight.batch.seqs if self._in_flight is not None else [])
                 launched = self._launch(batch, deltas)
                 self._complete_in_flight(deltas)
                 if self.config.async_scheduling:
@@ -329,8 +332,8 @@ class LLMEngine:
                     self._complete(launched, deltas)
         except Exception as e:
             logger.exception("engine step failed")
-            in_flight, self._in_flight = self._in_flight, None
-            self._fail_step(e, batch, deltas, in_flight.batch if in_flight is not None else None)
+            self._in_flight = None  # (its tokens are lost: its sequences are among those touched)
+            self._fail_step(e, touched, deltas)
         else:
             self._consecutive_failures = 0
         return deltas
@@ -716,11 +719,10 @@ class LLMEngine:
         return self._delta(seq)
 
     # -- failures ----------------------------------------------------------------------------------
-    def _fail_step(self, error: Exception, batch: ScheduledBatch | None, deltas: list[RequestDelta],
-                   in_flight: ScheduledBatch | None = None) -> None:
-        """End what a failed step touched (and the step in flight, under async scheduling, whose
-        tokens are lost). The deltas already built stay: a request that finished earlier in the step
-        keeps its normal end."""
+    def _fail_step(self, error: Exception, touched: list[Sequence] | None, deltas: list[RequestDelta]) -> None:
+        """End the requests of what a failed step touched: its batch and the step in flight, under
+        async scheduling, whose tokens are lost (every request, for None). The deltas already built
+        stay: a request that finished earlier in the step keeps its normal end."""
         self.num_failed_steps += 1
         self._consecutive_failures += 1
         message = f"the engine failed: {type(error).__name__}: {error}"
@@ -728,10 +730,9 @@ class LLMEngine:
             self._die(message)
         elif self._consecutive_failures >= self.config.max_consecutive_failed_steps:
             self._die(f"{self._consecutive_failures} steps failed in a row; the last: {message}")
-        if batch is None or self.dead_reason is not None:
-            failed = list(self._requests)  # failed outside the batch: nothing is known good
+        if touched is None or self.dead_reason is not None:
+            failed = list(self._requests)
         else:
-            touched = batch.seqs + (in_flight.seqs if in_flight is not None else [])
             failed = list(dict.fromkeys(seq.request_id for seq in touched))
         for request_id in failed:  # every completion of a failed request
             for seq in list(self._requests.get(request_id, [])):
