@@ -4,8 +4,8 @@ prompts that share prefixes (the prefix cache) and repeat themselves (n-gram dra
 embeddings or with drafts of their own, some constrained to a regex, a choice or a JSON schema.
 Whatever ran beside a request, its output must be the one it gets alone, every refusal the same, every
 block back. One step at a time and pipelined, with and without speculative decoding, and with LoRA
-adapters; three seeds each. And with faults injected at random steps: only the requests of those steps
-may fail.
+adapters; three seeds each. With faults injected at random steps: only the requests of those steps
+may fail. And over two ranks (tensor parallelism), with and without faults.
 
 Mixes like these found that a prompt's end which drafted stranded the second of n completions (never
 scheduled again, so its request never finished) and dropped the last row of context logits, while
@@ -177,6 +177,24 @@ def record_batches(llm: LLM) -> dict[int, set[str]]:
     return batches
 
 
+def run_mix_with_faults(llm: LLM, requests, seed: int) -> tuple[Outputs, set[str], set[str]]:
+    """run_mix with the forward pass, the sampler or the detokenizer raising at six of its steps: a
+    request in such a step (pipelined, also one in the step in flight before it) may end with that
+    error, and the engine serves on. Also returns the requests that failed."""
+    rng = random.Random(seed + 2000)
+    fault_steps = sorted(rng.sample(range(2, 120, 3), 6))  # (never in a row: three in a row stop the engine)
+    faults.inject(llm, ",".join(f"{rng.choice(list(faults.STAGES))}@{step}" for step in fault_steps))
+    batches = record_batches(llm)
+    got, aborted = run_mix(llm, requests, seed)
+    assert llm.dead_reason is None and llm.stats()["failed_steps_total"] > 0
+    errors = {key[0]: end[1] for key, end in got.ends.items() if isinstance(end, tuple)}
+    assert errors and all("injected" in error for error in errors.values()), errors
+    before = 1 if llm.config.async_scheduling else 0  # (the step in flight)
+    assert errors.keys() <= set().union(*(batches.get(step, set()) | batches.get(step - before, set())
+                                          for step in fault_steps))
+    return got, aborted, set(errors)
+
+
 def assert_as_alone(got: Outputs, alone: Outputs, requests, settings: dict, aborted: set[str],
                     failed: set[str] = frozenset()) -> None:
     """Each request's outputs are those it got alone; an aborted or failed one only as far as it got,
@@ -237,23 +255,32 @@ def test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, tmp_pa
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("config", ["one-at-a-time", "drafts-pipelined"])
 def test_faults_in_a_random_mix_end_only_the_requests_of_their_steps(tiny_models, config, seed):
-    """The forward pass, the sampler or the detokenizer raises at six steps of the mix: a request in
-    such a step (pipelined, also one in the step in flight before it) may end with that error; every
-    other request gets its output alone; the engine serves on, every block back."""
     model, settings = tiny_models["llama"], CONFIGS[config]
     requests = random_requests(seed, [])
-    rng = random.Random(seed + 2000)
-    fault_steps = sorted(rng.sample(range(2, 120, 3), 6))  # (never in a row: three in a row stop the engine)
-    llm = faults.inject(LLM(model, **TIGHT, **settings),
-                        ",".join(f"{rng.choice(list(faults.STAGES))}@{step}" for step in fault_steps))
-    batches = record_batches(llm)
-    got, aborted = run_mix(llm, requests, seed)
+    llm = LLM(model, **TIGHT, **settings)
+    got, aborted, failed = run_mix_with_faults(llm, requests, seed)
     llm.block_manager.check_all_free()
-    assert llm.dead_reason is None and llm.stats()["failed_steps_total"] > 0
-    errors = {key[0]: end[1] for key, end in got.ends.items() if isinstance(end, tuple)}
-    assert errors and all("injected" in error for error in errors.values()), errors
-    before = 1 if settings["async_scheduling"] else 0  # (the step in flight)
-    assert errors.keys() <= set().union(*(batches.get(step, set()) | batches.get(step - before, set())
-                                          for step in fault_steps))
     alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings), requests)
-    assert_as_alone(got, alone, requests, settings, aborted, errors.keys())
+    assert_as_alone(got, alone, requests, settings, aborted, failed)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="transformers builds the tensor-parallel mesh on the GPU "
+                                                      "where there is one; this test shards over CPU processes")
+@pytest.mark.parametrize("with_faults", [False, True], ids=["healthy", "faults"])
+def test_a_random_mix_over_two_ranks_gets_each_request_its_output_alone(tiny_models, with_faults):
+    """Tensor parallelism (two ranks over gloo, one step at a time: pipelining needs one rank), with
+    n-gram drafts; alone means on one rank."""
+    model, settings = tiny_models["llama"], CONFIGS["drafts"]
+    seed = int(with_faults)
+    requests = random_requests(seed, [])
+    llm = LLM(model, **TIGHT, **settings, tensor_parallel_size=2, num_threads=1)
+    try:
+        got, aborted, failed = run_mix_with_faults(llm, requests, seed) if with_faults \
+            else (*run_mix(llm, requests, seed), set())
+        llm.block_manager.check_all_free()
+        assert llm.stats()["spec_decode_draft_tokens_total"] > 0
+    finally:
+        llm.close()
+    alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings), requests)
+    assert_as_alone(got, alone, requests, settings, aborted, failed)
