@@ -12,13 +12,16 @@ scheduled again, so its request never finished) and dropped the last row of cont
 each request alone was fine; test_speculative.py keeps that case, which these seeds do not reach."""
 
 import dataclasses
+import functools
 import random
+import time
 from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import concurrently
 from inflight import LLM, SamplingParams, faults
 from lora_adapters import make_lora_adapters
 
@@ -284,3 +287,73 @@ def test_a_random_mix_over_two_ranks_gets_each_request_its_output_alone(tiny_mod
         llm.close()
     alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings), requests)
     assert_as_alone(got, alone, requests, settings, aborted, failed)
+
+
+def served_inputs(prompt: list[int], params: SamplingParams, priority: int, lora_name: str | None) -> dict:
+    """A request's Triton inputs: its token ids, the parameters that are not at their defaults as
+    vLLM's sampling_parameters, and n as TensorRT-LLM's num_return_sequences (with input_ids, each
+    completion streams in responses of its own)."""
+    defaults, sampling = SamplingParams(), {}
+    for field in dataclasses.fields(SamplingParams):
+        value = getattr(params, field.name)
+        if field.name != "n" and value != getattr(defaults, field.name):
+            sampling[field.name] = {str(k): v for k, v in value.items()} if field.name == "logit_bias" else value
+    sampling |= {"priority": priority} | ({"lora_name": lora_name} if lora_name else {})
+    inputs = dict(input_ids=np.array(prompt, np.int32), sampling_parameters=sampling, return_finish_reason=True)
+    return inputs | ({"num_return_sequences": params.n} if params.n > 1 else {})
+
+
+def served_outputs(results: dict) -> Outputs:
+    """Each stream's output_ids and finish reasons, per completion (sequence_index); its error, where it
+    was refused (not cancelled)."""
+    got = Outputs()
+    for request_id, result in results.items():
+        if result.error not in (None, "cancelled"):
+            got.refused[request_id] = result.error
+        for response in result.responses:
+            key = (request_id, int(response["sequence_index"][0]) if "sequence_index" in response else 0)
+            got.tokens[key] += [int(t) for t in response.get("output_ids", [])]
+            reason = response.get("finish_reason")
+            if reason is not None and reason[0]:
+                got.ends[key] = reason[0].decode()
+        if result.error == "cancelled":  # what had not ended, the cancellation aborted
+            for key in got.completions(request_id):
+                got.ends.setdefault(key, "abort")
+    return got
+
+
+@pytest.mark.server
+def test_a_random_mix_through_tritonserver_gets_each_stream_its_output_alone(tiny_models, tmp_path):
+    """The mix's requests sent as token ids (embeddings are left out: TensorRT-LLM's convention sends
+    tables in float16) on gRPC streams of their own, all within three seconds, a fifth cancelled after
+    a few responses, to a tritonserver serving pipelined with n-gram drafts and two LoRA adapters: each
+    stream gets the output_ids and finish reasons its request gets alone offline, refusals alike,
+    every block back."""
+    from grpc_stream import generate
+    from server_process import TritonServer
+
+    model, settings = tiny_models["llama"], dict(CONFIGS["adapters"])
+    del settings["adapters"]
+    adapters = make_lora_adapters(model, tmp_path)
+    requests = [r for r in random_requests(1, list(adapters)) if isinstance(r[1], list)]  # (two too long)
+    rng, results = random.Random(1), {}
+
+    def send(request_id, prompt, params, priority, lora_name, after_s, cancel_after):
+        time.sleep(after_s)
+        results[request_id] = generate(server.grpc_url, None, cancel_after=cancel_after,
+                                       **served_inputs(prompt, params, priority, lora_name))
+
+    with TritonServer(model=model, device="cpu", kv_cache_memory=None, num_threads=1, lora_modules=adapters,
+                      **TIGHT, **settings) as server:
+        calls = [functools.partial(send, *request, rng.random() * 3, rng.choice([1, 2, 3]) if rng.random() < 0.2
+                                   else None) for request in requests]
+        with concurrently(calls, timeout=120):
+            pass
+        server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=20)
+        assert server.alive()
+    alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings, lora_modules=adapters), requests)
+    alone.prompt_logprob_ids.clear()  # (served in outputs of their own, not read here)
+    alone.context_logits.clear()
+    cancelled = {request_id for request_id, result in results.items() if result.error == "cancelled"}
+    assert cancelled and alone.refused
+    assert_as_alone(served_outputs(results), alone, requests, settings, cancelled)
