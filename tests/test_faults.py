@@ -155,9 +155,24 @@ def test_a_persistent_fault_stops_the_engine_and_the_thread_reports_it(model):
     assert done.wait(60)
     thread.stop()
     assert sorted(finals, key=int) == ids and all(d.finish_reason == "error" for d in finals.values())
-    assert len(dead) == 1 and "3 steps failed in a row" in dead[0] and "injected forward fault" in dead[0]
+    assert len(dead) == 1 and "3 steps failed with no tokens" in dead[0] and "injected forward fault" in dead[0]
     with pytest.raises(EngineDeadError, match="stopped"):
         engine.add_request("late", [5, 6, 7], GREEDY)
+    engine.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("stage", ["sampler", "detokenize"])
+def test_a_persistent_fault_after_the_forward_pass_stops_the_engine(model, stage):
+    """Steps that only prefill chunks never reach the sampler or the detokenizer: succeeding between
+    the failing steps, they must not count as the engine working (they once did, and it failed every
+    request without ever stopping)."""
+    engine = faults.inject(LLM(model, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=8), f"{stage}@1+")
+    prompts = random_prompts(12, 20, 40, vocab=512, seed=3)  # each prefilled in chunks over several steps
+    deltas = run(engine, {str(i): (p, GREEDY) for i, p in enumerate(prompts)})
+    assert_one_final_each(deltas)
+    assert all(ds[-1].finish_reason == "error" for ds in deltas.values())
+    assert engine.dead_reason is not None and f"injected {stage} fault" in engine.dead_reason
+    assert engine.stats()["failed_steps_total"] == 3
     engine.block_manager.check_all_free()
 
 

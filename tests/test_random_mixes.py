@@ -185,7 +185,7 @@ def run_mix_with_faults(llm: LLM, requests, seed: int) -> tuple[Outputs, set[str
     request in such a step (pipelined, also one in the step in flight before it) may end with that
     error, and the engine serves on. Also returns the requests that failed."""
     rng = random.Random(seed + 2000)
-    fault_steps = sorted(rng.sample(range(2, 120, 3), 6))  # (never in a row: three in a row stop the engine)
+    fault_steps = sorted(rng.sample(range(2, 120, 3), 6))  # (spaced: three with no tokens between stop the engine)
     faults.inject(llm, ",".join(f"{rng.choice(list(faults.STAGES))}@{step}" for step in fault_steps))
     batches = record_batches(llm)
     got, aborted = run_mix(llm, requests, seed)

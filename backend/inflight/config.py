@@ -97,8 +97,9 @@ class EngineConfig:
     gpu_device_ids: list[int] | None = None
     trust_remote_code: bool = False
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
-    # A step that raises fails its own requests and the engine goes on; this many failed steps in a
-    # row (a sticky device error, say) and the engine stops: every request ends with an error.
+    # A step that raises fails its own requests and the engine goes on; this many failed steps with no
+    # tokens delivered between them (a sticky device error, say) and the engine stops: every request
+    # ends with an error.
     max_consecutive_failed_steps: int = 3
     # LoRA adapters served beside the base model: name -> peft adapter folder (lora.py). A request names
     # one (`lora_name`) or none; every adapter is loaded at start-up.

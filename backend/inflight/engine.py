@@ -6,8 +6,9 @@ only validate and post to an inbox, which `step()` drains under a lock before sc
 Every request admitted gets exactly one final delta, whatever fails. A step that raises ends the
 requests of its batch with finish_reason "error" (every request, when the failure left the engine's
 own state in doubt), frees their blocks, and the engine serves on. After
-`max_consecutive_failed_steps` failed steps in a row the engine is dead: every request ends with an
-error and `add_request` raises EngineDeadError.
+`max_consecutive_failed_steps` failed steps with no tokens delivered between them the engine is dead:
+every request ends with an error and `add_request` raises EngineDeadError. (A step that only prefills
+proves nothing of the stages after the forward pass, so it does not count between failures.)
 """
 
 import itertools
@@ -118,7 +119,7 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}  # every unfinished request's sequences (n of them)
         self._arrivals = itertools.count()
         self.dead_reason: str | None = None  # set once the engine has stopped for good
-        self._consecutive_failures = 0
+        self._failures_since_tokens = 0
         self.num_steps = 0  # counters since start
         self.num_failed_steps = 0
         self.num_pipelined_steps = 0  # steps launched while the one before was still running
@@ -334,8 +335,6 @@ class LLMEngine:
             logger.exception("engine step failed")
             self._in_flight = None  # (its tokens are lost: its sequences are among those touched)
             self._fail_step(e, touched, deltas)
-        else:
-            self._consecutive_failures = 0
         return deltas
 
     # -- async scheduling ------------------------------------------------------------------------
@@ -501,6 +500,8 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(seq)  # (a chunk of a prompt, which did not sample)
         if step.beams:
             self._advance_beams(step.beams, *step.beam_rows, deltas=deltas)
+        if step.sampling or step.beams or step.speculated:  # tokens sampled and handled: every stage works
+            self._failures_since_tokens = 0
 
     def _accept_drafts(self, spec: _Speculated, deltas: list[RequestDelta]) -> None:
         """Each drafting sequence gains its tokens up to and with the first that differs from its draft;
@@ -724,12 +725,13 @@ class LLMEngine:
         async scheduling, whose tokens are lost (every request, for None). The deltas already built
         stay: a request that finished earlier in the step keeps its normal end."""
         self.num_failed_steps += 1
-        self._consecutive_failures += 1
+        self._failures_since_tokens += 1
         message = f"the engine failed: {type(error).__name__}: {error}"
         if isinstance(error, RanksFailedError):  # the ranks can no longer step together
             self._die(message)
-        elif self._consecutive_failures >= self.config.max_consecutive_failed_steps:
-            self._die(f"{self._consecutive_failures} steps failed in a row; the last: {message}")
+        elif self._failures_since_tokens >= self.config.max_consecutive_failed_steps:
+            self._die(f"{self._failures_since_tokens} steps failed with no tokens delivered between them; the "
+                      f"last: {message}")
         if touched is None or self.dead_reason is not None:
             failed = list(self._requests)
         else:
