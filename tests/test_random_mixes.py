@@ -156,8 +156,9 @@ def run_mix(llm: LLM, requests, seed: int) -> tuple[Outputs, set[str]]:
     return got, aborted
 
 
-def run_alone(llm: LLM, requests) -> Outputs:
-    alone = Outputs()
+def run_alone(model: str, settings: dict, requests) -> Outputs:
+    """Each request on its own, one after another, on an engine of these settings with a roomy pool."""
+    llm, alone = LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings), Outputs()
     for request in requests:
         alone.add(llm, *request)
         while llm.has_unfinished():
@@ -245,7 +246,7 @@ def test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, tmp_pa
     llm = LLM(model, **TIGHT, **settings)
     got, aborted = run_mix(llm, requests, seed)
     llm.block_manager.check_all_free()
-    alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings), requests)
+    alone = run_alone(model, settings, requests)
     assert_as_alone(got, alone, requests, settings, aborted)
     stats = llm.stats()
     assert aborted and stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
@@ -263,7 +264,7 @@ def test_faults_in_a_random_mix_end_only_the_requests_of_their_steps(tiny_models
     llm = LLM(model, **TIGHT, **settings)
     got, aborted, failed = run_mix_with_faults(llm, requests, seed)
     llm.block_manager.check_all_free()
-    alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings), requests)
+    alone = run_alone(model, settings, requests)
     assert_as_alone(got, alone, requests, settings, aborted, failed)
 
 
@@ -285,7 +286,7 @@ def test_a_random_mix_over_two_ranks_gets_each_request_its_output_alone(tiny_mod
         assert llm.stats()["spec_decode_draft_tokens_total"] > 0
     finally:
         llm.close()
-    alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings), requests)
+    alone = run_alone(model, settings, requests)
     assert_as_alone(got, alone, requests, settings, aborted, failed)
 
 
@@ -351,7 +352,7 @@ def test_a_random_mix_through_tritonserver_gets_each_stream_its_output_alone(tin
             pass
         server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=20)
         assert server.alive()
-    alone = run_alone(LLM(model, **{**TIGHT, "num_kv_blocks": 512}, **settings, lora_modules=adapters), requests)
+    alone = run_alone(model, {**settings, "lora_modules": adapters}, requests)
     alone.prompt_logprob_ids.clear()  # (served in outputs of their own, not read here)
     alone.context_logits.clear()
     cancelled = {request_id for request_id, result in results.items() if result.error == "cancelled"}
