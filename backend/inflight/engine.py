@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from . import beam_search, prompt_embeds, raw_logits
+from . import beam_search, prompt_embeds, prompt_logprobs, raw_logits
 from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -34,6 +34,7 @@ from .model_runner import ModelRunner
 from .outputs import RequestDelta, TokenLogprobs
 from .parallel import RanksFailedError, TensorParallelRunner
 from .prompt_embeds import PromptEmbeddings
+from .prompt_logprobs import MeasuredPrompts
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -64,7 +65,7 @@ class _InFlight:
     host: torch.Tensor | None  # where they are copied to (pinned), or `tokens` itself on a CPU
     copied: "torch.cuda.Event | None"  # recorded after the copy
     logprobs: MeasuredLogprobs | None = None  # of the sequences that asked for them, copied like `host`
-    prompt_logprobs: tuple | None = None  # what _measure_prompt_logprobs measured, copied like `host`
+    prompt_logprobs: MeasuredPrompts | None = None  # copied like `host`
     beams: list[Sequence] | None = None  # the beams (beam search) whose rows the step measured
     beam_rows: tuple | None = None  # beam_search.measure's (and the raw rows, where asked), copied like `host`
     sampled_logits: tuple[list[int], torch.Tensor] | None = None  # raw rows kept (raw_logits.py), copied like `host`
@@ -378,21 +379,20 @@ class LLMEngine:
                 sampling.append(seq)
                 logits_at.append(start + n - 1)
             if seq.params.needs_prompt_logits and seq.index == 0:
-                prompt_positions += self._prompt_logprob_positions(seq, n, start)
+                prompt_positions += prompt_logprobs.positions(seq, n, start)
             start += n
         pending = (self._in_flight.tokens, pending_at, pending_rows) if pending_at else None
-        logits = self._forward(batch, logits_at + draft_rows_at + [flat for _, flat, _ in prompt_positions], copies,
-                               pending)
+        logits = self._forward(batch, logits_at + draft_rows_at + [p.row for p in prompt_positions], copies, pending)
         self.num_pipelined_steps += self._in_flight is not None
         judged = len(sampling) + len(draft_rows_at)
-        prompt_logprobs = self._measure_prompt_logprobs(logits[judged:], prompt_positions)
+        measured_prompts = prompt_logprobs.measure(logits[judged:], prompt_positions)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n  # (drafts included: the verification takes back those it rejects)
         speculated = self._verify(logits[len(sampling):judged], speculating) if speculating else None
         logits, sampling, beams, beam_rows = self._measure_beams(logits[:len(sampling)], sampling)
         if not sampling:  # (a step of prompt chunks waits for its copies only, when it made some)
-            copied = self._copy_event(logits) if prompt_logprobs is not None or beams or speculated else None
-            return _InFlight(batch, [], None, None, copied, prompt_logprobs=prompt_logprobs, beams=beams,
+            copied = self._copy_event(logits) if measured_prompts is not None or beams or speculated else None
+            return _InFlight(batch, [], None, None, copied, prompt_logprobs=measured_prompts, beams=beams,
                              beam_rows=beam_rows, speculated=speculated)
         # A prompt with n completions is computed once: its other completions fork from it here and
         # draw their first tokens from the same logits.
@@ -417,7 +417,7 @@ class LLMEngine:
         if tokens.device.type == "cuda":
             host = self._token_buffers[self.num_steps % 2][:len(sampling)]
             host.copy_(tokens, non_blocking=True)
-        return _InFlight(batch, sampling, tokens, host, self._copy_event(tokens), logprobs, prompt_logprobs,
+        return _InFlight(batch, sampling, tokens, host, self._copy_event(tokens), logprobs, measured_prompts,
                          beams, beam_rows, sampled_logits, speculated)
 
     @staticmethod
@@ -474,7 +474,7 @@ class LLMEngine:
         if step.copied is not None:
             step.copied.synchronize()
         if step.prompt_logprobs is not None:
-            self._record_prompt_logprobs(*step.prompt_logprobs)
+            prompt_logprobs.record(step.prompt_logprobs, self._decode_one)
         tokens = step.host.tolist() if step.sampling else []
         logprobs = self._logprob_entries(step.sampling, tokens, step.logprobs)
         kept_rows = dict(zip(*step.sampled_logits)) if step.sampled_logits is not None else {}
@@ -635,55 +635,6 @@ class LLMEngine:
     def _decode_one(self, token_id: int) -> str:
         with self._decode_lock:
             return self.tokenizer.decode([token_id])
-
-    @staticmethod
-    def _prompt_logprob_positions(seq: Sequence, n: int, start: int) -> list[tuple[Sequence, int, int]]:
-        """(seq, flat position in the batch, prompt token it predicts) for the prompt tokens this chunk
-        predicts whose logprobs are not measured yet, counted as measured from here on (a recomputed
-        chunk is not measured twice)."""
-        first = seq.num_computed_tokens
-        targets = range(max(first, seq.num_prompt_logprobs_measured) + 1, min(first + n, seq.num_prompt_tokens - 1) + 1)
-        if targets:
-            seq.num_prompt_logprobs_measured = targets[-1]
-        return [(seq, start + target - 1 - first, target) for target in targets]
-
-    @staticmethod
-    def _measure_prompt_logprobs(logits: torch.Tensor, positions: list[tuple[Sequence, int, int]]) -> tuple | None:
-        """The logprobs of the prompt tokens at `positions` (their logits, in order) of the sequences that
-        asked for them, and the raw rows when some sequence asked for context logits, measured on the
-        device and copied to the host without waiting: what _record_prompt_logprobs reads."""
-        if not positions:
-            return None
-        logits = logits[:len(positions)]
-        tokens = [seq.prompt_token_ids[target] for seq, _, target in positions]
-        wanting = [i for i, (seq, _, _) in enumerate(positions) if seq.params.prompt_logprobs is not None]
-        measured = None
-        if wanting:
-            rows = logits if len(wanting) == len(positions) else logits[to_device(wanting, logits.device)]
-            k = max(positions[i][0].params.prompt_logprobs for i in wanting)
-            measured = measure(rows, to_device([tokens[i] for i in wanting], logits.device), k).to_host()
-        context = raw_logits.to_host(logits) if any(s.params.return_context_logits for s, _, _ in positions) else None
-        return positions, tokens, wanting, measured, context
-
-    def _record_prompt_logprobs(self, positions: list[tuple[Sequence, int, int]], tokens: list[int],
-                                wanting: list[int], measured: MeasuredLogprobs | None,
-                                context: torch.Tensor | None) -> None:
-        """Prompt logprobs (of the positions `wanting`) and context logits where asked for: the logits at
-        `positions` predict `tokens`."""
-        rows = dict(zip(wanting, entries(measured, [tokens[i] for i in wanting],
-                                         [positions[i][0].params.prompt_logprobs for i in wanting], self._decode_one)
-                        if wanting else []))
-        for i, (seq, _, target) in enumerate(positions):
-            if seq.is_finished:
-                continue
-            if seq.params.return_context_logits:
-                seq.context_logits.append(raw_logits.own_row(context[i]))
-            if i not in rows:
-                continue
-            if not seq.prompt_logprobs:
-                seq.prompt_logprobs.append(None)  # the first prompt token has nothing before it
-            assert len(seq.prompt_logprobs) == target
-            seq.prompt_logprobs.append(rows[i])
 
     def _detokenize(self, seq: Sequence, token_ids: list[int]) -> str:
         return seq.detokenizer.add_tokens(token_ids)
