@@ -263,12 +263,13 @@ def test_cpu_decode_kernel_leaves_subnormals_alone(tmp_path):
 
 
 def test_cpu_decode_kernel_falls_back_where_no_compiler_works(tmp_path):
-    """A compiler that fails: a warning naming it, and attention through torch operations, correct."""
+    """A compiler that fails: a warning naming it, and attention through torch operations, correct (the
+    layer kernels' absence: test_fused_layers.py)."""
     script = (
         "import logging, torch\n"
         "logging.basicConfig()\n"
         "from inflight.ops import cpu_kernels, torch_ops\n"
-        "assert cpu_kernels.decode_attention() is None\n"
+        "assert cpu_kernels.decode_attention() is None and cpu_kernels.layer_ops() is None\n"
         "q, k, v = torch.randn(2, 4, 64), torch.randn(4, 8, 2, 64), torch.randn(4, 8, 2, 64)\n"
         "tables = torch.tensor([[2, 0], [1, 3]])\n"
         "out = torch_ops.paged_attention(q, k, v, torch.tensor([0, 1, 2]), torch.tensor([9, 4]), tables, 0.125)\n"
@@ -279,6 +280,7 @@ def test_cpu_decode_kernel_falls_back_where_no_compiler_works(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "CPU decode attention kernel unavailable" in result.stderr and "/bin/false failed" in result.stderr
+    assert "CPU layer kernels unavailable" in result.stderr
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)

@@ -86,7 +86,7 @@ class EngineConfig:
     torch_compile: bool = False
     # The decoder layers' norms, rotary embedding and SiLU-and-multiply as fused kernels, and the q/k/v and
     # gate/up projections each as one matmul (fused_layers.py), for Llama-family models. None: on for a GPU
-    # (unless torch_compile), off on a CPU.
+    # (unless torch_compile) and on a CPU in float32 (C kernels there), off on a CPU in other dtypes.
     fused_layers: bool | None = None
     # Schedule and launch step N+1 before reading step N's tokens, so that the host's work overlaps the
     # GPU's (engine.py). None: on for one CUDA device, off on a CPU (where nothing runs asynchronously).

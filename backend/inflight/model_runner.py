@@ -107,9 +107,11 @@ class ModelRunner:
         compile, the model keeps transformers' own layers (a warning says why)."""
         fused = None
         try:
-            fused = FusedLayers(self.model, self.hf_config.model_type, getattr(self.hf_config, "hidden_act", None))
+            fused = FusedLayers(self.model, self.hf_config.model_type, getattr(self.hf_config, "hidden_act", None),
+                                self.device, self.dtype)
             self._model_call = fused.wrap(self.model)
-            warm_up_fused_layers(self._forward, self.buffers, self.config.max_num_batched_tokens, self.block_size)
+            if fused.compiles:
+                warm_up_fused_layers(self._forward, self.buffers, self.config.max_num_batched_tokens, self.block_size)
         except Exception as e:
             if self.config.fused_layers:
                 raise
@@ -140,10 +142,13 @@ class ModelRunner:
         return True
 
     def _use_fused_layers(self) -> bool:
-        """The setting; unset: on a GPU, for the model types the fused functions cover."""
+        """The setting; unset: for the model types the fused functions cover, on a GPU, and on a CPU in
+        float32 where its C kernels build (compiled functions cost more there than they save)."""
         if self.config.fused_layers is not None:
             return self.config.fused_layers
-        return self.device.type == "cuda" and self.hf_config.model_type in FUSED_MODEL_TYPES
+        if self.hf_config.model_type not in FUSED_MODEL_TYPES:
+            return False
+        return self.device.type == "cuda" or (self.dtype == torch.float32 and ops.cpu_kernels.layer_ops() is not None)
 
     def _use_cuda_graphs(self) -> bool:
         if not self.config.cuda_graphs or self.device.type != "cuda":

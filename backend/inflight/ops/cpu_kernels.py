@@ -1,10 +1,14 @@
 """C kernels for a CPU, built on first use with the machine's C compiler and loaded with ctypes.
 
-Decode attention is the one so far (`cpu_decode_attention.c`): torch has no paged attention on a CPU,
-and composing one from torch operations reads each key several times (once per query head of a group,
-plus gathers or sparse bookkeeping). The kernel reads every cached row once; on the CI machine (2
-cores, AVX-512) 64 decodes of ~430 tokens took 2.9 ms a layer through sparse torch operations and
-~1 ms through it, the memory's speed.
+Decode attention (`cpu_decode_attention.c`): torch has no paged attention on a CPU, and composing one
+from torch operations reads each key several times (once per query head of a group, plus gathers or
+sparse bookkeeping). The kernel reads every cached row once; on the CI machine (2 cores, AVX-512) 64
+decodes of ~430 tokens took 2.9 ms a layer through sparse torch operations and ~1 ms through it, the
+memory's speed.
+
+A decoder layer's small operations (`cpu_layer_ops.c`): RMSNorm, residual add and RMSNorm, the rotary
+embedding, SiLU and multiply, float32, each one call where eager torch runs six to twelve operations
+(fused_layers.py swaps them into transformers' modules).
 
 Built with `-march=native`, so the library is cached per source, flags and processor (under
 INFLIGHT_CACHE_DIR, else ~/.cache/inflight, else the temporary directory), written to a temporary name
@@ -29,7 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_ATTENTION_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_LAYER_OPS_SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
 # Not -ffast-math: GCC before 13 links it into a shared library as a constructor that turns on
 # flush-to-zero. Of what it implies, the parts the kernel needs: reassociation (sums over the head
 # dimension in vector lanes; 1.5x faster) and no errno (the exponentials vectorize; the source declares
@@ -59,20 +64,20 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"inflight-cpu-kernels-{os.getuid()}"
 
 
-def _build() -> Path:
+def _build(source_path: Path, flags: list[str]) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, _processor()]).encode()).hexdigest()[:16]
+    source = source_path.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _processor()]).encode()).hexdigest()[:16]
     directory = _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    library = directory / f"{_SOURCE.stem}-{key}.so"
+    library = directory / f"{source_path.stem}-{key}.so"
     if not library.exists():
         fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
         try:
-            result = subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE), "-lm"],
+            result = subprocess.run([compiler, *flags, "-o", partial, str(source_path), "-lm"],
                                     capture_output=True, text=True, timeout=120)
             if result.returncode:
                 raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -83,22 +88,29 @@ def _build() -> Path:
     return library
 
 
-@cache
-def decode_attention():
-    """The C function, or None where it cannot be built."""
+def _load(source_path: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
+    """The built library, or None (logged) where it cannot be built or kernels are switched off."""
     if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
         return None
     try:
-        library = _build()
-        function = ctypes.CDLL(str(library)).paged_decode_attention
+        return ctypes.CDLL(str(_build(source_path, flags)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("CPU decode attention kernel unavailable, using torch operations (slower): %s", e)
+        logger.warning("CPU %s unavailable, using torch operations (slower): %s", what, e)
         return None
+
+
+@cache
+def decode_attention():
+    """The C function, or None where it cannot be built."""
+    library = _load(_ATTENTION_SOURCE, _FLAGS, "decode attention kernel")
+    if library is None:
+        return None
+    function = library.paged_decode_attention
     function.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64  # pointers pass as tensors' data_ptr()
     function.argtypes = [pointer, pointer, pointer, pointer, pointer, size, pointer, pointer, pointer, size, size,
                          size, size, size, size, ctypes.c_float, pointer, ctypes.c_int, ctypes.c_int]
-    logger.info("CPU decode attention kernel: %s", library)
+    logger.info("CPU decode attention kernel: %s", library._name)
     return function
 
 
@@ -131,3 +143,95 @@ def run_decode_attention(function, query, token_rows, key_cache, value_cache, bl
         raise MemoryError("CPU decode attention: no memory for the scores")
     if not direct:
         out[token_rows] = target[token_rows].to(out.dtype)
+
+
+class LayerOps:
+    """The functions of cpu_layer_ops.c on float32 CPU tensors of any layout (a row layout the C code
+    cannot take is copied first); each returns new tensors, as the torch operations it replaces do."""
+
+    def __init__(self, library: ctypes.CDLL):
+        pointer, size, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        signatures = {
+            "rms_norm": [pointer, size, pointer, pointer, size, size, ctypes.c_float, threads],
+            "add_rms_norm": [pointer, size, pointer, size, pointer, pointer, pointer, size, size, ctypes.c_float,
+                             threads],
+            "rotary": [pointer, size, size, size, pointer, size, size, size, pointer, pointer, pointer, pointer, size,
+                       size, threads],
+            "silu_mul": [pointer, size, pointer, size, pointer, size, size, threads],
+        }
+        for name, argtypes in signatures.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, None
+            setattr(self, f"_{name}", function)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows, out = _rows(x), torch.empty(x.shape, dtype=torch.float32)
+        self._rms_norm(rows.data_ptr(), rows.stride(0), _vector(weight, rows).data_ptr(), out.data_ptr(),
+                       rows.shape[0], rows.shape[1], eps, torch.get_num_threads())
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its RMSNorm)."""
+        if residual.shape != x.shape:
+            raise ValueError(f"add_rms_norm: shapes {tuple(x.shape)} and {tuple(residual.shape)} differ")
+        rows, residual_rows = _rows(x), _rows(residual)
+        total, out = torch.empty(x.shape, dtype=torch.float32), torch.empty(x.shape, dtype=torch.float32)
+        self._add_rms_norm(rows.data_ptr(), rows.stride(0), residual_rows.data_ptr(), residual_rows.stride(0),
+                           _vector(weight, rows).data_ptr(), total.data_ptr(), out.data_ptr(), rows.shape[0],
+                           rows.shape[1], eps, torch.get_num_threads())
+        return total, out
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Llama's rotary embedding of q [1, q heads, tokens, head_dim] and k [1, k heads, tokens, head_dim]
+        by cos, sin [1, tokens, head_dim]. The results are laid out token-major ([1, tokens, heads,
+        head_dim] memory, transposed), as the attention reads them."""
+        (_, q_heads, tokens, head_dim), k_heads = q.shape, k.shape[1]
+        if q.shape[0] != 1 or k.shape != (1, k_heads, tokens, head_dim) or cos.shape != (1, tokens, head_dim) \
+                or sin.shape != cos.shape:
+            raise ValueError("rotary: one sequence of queries and keys, and cos and sin for its tokens, expected")
+        q, k = (_float32(t) if t.stride(-1) == 1 else _float32(t).contiguous() for t in (q, k))
+        cos, sin = (_float32(t).contiguous() for t in (cos, sin))
+        q_out = torch.empty(1, tokens, q_heads, head_dim, dtype=torch.float32)
+        k_out = torch.empty(1, tokens, k_heads, head_dim, dtype=torch.float32)
+        self._rotary(q.data_ptr(), q.stride(2), q.stride(1), q_heads, k.data_ptr(), k.stride(2), k.stride(1), k_heads,
+                     cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), tokens, head_dim,
+                     torch.get_num_threads())
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if up.shape != gate.shape:
+            raise ValueError(f"silu_mul: shapes {tuple(gate.shape)} and {tuple(up.shape)} differ")
+        gate_rows, up_rows, out = _rows(gate), _rows(up), torch.empty(gate.shape, dtype=torch.float32)
+        self._silu_mul(gate_rows.data_ptr(), gate_rows.stride(0), up_rows.data_ptr(), up_rows.stride(0), out.data_ptr(),
+                       gate_rows.shape[0], gate_rows.shape[1], torch.get_num_threads())
+        return out
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"CPU layer kernels take float32 CPU tensors, got {t.dtype} on {t.device}")
+    return t
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dimension] with unit stride along it (a view where one exists)."""
+    rows = _float32(x).reshape(-1, x.shape[-1])
+    return rows if rows.stride(1) == 1 or rows.shape[1] == 1 else rows.contiguous()
+
+
+def _vector(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    if weight.shape != rows.shape[1:]:
+        raise ValueError(f"weight of shape {tuple(weight.shape)} for rows of {rows.shape[1]}")
+    return _float32(weight).contiguous()
+
+
+@cache
+def layer_ops() -> LayerOps | None:
+    """The layer kernels, or None where they cannot be built."""
+    library = _load(_LAYER_OPS_SOURCE, [*_FLAGS, "-ffp-contract=off"], "layer kernels")
+    if library is None:
+        return None
+    logger.info("CPU layer kernels: %s", library._name)
+    return LayerOps(library)
