@@ -19,6 +19,17 @@ from inflight.ops import cpu_kernels
 WAYS = [("cpu", "c-kernels"), ("cpu", "compiled")] + [("cuda", "compiled")] * ("cuda" in DEVICES)
 
 
+def require_c_kernels() -> cpu_kernels.LayerOps:
+    """The CI machines have a C compiler: the layer kernels must build there (a silent fall-back to
+    transformers' layers would pass every equality test and lose the speed); a GPU machine's image may
+    have none."""
+    ops = cpu_kernels.layer_ops()
+    if ops is None and "cuda" in DEVICES:
+        pytest.skip("no C compiler on this GPU machine")
+    assert ops is not None, "the C layer kernels did not build"
+    return ops
+
+
 @pytest.fixture
 def compiled_on_cpu(monkeypatch):
     """Fused layers built from here on compile their functions on a CPU too, as where no C compiler is."""
@@ -36,6 +47,8 @@ def test_fused_layers_match_hf(tiny_models, hf_reference, family, device, functi
     a CPU, with the linear layers unpacked: packed ones are not merged)."""
     if functions == "compiled" and device == "cpu":
         request.getfixturevalue("compiled_on_cpu")
+    elif functions == "c-kernels":
+        require_c_kernels()
     prompts = random_prompts(8, 1, 120, vocab=512, seed=17)
     llm = run_and_compare(tiny_models[family], prompts, hf_reference, device=device, dtype="float32",
                           fused_layers=True, packed_weights=False, num_kv_blocks=128, max_num_seqs=8,
@@ -106,6 +119,7 @@ def test_fused_rotary_embedding_only_inside_the_engines_forward(tiny_models):
 def test_fused_layers_settings(tiny_models, tmp_path, monkeypatch):
     """Unset: on for a GPU, and for a CPU in float32 where the C kernels build (not compiled there);
     asked for with torch_compile or on a model type the functions do not cover, a clear error."""
+    require_c_kernels()
     settings = dict(device="cpu", num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=16)
     llm = LLM(tiny_models["llama"], dtype="float32", **settings)
     assert llm.runner.fused_layers is not None and not llm.runner.fused_layers.compiles
@@ -184,8 +198,7 @@ def test_cpu_layer_kernels_match_the_torch_functions(rows):
     """Each C kernel against the function it replaces (fused_layers.py's, transformers' arithmetic):
     RMSNorm and SiLU-and-multiply within float32 rounding, the rotary embedding exactly; on the strided
     views the model passes (slices of merged projections, queries and keys transposed to heads first)."""
-    ops = cpu_kernels.layer_ops()
-    assert ops is not None, "the C layer kernels did not build"
+    ops = require_c_kernels()
     g = torch.Generator().manual_seed(rows)
     x, residual = strided_case(rows, 576, g), torch.randn(1, rows, 576, generator=g)
     weight = torch.randn(576, generator=g)
@@ -217,7 +230,7 @@ def test_cpu_layer_kernels_match_the_torch_functions(rows):
 def test_cpu_layer_kernels_refuse_what_they_cannot_read():
     """Wrong dtypes and shapes are errors, never a read out of bounds; a batch of several sequences
     (not an engine step) takes transformers' arithmetic."""
-    ops = cpu_kernels.layer_ops()
+    ops = require_c_kernels()
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="float32"):
         ops.rms_norm(x.bfloat16(), torch.ones(64, dtype=torch.bfloat16), 1e-6)
