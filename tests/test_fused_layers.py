@@ -187,10 +187,10 @@ def test_fused_layers_of_several_models_in_one_process(tiny_models, monkeypatch)
             assert all(len(out.token_ids) == 4 for out in outs)
 
 
-def strided_case(rows: int, width: int, generator: torch.Generator) -> torch.Tensor:
+def strided_case(rows: int, width: int, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
     """[1, rows, width] as the model hands it over: a slice of a wider matmul output (rows apart by more
     than `width`)."""
-    return torch.randn(1, rows, width + 40, generator=generator)[..., 8:8 + width]
+    return (torch.randn(1, rows, width + 40, generator=generator) * scale)[..., 8:8 + width]
 
 
 @pytest.mark.parametrize("rows", [1, 7, 48, 300])  # (300 x 576 and up: split over the threads)
@@ -203,8 +203,9 @@ def test_cpu_layer_kernels_match_the_torch_functions(rows):
     x, residual = strided_case(rows, 576, g), torch.randn(1, rows, 576, generator=g)
     weight = torch.randn(576, generator=g)
     for scale in (1.0, 1e-3):  # (at 1e-3 the mean square is about eps)
-        expected = fused_layers._rms_norm(x * scale, weight, 1e-6)
-        torch.testing.assert_close(ops.rms_norm(x * scale, weight, 1e-6), expected, rtol=1e-5, atol=1e-5)
+        rows_in = strided_case(rows, 576, g, scale)
+        expected = fused_layers._rms_norm(rows_in, weight, 1e-6)
+        torch.testing.assert_close(ops.rms_norm(rows_in, weight, 1e-6), expected, rtol=1e-5, atol=1e-5)
     total, normed = ops.add_rms_norm(x, residual, weight, 1e-6)
     expected_total, expected_normed = fused_layers._add_rms_norm(x, residual, weight, 1e-6)
     assert torch.equal(total, expected_total)
