@@ -14,7 +14,7 @@ from .logprobs import MeasuredLogprobs, entries, measure as measure_logprobs
 from .sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptPosition:
     seq: Sequence
     row: int  # the position's row in the step's flat batch
