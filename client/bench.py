@@ -554,12 +554,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers",
                         default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,beams,spec,tp,"
-                                "detok,sampling",
+                                "detok,sampling,attention",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
                              "lora (the cost of serving two LoRA adapters), beams (beam search against HF "
                              "generate's), spec (n-gram speculative decoding against HF's prompt lookup), tp "
                              "(tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), sampling "
-                             "(the sampler's cost for 128 streams)")
+                             "(the sampler's cost for 128 streams), attention (the CPU attention kernels against "
+                             "the torch paths, bench_cpu_attention.py)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -693,6 +694,11 @@ def main() -> None:
               "(median of 10) |\n|---|---:|")
         for label, ms in r.items():
             print(f"| {label} | {ms:.2f} |")
+    if "attention" in peers:
+        import bench_cpu_attention
+
+        for shape in bench_cpu_attention.SHAPES:
+            bench_cpu_attention.print_table(shape, bench_cpu_attention.bench(shape, calls=20), args.threads)
     if "tp" in peers:
         subset = Workload(work.prompts[:args.tp_requests], work.output_lens[:args.tp_requests])
         rows = bench_tensor_parallel(args.model, subset, args.threads, args.repeats)

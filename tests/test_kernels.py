@@ -171,10 +171,12 @@ def test_start_up_compiles_every_attention_variant_without_writing_kv(tiny_model
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_reference_matches_dense_attention(dtype, sliding_window, cpu_kernel, monkeypatch):
     """The torch reference itself against plain causal SDPA over each sequence's full context. On a CPU,
-    float32 and bfloat16 decodes take the C kernel, float16 ones (and all without it) the gathered groups;
-    head_dim 64 and 128 are the kernel's unrolled cases, 80 its general one."""
+    float32 and bfloat16 decodes and prefill chunks take the C kernels, float16 ones (and all without
+    them) the gathered groups and SDPA per sequence; head_dim 64 and 128 are the decode kernel's unrolled
+    cases, 80 its general one (and one the prefill kernel pads to 128)."""
     if not cpu_kernel:
         monkeypatch.setattr(torch_ops.cpu_kernels, "decode_attention", lambda: None)
+        monkeypatch.setattr(torch_ops.cpu_kernels, "prefill_attention", lambda: None)
     elif DEVICE != "cpu" or dtype == torch.float16:
         pytest.skip("the C kernel serves float32 and bfloat16 on a CPU")
     for head_dim in (64, 128, 80):
@@ -205,6 +207,10 @@ def check_reference_matches_dense_attention(dtype, sliding_window, head_dim):
     kernel_expected = (DEVICE == "cpu" and dtype != torch.float16
                        and torch_ops.cpu_kernels.decode_attention() is not None)
     assert (torch_ops._last_plan.kernel_decodes is not None) == kernel_expected
+    prefill_kernel_expected = (DEVICE == "cpu" and dtype != torch.float16
+                               and torch_ops.cpu_kernels.prefill_attention() is not None)
+    assert (torch_ops._last_plan.kernel_prefills is not None) == prefill_kernel_expected
+    assert not torch_ops._last_plan.prefills if prefill_kernel_expected else len(torch_ops._last_plan.prefills) == 2
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
@@ -234,16 +240,85 @@ def test_cpu_decode_kernel_builds_and_serves_decodes(threads, dtype, monkeypatch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_start_up_builds_the_cpu_kernel_for_the_dtypes_it_reads(dtype, monkeypatch):
-    """The runner's start-up (`ops.prepare`) builds the C kernel for each dtype it serves, so that no
-    request's first decode waits a second for the compiler; float16 decodes never take it."""
+    """The runner's start-up (`ops.prepare`) builds the C kernels for each dtype they serve, so that no
+    request's first step waits a second for the compiler; float16 attention never takes them."""
     from inflight import ops
     from inflight.ops import cpu_kernels
 
     built = []
-    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda: built.append(dtype))
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda: built.append(("decode", dtype)))
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda: built.append(("prefill", dtype)))
     ops.prepare("torch", "cpu", dtype)
     ops.prepare("torch", "cuda", dtype)
-    assert built == ([] if dtype == torch.float16 else [dtype])
+    assert built == ([] if dtype == torch.float16 else [("decode", dtype), ("prefill", dtype)])
+
+
+# Prefill chunks for the C prefill kernel (cpu_prefill_attention.c: key tiles of 64, work items of up to
+# 96 query rows = positions x the group's heads): (seqs, block_size, kv_heads, group, head_dim, window).
+PREFILL_CASES = {
+    # several key tiles and query items; a chunk after a context; a 2-token chunk; a chunk of one tile
+    "default-model-shape": ([(0, 300), (500, 200), (0, 50), (128, 2), (63, 64)], 16, 3, 3, 64, None),
+    "llama-shape": ([(0, 130), (200, 70)], 16, 2, 4, 128, None),
+    "sliding-window": ([(0, 150), (300, 90), (5, 40)], 8, 2, 2, 64, 48),
+    "window-of-few": ([(100, 20), (0, 70)], 16, 1, 4, 64, 7),
+    "window-wider-than-context": ([(30, 100)], 32, 2, 2, 64, 200),
+    # head dims padded to 16, 32, 128 (48 -> 64); one KV head serving 100 query heads (items of one position)
+    "head-dim-16": ([(0, 100), (70, 33)], 8, 2, 2, 16, None),
+    "head-dim-32": ([(0, 77), (12, 5)], 32, 4, 1, 32, None),
+    "head-dim-48": ([(64, 64)], 16, 1, 5, 48, 100),
+    "head-dim-80": ([(0, 200)], 16, 2, 3, 80, None),
+    "group-of-100": ([(0, 9), (20, 3)], 16, 1, 100, 16, None),
+}
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_cpu_prefill_kernel_matches_sdpa(case, threads, dtype, monkeypatch):
+    """Every prefill chunk of a step through the C kernel at once, against SDPA over each sequence's
+    gathered keys (the path without the kernel), both in float32 from the same cache."""
+    from inflight.ops import cpu_kernels
+
+    assert cpu_kernels.prefill_attention() is not None, "CI machines have a C compiler: the kernel must build"
+    seqs, block_size, kv_heads, group, head_dim, window = PREFILL_CASES[case]
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
+                                                                     dtype)
+    scale = head_dim ** -0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch_ops._last_plan.kernel_prefills is not None and not torch_ops._last_plan.prefills
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda: None)
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
+    assert torch_ops._last_plan.kernel_prefills is None
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3  # both in float32, each rounded to bfloat16 at the end
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
+def test_cpu_prefill_kernel_leaves_other_rows_and_long_heads_alone():
+    """The kernel writes the rows of prefill chunks only (decodes' rows are the decode kernel's), and
+    heads longer than its tiles hold go through SDPA."""
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch([(0, 20), (30, 1), (5, 7)], 16, 2, 2, 64,
+                                                                     torch.float32)
+    out = torch.full_like(query, float("nan"))
+    torch_ops._last_plan = None
+    torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125, out=out)
+    assert out.isfinite().all()
+    plan = torch_ops._last_plan
+    assert plan.kernel_prefills.token_rows.tolist() == [*range(20), *range(21, 28)]
+    plan.kernel_decodes = None  # the same plan, decodes left out: their row stays untouched
+    out = torch.full_like(query, float("nan"))
+    torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125, out=out)
+    assert out[20].isnan().all() and out[:20].isfinite().all() and out[21:].isfinite().all()
+
+    long_heads = make_batch([(0, 12)], 16, 1, 2, 256, torch.float32)
+    torch_ops.paged_attention(*long_heads, 0.0625)
+    assert torch_ops._last_plan.kernel_prefills is None and len(torch_ops._last_plan.prefills) == 1
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
@@ -253,8 +328,8 @@ def test_cpu_decode_kernel_leaves_subnormals_alone(tmp_path):
     script = (
         "from inflight.ops import cpu_kernels\n"
         "assert 5e-324 * 1.0 != 0.0\n"
-        "assert cpu_kernels.decode_attention() is not None\n"
-        "assert 5e-324 * 1.0 != 0.0, 'loading the kernel turned on flush-to-zero'\n"
+        "assert cpu_kernels.decode_attention() is not None and cpu_kernels.prefill_attention() is not None\n"
+        "assert 5e-324 * 1.0 != 0.0, 'loading the kernels turned on flush-to-zero'\n"
     )
     env = {**os.environ, "INFLIGHT_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT / "backend")}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -269,17 +344,21 @@ def test_cpu_decode_kernel_falls_back_where_no_compiler_works(tmp_path):
         "import logging, torch\n"
         "logging.basicConfig()\n"
         "from inflight.ops import cpu_kernels, torch_ops\n"
-        "assert cpu_kernels.decode_attention() is None and cpu_kernels.layer_ops() is None\n"
-        "q, k, v = torch.randn(2, 4, 64), torch.randn(4, 8, 2, 64), torch.randn(4, 8, 2, 64)\n"
+        "assert cpu_kernels.decode_attention() is None and cpu_kernels.prefill_attention() is None\n"
+        "assert cpu_kernels.layer_ops() is None\n"
+        "q, k, v = torch.randn(3, 4, 64), torch.randn(4, 8, 2, 64), torch.randn(4, 8, 2, 64)\n"
         "tables = torch.tensor([[2, 0], [1, 3]])\n"
-        "out = torch_ops.paged_attention(q, k, v, torch.tensor([0, 1, 2]), torch.tensor([9, 4]), tables, 0.125)\n"
-        "assert torch_ops._last_plan.kernel_decodes is None and out.isfinite().all()\n"
+        "out = torch_ops.paged_attention(q, k, v, torch.tensor([0, 1, 3]), torch.tensor([9, 4]), tables, 0.125)\n"
+        "plan = torch_ops._last_plan\n"
+        "assert plan.kernel_decodes is None and plan.kernel_prefills is None and len(plan.prefills) == 1\n"
+        "assert out.isfinite().all()\n"
     )
     env = {**os.environ, "CC": "/bin/false", "INFLIGHT_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": str(ROOT / "backend")}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "CPU decode attention kernel unavailable" in result.stderr and "/bin/false failed" in result.stderr
+    assert "CPU prefill attention kernel unavailable" in result.stderr
     assert "CPU layer kernels unavailable" in result.stderr
 
 

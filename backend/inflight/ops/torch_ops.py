@@ -9,7 +9,8 @@ One-token queries (decodes) are computed together: on a CPU in float32 or bfloat
 from the cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read once), elsewhere
 (float16, CUDA tensors, no C compiler) in groups of similar context length whose keys and values are
 gathered first.
-Longer queries (prefill chunks) run one sequence at a time through SDPA. Which cache rows each of them reads is
+Longer queries (prefill chunks): on a CPU in float32 or bfloat16 (head_dim up to 128) all at once by the
+C prefill kernel, elsewhere one sequence at a time through SDPA. Which cache rows each of them reads is
 planned once per step: every layer gets the same metadata tensors, so the plan is reused until they change.
 """
 
@@ -60,6 +61,19 @@ class _KernelDecodes:
 
 
 @dataclass
+class _KernelPrefills:
+    """Every prefill chunk of the step for the C kernel: chunk i is query rows [q_starts[i], q_starts[i] +
+    q_lens[i]), the last of its seq_lens[i] positions, block-table row table_rows[i]."""
+
+    table_rows: torch.Tensor
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    token_rows: torch.Tensor  # every query row of the chunks
+    block_tables: torch.Tensor  # int64, unit column stride
+
+
+@dataclass
 class _Prefill:
     start: int
     q_len: int
@@ -73,6 +87,7 @@ class _Plan:
     decode_groups: list[_DecodeGroup]
     kernel_decodes: _KernelDecodes | None
     prefills: list[_Prefill]
+    kernel_prefills: _KernelPrefills | None
 
 
 _last_plan: _Plan | None = None
@@ -91,18 +106,32 @@ def _slots(block_tables: torch.Tensor, seqs, positions: torch.Tensor, block_size
     return blocks * block_size + positions % block_size
 
 
+def _int64_tables(block_tables: torch.Tensor) -> torch.Tensor:
+    if block_tables.dtype != torch.int64 or block_tables.stride(-1) != 1:
+        return block_tables.to(torch.int64).contiguous()
+    return block_tables
+
+
 def _kernel_decodes(seqs, cu_seqlens_q, seq_lens, block_tables, sliding_window) -> _KernelDecodes:
     seqs = torch.tensor(seqs, device=seq_lens.device)
     ends = seq_lens[seqs].long()
     visible = ends if sliding_window is None else ends.clamp(max=sliding_window)
-    if block_tables.dtype != torch.int64 or block_tables.stride(-1) != 1:
-        block_tables = block_tables.to(torch.int64).contiguous()
-    return _KernelDecodes(cu_seqlens_q[seqs].long(), seqs, ends - visible, ends, block_tables, int(visible.max()))
+    return _KernelDecodes(cu_seqlens_q[seqs].long(), seqs, ends - visible, ends, _int64_tables(block_tables),
+                          int(visible.max()))
+
+
+def _kernel_prefills(seqs: list[int], cu: list[int], lens: list[int], block_tables) -> _KernelPrefills:
+    q_starts = [cu[i] for i in seqs]
+    q_lens = [cu[i + 1] - cu[i] for i in seqs]
+    token_rows = torch.cat([torch.arange(start, start + n) for start, n in zip(q_starts, q_lens)])
+    return _KernelPrefills(torch.tensor(seqs), torch.tensor(q_starts), torch.tensor(q_lens),
+                           torch.tensor([lens[i] for i in seqs]), token_rows, _int64_tables(block_tables))
 
 
 def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads, token_bytes, kernel,
-               sliding_window) -> _Plan:
-    """`token_bytes`: the key bytes of one token, all its KV heads; `kernel`: decodes through the C kernel."""
+               prefill_kernel, sliding_window) -> _Plan:
+    """`token_bytes`: the key bytes of one token, all its KV heads; `kernel`, `prefill_kernel`: decodes,
+    prefill chunks through the C kernels."""
     device = seq_lens.device
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -133,10 +162,13 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
         groups.append(_DecodeGroup(cu_seqlens_q[seqs], cache_rows, valid[:, None, None, :], max_len))
         start = end
     prefills = []
-    for i, seq_len in enumerate(lens):
-        q_len = cu[i + 1] - cu[i]
-        if q_len <= 1:
-            continue
+    chunks = [i for i in range(len(lens)) if cu[i + 1] - cu[i] > 1]
+    if prefill_kernel and chunks:
+        kernel_prefills, chunks = _kernel_prefills(chunks, cu, lens, block_tables), []
+    else:
+        kernel_prefills = None
+    for i in chunks:
+        seq_len, q_len = lens[i], cu[i + 1] - cu[i]
         positions = torch.arange(seq_len, device=device)
         slots = _slots(block_tables, i, positions, block_size)
         context = seq_len - q_len
@@ -147,21 +179,26 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
             if sliding_window is not None:
                 mask &= q_pos - positions[None, :] < sliding_window
         prefills.append(_Prefill(cu[i], q_len, slots, mask))
-    return _Plan((cu_seqlens_q, seq_lens, block_tables, sliding_window, kernel), groups, kernel_decodes, prefills)
+    return _Plan((cu_seqlens_q, seq_lens, block_tables, sliding_window, kernel, prefill_kernel), groups,
+                 kernel_decodes, prefills, kernel_prefills)
 
 
 def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window) -> _Plan:
     global _last_plan
-    kernel = (query.device.type == "cpu" and query.dtype == key_cache.dtype
-              and key_cache.dtype in cpu_kernels.CACHE_DTYPES and cpu_kernels.decode_attention() is not None)
+    num_heads, head_dim = query.shape[1:]
+    c_kernels = (query.device.type == "cpu" and query.dtype == key_cache.dtype
+                 and key_cache.dtype in cpu_kernels.CACHE_DTYPES)
+    kernel = c_kernels and cpu_kernels.decode_attention() is not None
+    prefill_kernel = (c_kernels and head_dim <= cpu_kernels.PREFILL_MAX_HEAD_DIM
+                      and cpu_kernels.prefill_attention() is not None)
     plan = _last_plan
     if plan is None or not (plan.inputs[0] is cu_seqlens_q and plan.inputs[1] is seq_lens
-                            and plan.inputs[2] is block_tables and plan.inputs[3:] == (sliding_window, kernel)):
-        num_heads, head_dim = query.shape[1:]
+                            and plan.inputs[2] is block_tables
+                            and plan.inputs[3:] == (sliding_window, kernel, prefill_kernel)):
         block_size, num_kv_heads = key_cache.shape[1:3]
         token_bytes = num_kv_heads * head_dim * key_cache.element_size()
         plan = _last_plan = _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads,
-                                       token_bytes, kernel, sliding_window)
+                                       token_bytes, kernel, prefill_kernel, sliding_window)
     return plan
 
 
@@ -190,6 +227,11 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         probs = torch.softmax(scores, dim=-1).view(n * num_kv_heads, group, g.max_len)
         out[g.token_rows] = torch.bmm(probs, v).view(n, num_heads, head_dim).to(out.dtype)
 
+    if plan.kernel_prefills is not None:
+        p = plan.kernel_prefills
+        cpu_kernels.run_prefill_attention(cpu_kernels.prefill_attention(), query, key_cache.contiguous(),
+                                          value_cache.contiguous(), p.block_tables, p.table_rows, p.q_starts,
+                                          p.q_lens, p.seq_lens, p.token_rows, sliding_window, scale, out)
     slot_k = key_cache.view(-1, num_kv_heads, head_dim)
     slot_v = value_cache.view(-1, num_kv_heads, head_dim)
     for p in plan.prefills:

@@ -1,0 +1,295 @@
+/* Prefill attention on a CPU, straight from the paged cache: every prefill chunk of a step (causal over
+   its own tokens, after the context already cached; optionally a sliding window) in one call. The query,
+   the output and all arithmetic are float32; the cache is float32 or bfloat16 (widened as it is packed).
+
+   torch's fused CPU attention reached 60-120 GFLOP/s on the default model's shapes (head_dim 64, 9 query
+   heads on 3 KV heads; 2 cores, AVX-512) where its matrix products reach ~300; this kernel, a flash
+   attention shaped for them, 170-250 (client/bench_cpu_attention.py). Phase 1 packs each sequence's keys, per KV head, into tiles of KEYS keys transposed ([dim][key])
+   and its values into rows, both padded to a multiple of 16 dimensions with zeros: every query tile of
+   that head reads them again, from the caches. Phase 2 takes work items of up to ROWS query rows
+   (positions x the query heads sharing one KV head, which share its keys too) and walks their key tiles:
+   scores by a register-blocked product (rows x 64 keys of accumulators, one broadcast per row and
+   dimension), the online softmax in float32 (running max and sum, rows rescaled when the max grows),
+   then the value product into the rows' accumulators. Tiles no query of the item can see are skipped.
+
+   Built and loaded by cpu_kernels.py with the decode kernel's flags (FMA contraction on). Items run in
+   parallel on torch's OpenMP runtime, the costliest (the last query tiles: the most keys) first. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GLIBC__)
+/* glibc's vector expf (see cpu_decode_attention.c for why the source declares it). */
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+#define LANES 16 /* floats in one vector below */
+#define KEYS 64  /* keys per tile */
+#define ROWS 96  /* query rows per work item, unless one position's group of heads is more */
+
+/* Sixteen floats: one AVX-512 register, two AVX2 ones; GCC lowers the arithmetic to what the target has. */
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+ALWAYS_INLINE vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+ALWAYS_INLINE void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+ALWAYS_INLINE float element(const void *row, int64_t d, const int bf16) {
+    if (!bf16) return ((const float *)row)[d];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* The register tile: at most ACCUMULATORS vectors of sums. The arrays below have that fixed size (not
+   R x DV, which GCC would allocate on the stack as variable-length arrays even where R and DV are
+   constants), so that inlined with constant R and DV every element lives in a register. */
+#define ACCUMULATORS 24
+
+/* s[r][0, KEYS) = q[r] . k for R rows of q (dp floats each) against a tile of keys stored [dp][KEYS]. */
+ALWAYS_INLINE void tile_scores(const float *q, const float *kt, float *s, const int R, const int64_t dp) {
+    enum { KV = KEYS / LANES };
+    vec acc[ACCUMULATORS];
+    for (int i = 0; i < R * KV; i++) acc[i] = (vec){0};
+    for (int64_t d = 0; d < dp; d++) {
+        vec k[KV];
+        for (int c = 0; c < KV; c++) k[c] = load(kt + d * KEYS + c * LANES);
+        for (int r = 0; r < R; r++) {
+            const vec b = (vec){0} + q[r * dp + d];
+            for (int c = 0; c < KV; c++) acc[r * KV + c] += b * k[c];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < KV; c++) store(s + r * KEYS + c * LANES, acc[r * KV + c]);
+}
+
+/* o[r] += sum over j < keys of p[r][j] * v[j], R rows of DV vectors; v stored [KEYS][DV * LANES]. */
+ALWAYS_INLINE void tile_values(const float *p, const float *v, float *o, const int R, const int DV, int64_t keys) {
+    vec acc[ACCUMULATORS];
+    for (int i = 0; i < R * DV; i++) acc[i] = load(o + i * LANES);
+    for (int64_t j = 0; j < keys; j++) {
+        vec x[ACCUMULATORS / 3];
+        for (int c = 0; c < DV; c++) x[c] = load(v + (j * DV + c) * LANES);
+        for (int r = 0; r < R; r++) {
+            const vec b = (vec){0} + p[r * KEYS + j];
+            for (int c = 0; c < DV; c++) acc[r * DV + c] += b * x[c];
+        }
+    }
+    for (int i = 0; i < R * DV; i++) store(o + i * LANES, acc[i]);
+}
+
+/* Blocks of the register tile (6 rows of 64 keys; 24 / DV rows of values) and one row at a time for
+   what is left. */
+static void scores_rows(const float *q, const float *kt, float *s, int64_t rows, int64_t dp) {
+    int64_t r = 0;
+    for (; r + 6 <= rows; r += 6) tile_scores(q + r * dp, kt, s + r * KEYS, 6, dp);
+    for (; r < rows; r++) tile_scores(q + r * dp, kt, s + r * KEYS, 1, dp);
+}
+
+#define VALUE_ROWS(DV)                                                                                   \
+    static void values_rows_##DV(const float *p, const float *v, float *o, int64_t rows, int64_t keys) { \
+        const int block = ACCUMULATORS / DV;                                                             \
+        int64_t r = 0;                                                                                   \
+        for (; r + block <= rows; r += block)                                                            \
+            tile_values(p + r * KEYS, v, o + r * DV * LANES, block, DV, keys);                           \
+        for (; r < rows; r++) tile_values(p + r * KEYS, v, o + r * DV * LANES, 1, DV, keys);             \
+    }
+VALUE_ROWS(1)
+VALUE_ROWS(2)
+VALUE_ROWS(4)
+VALUE_ROWS(8)
+
+static void values_rows(const float *p, const float *v, float *o, int64_t rows, int64_t keys, int64_t dv) {
+    switch (dv) {
+        case 1: values_rows_1(p, v, o, rows, keys); break;
+        case 2: values_rows_2(p, v, o, rows, keys); break;
+        case 4: values_rows_4(p, v, o, rows, keys); break;
+        default: values_rows_8(p, v, o, rows, keys); break;
+    }
+}
+
+/* What one prefill chunk needs: its query rows [q_start, q_start + q_len), which are positions
+   [seq_len - q_len, seq_len) of a sequence whose keys from position `first_key` on are packed at
+   `packed` (KV head h's tiles at packed + h * head_floats: `tiles` key tiles, then their values). */
+struct prefill {
+    int64_t q_start, q_len, seq_len, first_key, tiles;
+    float *packed;
+};
+
+/* Phase 1, one tile of keys and values of KV head h of prefill `f`. */
+static void pack_tile(const struct prefill *f, const int64_t *table, const void *key_cache, const void *value_cache,
+                      int64_t h, int64_t tile, int64_t num_kv_heads, int64_t head_dim, int64_t dp, int64_t block_size,
+                      int bf16) {
+    float *head = f->packed + h * f->tiles * 2 * KEYS * dp;
+    float *kt = head + tile * KEYS * dp, *v = head + (f->tiles + tile) * KEYS * dp;
+    const int64_t element_bytes = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < KEYS; j++) {
+        const int64_t position = f->first_key + tile * KEYS + j;
+        if (position >= f->seq_len) {
+            for (int64_t d = 0; d < dp; d++) kt[d * KEYS + j] = v[j * dp + d] = 0.0f;
+            continue;
+        }
+        const int64_t slot = table[position / block_size] * block_size + position % block_size;
+        const int64_t offset = (slot * num_kv_heads + h) * head_dim * element_bytes;
+        const void *k_row = (const char *)key_cache + offset, *v_row = (const char *)value_cache + offset;
+        for (int64_t d = 0; d < head_dim; d++) {
+            kt[d * KEYS + j] = element(k_row, d, bf16);
+            v[j * dp + d] = element(v_row, d, bf16);
+        }
+        for (int64_t d = head_dim; d < dp; d++) kt[d * KEYS + j] = v[j * dp + d] = 0.0f;
+    }
+}
+
+/* Phase 2, one work item: positions [p0, p0 + m) of prefill `f` (chunk-relative), the `group` query
+   heads of KV head h. Scratch: q, o [ROWS or more][dp]; s [same rows][KEYS]; max, sum [rows]. */
+static void attend_item(const struct prefill *f, const float *query, int64_t q_stride, float *out, int64_t h,
+                        int64_t p0, int64_t m, int64_t group, int64_t head_dim, int64_t dp, int64_t window, float scale,
+                        float *q, float *o, float *s, float *row_max, float *row_sum) {
+    const int64_t rows = m * group, context = f->seq_len - f->q_len;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < group; g++) {
+            const float *src = query + (f->q_start + p0 + i) * q_stride + (h * group + g) * head_dim;
+            float *dst = q + (i * group + g) * dp;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = src[d] * scale;
+            for (int64_t d = head_dim; d < dp; d++) dst[d] = 0.0f;
+        }
+    memset(o, 0, sizeof(float) * rows * dp);
+    for (int64_t r = 0; r < rows; r++) {
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.0f;
+    }
+    /* Absolute positions: the item's queries [first, last]; key k is visible to query p when
+       k <= p and, with a window, p - k < window. */
+    const int64_t first = context + p0, last = context + p0 + m - 1;
+    int64_t lowest = window > 0 ? first - window + 1 : 0;
+    if (lowest < f->first_key) lowest = f->first_key;
+    const float *head = f->packed + h * f->tiles * 2 * KEYS * dp;
+    for (int64_t tile = (lowest - f->first_key) / KEYS; tile * KEYS + f->first_key <= last; tile++) {
+        const int64_t t0 = f->first_key + tile * KEYS; /* position of the tile's key 0 */
+        const float *kt = head + tile * KEYS * dp, *v = head + f->tiles * KEYS * dp + tile * KEYS * dp;
+        scores_rows(q, kt, s, rows, dp);
+        int64_t keys = 0; /* keys of the tile any row sees: the value product stops there */
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t position = first + r / group;
+            float *sr = s + r * KEYS;
+            int64_t from = window > 0 ? position - window + 1 - t0 : 0, to = position - t0 + 1;
+            if (from < 0) from = 0;
+            if (to > KEYS) to = KEYS;
+            if (from >= to) {
+                memset(sr, 0, sizeof(float) * KEYS);
+                continue;
+            }
+            if (to > keys) keys = to;
+            float top = row_max[r];
+            for (int64_t j = from; j < to; j++) top = sr[j] > top ? sr[j] : top;
+            const float rescale = expf(row_max[r] - top); /* 0 while the row had no key yet */
+            float total = 0.0f;
+            for (int64_t j = 0; j < from; j++) sr[j] = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int64_t j = from; j < to; j++) {
+                sr[j] = expf(sr[j] - top);
+                total += sr[j];
+            }
+            for (int64_t j = to; j < KEYS; j++) sr[j] = 0.0f;
+            row_max[r] = top;
+            row_sum[r] = row_sum[r] * rescale + total;
+            if (rescale != 1.0f) {
+                float *orow = o + r * dp;
+#pragma omp simd
+                for (int64_t d = 0; d < dp; d++) orow[d] *= rescale;
+            }
+        }
+        values_rows(s, v, o, rows, keys, dp / LANES);
+    }
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = i * group + g;
+            const float inverse = 1.0f / row_sum[r];
+            float *dst = out + (f->q_start + p0 + i) * q_stride + (h * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = o[r * dp + d] * inverse;
+        }
+}
+
+/* query, out: [tokens, num_heads, head_dim] float32 contiguous; caches [slots, num_kv_heads, head_dim]
+   contiguous, float32 or (cache_bf16) bfloat16; block_tables rows `table_stride` apart. Prefill i: query
+   rows [q_starts[i], q_starts[i] + q_lens[i]), the last q_lens[i] of seq_lens[i] positions, its table row
+   table_rows[i]. window: keys a query sees, itself included (0: all before it). head_dim at most 128.
+   Returns 0, or -1 when memory for the packed keys or the scratch ran out. */
+int paged_prefill_attention(const float *query, const void *key_cache, const void *value_cache,
+                            const int64_t *block_tables, int64_t table_stride, const int64_t *table_rows,
+                            const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens, int64_t prefills,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t window, float scale, float *out, int num_threads, int cache_bf16) {
+    if (prefills <= 0) return 0;
+    const int64_t group = num_heads / num_kv_heads, q_stride = num_heads * head_dim;
+    const int64_t dp = head_dim <= 16 ? 16 : head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : 128;
+    const int64_t m = group >= ROWS ? 1 : ROWS / group, rows = m * group; /* positions, rows per item */
+    struct prefill *f = malloc(sizeof *f * (size_t)prefills);
+    int64_t *pack_starts = malloc(sizeof(int64_t) * (size_t)(prefills + 1));
+    int64_t *item_starts = malloc(sizeof(int64_t) * (size_t)(prefills + 1));
+    if (f == NULL || pack_starts == NULL || item_starts == NULL) {
+        free(f), free(pack_starts), free(item_starts);
+        return -1;
+    }
+    int64_t floats = 0;
+    pack_starts[0] = item_starts[0] = 0;
+    for (int64_t i = 0; i < prefills; i++) {
+        const int64_t context = seq_lens[i] - q_lens[i];
+        int64_t first_key = window > 0 ? context - window + 1 : 0;
+        if (first_key < 0) first_key = 0;
+        f[i] = (struct prefill){q_starts[i], q_lens[i], seq_lens[i], first_key,
+                                (seq_lens[i] - first_key + KEYS - 1) / KEYS, NULL};
+        floats += num_kv_heads * f[i].tiles * 2 * KEYS * dp;
+        pack_starts[i + 1] = pack_starts[i] + num_kv_heads * f[i].tiles;
+        item_starts[i + 1] = item_starts[i] + num_kv_heads * ((q_lens[i] + m - 1) / m);
+    }
+    float *packed = aligned_alloc(64, sizeof(float) * (size_t)floats);
+    if (packed == NULL) {
+        free(f), free(pack_starts), free(item_starts);
+        return -1;
+    }
+    for (int64_t i = 0, offset = 0; i < prefills; offset += num_kv_heads * f[i].tiles * 2 * KEYS * dp, i++)
+        f[i].packed = packed + offset;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scratch = aligned_alloc(64, sizeof(float) * (size_t)((rows * (2 * dp + KEYS + 2) + 15) / 16 * 16));
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t t = 0; t < pack_starts[prefills]; t++) {
+            int64_t i = 0;
+            while (pack_starts[i + 1] <= t) i++;
+            const int64_t h = (t - pack_starts[i]) / f[i].tiles, tile = (t - pack_starts[i]) % f[i].tiles;
+            pack_tile(&f[i], block_tables + table_rows[i] * table_stride, key_cache, value_cache, h, tile,
+                      num_kv_heads, head_dim, dp, block_size, cache_bf16);
+        }
+        /* Items numbered from the end of each chunk: its last query tiles see the most keys. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < item_starts[prefills]; t++) {
+            if (scratch == NULL) { /* every thread still takes its share of the loop, as OpenMP requires */
+                failed = 1;
+                continue;
+            }
+            int64_t i = 0;
+            while (item_starts[i + 1] <= t) i++;
+            const int64_t tiles = (q_lens[i] + m - 1) / m, h = (t - item_starts[i]) % num_kv_heads;
+            const int64_t q_tile = tiles - 1 - (t - item_starts[i]) / num_kv_heads, p0 = q_tile * m;
+            const int64_t count = p0 + m <= q_lens[i] ? m : q_lens[i] - p0;
+            float *q = scratch, *o = q + rows * dp, *s = o + rows * dp, *row_max = s + rows * KEYS;
+            attend_item(&f[i], query, q_stride, out, h, p0, count, group, head_dim, dp, window, scale, q, o, s,
+                        row_max, row_max + rows);
+        }
+        free(scratch);
+    }
+    free(packed), free(f), free(pack_starts), free(item_starts);
+    return failed ? -1 : 0;
+}
