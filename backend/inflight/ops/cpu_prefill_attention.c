@@ -120,7 +120,7 @@ static void values_rows(const float *p, const float *v, float *o, int64_t rows, 
 
 /* What one prefill chunk needs: its query rows [q_start, q_start + q_len), which are positions
    [seq_len - q_len, seq_len) of a sequence whose keys from position `first_key` on are packed at
-   `packed` (KV head h's tiles at packed + h * head_floats: `tiles` key tiles, then their values). */
+   `packed`: per KV head, `tiles` tiles of keys, then as many of values, KEYS x dp floats each. */
 struct prefill {
     int64_t q_start, q_len, seq_len, first_key, tiles;
     float *packed;
@@ -191,6 +191,7 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
             }
             if (to > keys) keys = to;
             float top = row_max[r];
+#pragma omp simd reduction(max : top)
             for (int64_t j = from; j < to; j++) top = sr[j] > top ? sr[j] : top;
             const float rescale = expf(row_max[r] - top); /* 0 while the row had no key yet */
             float total = 0.0f;

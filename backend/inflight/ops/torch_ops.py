@@ -128,16 +128,16 @@ def _kernel_prefills(seqs: list[int], cu: list[int], lens: list[int], block_tabl
                            torch.tensor([lens[i] for i in seqs]), token_rows, _int64_tables(block_tables))
 
 
-def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads, token_bytes, kernel,
-               prefill_kernel, sliding_window) -> _Plan:
-    """`token_bytes`: the key bytes of one token, all its KV heads; `kernel`, `prefill_kernel`: decodes,
-    prefill chunks through the C kernels."""
+def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads, token_bytes,
+               decode_kernel, prefill_kernel, sliding_window) -> _Plan:
+    """`token_bytes`: the key bytes of one token, all its KV heads; `decode_kernel`, `prefill_kernel`:
+    decodes, prefill chunks through the C kernels."""
     device = seq_lens.device
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     decodes = sorted((lens[i], i) for i in range(len(lens)) if cu[i + 1] - cu[i] == 1)
     kernel_decodes = None
-    if kernel and decodes:
+    if decode_kernel and decodes:
         kernel_decodes = _kernel_decodes([i for _, i in decodes], cu_seqlens_q, seq_lens, block_tables, sliding_window)
         decodes = []
     groups = []
@@ -179,7 +179,7 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
             if sliding_window is not None:
                 mask &= q_pos - positions[None, :] < sliding_window
         prefills.append(_Prefill(cu[i], q_len, slots, mask))
-    return _Plan((cu_seqlens_q, seq_lens, block_tables, sliding_window, kernel, prefill_kernel), groups,
+    return _Plan((cu_seqlens_q, seq_lens, block_tables, sliding_window, decode_kernel, prefill_kernel), groups,
                  kernel_decodes, prefills, kernel_prefills)
 
 
@@ -188,17 +188,17 @@ def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_wi
     num_heads, head_dim = query.shape[1:]
     c_kernels = (query.device.type == "cpu" and query.dtype == key_cache.dtype
                  and key_cache.dtype in cpu_kernels.CACHE_DTYPES)
-    kernel = c_kernels and cpu_kernels.decode_attention() is not None
+    decode_kernel = c_kernels and cpu_kernels.decode_attention() is not None
     prefill_kernel = (c_kernels and head_dim <= cpu_kernels.PREFILL_MAX_HEAD_DIM
                       and cpu_kernels.prefill_attention() is not None)
     plan = _last_plan
     if plan is None or not (plan.inputs[0] is cu_seqlens_q and plan.inputs[1] is seq_lens
                             and plan.inputs[2] is block_tables
-                            and plan.inputs[3:] == (sliding_window, kernel, prefill_kernel)):
+                            and plan.inputs[3:] == (sliding_window, decode_kernel, prefill_kernel)):
         block_size, num_kv_heads = key_cache.shape[1:3]
         token_bytes = num_kv_heads * head_dim * key_cache.element_size()
         plan = _last_plan = _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads,
-                                       token_bytes, kernel, prefill_kernel, sliding_window)
+                                       token_bytes, decode_kernel, prefill_kernel, sliding_window)
     return plan
 
 
