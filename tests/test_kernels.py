@@ -337,6 +337,21 @@ def test_cpu_decode_kernel_leaves_subnormals_alone(tmp_path):
     assert list((tmp_path / "cpu_kernels").glob("*.so")), "the kernel was not built afresh"
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C kernels are for a CPU")
+def test_cpu_kernels_rebuild_when_their_shared_header_changes(tmp_path, monkeypatch):
+    """Every kernel source includes cpu_kernels.h: a library built before the header changed must not
+    be loaded after it (the cache key covers the header, not only the source)."""
+    from inflight.ops import cpu_kernels
+
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))
+    before = cpu_kernels._build(cpu_kernels._LAYER_OPS_SOURCE, cpu_kernels._FLAGS)
+    changed = tmp_path / "cpu_kernels.h"
+    changed.write_bytes(cpu_kernels._SHARED_HEADER.read_bytes() + b"/* changed */\n")
+    monkeypatch.setattr(cpu_kernels, "_SHARED_HEADER", changed)
+    after = cpu_kernels._build(cpu_kernels._LAYER_OPS_SOURCE, cpu_kernels._FLAGS)
+    assert after != before and after.exists() and before.exists()
+
+
 def test_cpu_decode_kernel_falls_back_where_no_compiler_works(tmp_path):
     """A compiler that fails: a warning naming it, and attention through torch operations, correct (the
     layer kernels' absence: test_fused_layers.py)."""

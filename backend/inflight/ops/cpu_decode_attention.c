@@ -10,30 +10,9 @@
    memory once. Items run in parallel on the OpenMP runtime torch has already loaded (same soname), with
    torch's thread count passed in. */
 
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if defined(__x86_64__) && defined(__GLIBC__)
-/* glibc's vector expf (libmvec), which <math.h> declares only under -ffast-math. That flag is not used:
-   in a shared library, GCC before 13 links a constructor that turns on flush-to-zero for the thread
-   that loads it, which would change every later float operation of the engine. */
-#pragma omp declare simd notinbranch
-float expf(float);
-#endif
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* Element d of a cache row, widened to float32; `bf16` is a constant at every call site, so each
-   caller compiles to one of the two loads. */
-ALWAYS_INLINE float element(const void *row, int64_t d, const int bf16) {
-    if (!bf16) return ((const float *)row)[d];
-    const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
+#include "cpu_kernels.h"
 
 /* The address `elements` cache elements past `base`. */
 ALWAYS_INLINE const void *advance(const void *base, int64_t elements, const int bf16) {

@@ -15,9 +15,10 @@ A decoder layer's small operations (`cpu_layer_ops.c`): RMSNorm, residual add an
 embedding, SiLU and multiply, float32, each one call where eager torch runs six to twelve operations
 (fused_layers.py swaps them into transformers' modules).
 
-Built with `-march=native`, so the library is cached per source, flags and processor (under
-INFLIGHT_CACHE_DIR, else ~/.cache/inflight, else the temporary directory), written to a temporary name
-and renamed, so that processes starting together never load a half-written file. OpenMP is linked by
+Built with `-march=native`, so the library is cached per source (with cpu_kernels.h, which every source
+includes), flags and processor (under INFLIGHT_CACHE_DIR, else ~/.cache/inflight, else the temporary
+directory), written to a temporary name and renamed, so that processes starting together never load a
+half-written file. OpenMP is linked by
 its soname, libgomp.so.1, which torch has already loaded: the kernel shares torch's thread pool instead
 of starting a second one whose spinning threads would compete with it. Where no compiler works the
 loaders return None and the callers keep their torch paths (logged once).
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 _ATTENTION_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 _PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
 _LAYER_OPS_SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
+_SHARED_HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by every source above
 # Not -ffast-math: GCC before 13 links it into a shared library as a constructor that turns on
 # flush-to-zero. Of what it implies, the parts the kernel needs: reassociation (sums over the head
 # dimension in vector lanes; 1.5x faster) and no errno (the exponentials vectorize; the source declares
@@ -74,7 +76,7 @@ def _build(source_path: Path, flags: list[str]) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    source = source_path.read_bytes()
+    source = source_path.read_bytes() + _SHARED_HEADER.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *flags, _processor()]).encode()).hexdigest()[:16]
     directory = _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -105,33 +107,33 @@ def _load(source_path: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
         return None
 
 
-def _attention_function(library: ctypes.CDLL, name: str, argtypes: list):
-    function = getattr(library, name)
-    function.restype, function.argtypes = ctypes.c_int, argtypes
-    logger.info("CPU %s: %s", name, library._name)
-    return function
-
-
 # Argument types: pointers pass as tensors' data_ptr().
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
+def _attention_function(source_path: Path, what: str, name: str, argtypes: list):
+    """The C function `name` of the library built from `source_path`, or None where it cannot be built."""
+    library = _load(source_path, _FLAGS, what)
+    if library is None:
+        return None
+    function = getattr(library, name)
+    function.restype, function.argtypes = ctypes.c_int, argtypes
+    logger.info("CPU %s: %s", what, library._name)
+    return function
+
+
 @cache
 def decode_attention():
-    """The C function, or None where it cannot be built."""
-    library = _load(_ATTENTION_SOURCE, _FLAGS, "decode attention kernel")
-    return None if library is None else _attention_function(
-        library, "paged_decode_attention",
+    return _attention_function(
+        _ATTENTION_SOURCE, "decode attention kernel", "paged_decode_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
          _SIZE, _SIZE, _SIZE, ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int])
 
 
 @cache
 def prefill_attention():
-    """The C function, or None where it cannot be built."""
-    library = _load(_PREFILL_SOURCE, _FLAGS, "prefill attention kernel")
-    return None if library is None else _attention_function(
-        library, "paged_prefill_attention",
+    return _attention_function(
+        _PREFILL_SOURCE, "prefill attention kernel", "paged_prefill_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
          _SIZE, _SIZE, _SIZE, ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int])
 

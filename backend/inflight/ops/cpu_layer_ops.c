@@ -8,14 +8,7 @@
    rotary embedding equals transformers' float32 result exactly (a multiply rounds before the add there
    too). Rows are split over torch's OpenMP threads once a call is large enough to pay for waking them. */
 
-#include <math.h>
-#include <stdint.h>
-
-#if defined(__x86_64__) && defined(__GLIBC__)
-/* glibc's vector expf (see cpu_decode_attention.c for why the source declares it). */
-#pragma omp declare simd notinbranch
-float expf(float);
-#endif
+#include "cpu_kernels.h"
 
 /* Below this many elements a call runs on the calling thread. */
 #define PARALLEL_ELEMENTS (1 << 16)

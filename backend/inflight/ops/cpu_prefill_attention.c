@@ -15,18 +15,9 @@
    Built and loaded by cpu_kernels.py with the decode kernel's flags (FMA contraction on). Items run in
    parallel on torch's OpenMP runtime, the costliest (the last query tiles: the most keys) first. */
 
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if defined(__x86_64__) && defined(__GLIBC__)
-/* glibc's vector expf (see cpu_decode_attention.c for why the source declares it). */
-#pragma omp declare simd notinbranch
-float expf(float);
-#endif
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#include "cpu_kernels.h"
 
 #define LANES 16 /* floats in one vector below */
 #define KEYS 64  /* keys per tile */
@@ -42,14 +33,6 @@ ALWAYS_INLINE vec load(const float *p) {
 }
 
 ALWAYS_INLINE void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
-ALWAYS_INLINE float element(const void *row, int64_t d, const int bf16) {
-    if (!bf16) return ((const float *)row)[d];
-    const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
 
 /* The register tile: at most ACCUMULATORS vectors of sums. The arrays below have that fixed size (not
    R x DV, which GCC would allocate on the stack as variable-length arrays even where R and DV are
