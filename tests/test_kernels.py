@@ -299,6 +299,38 @@ def test_cpu_prefill_kernel_matches_sdpa(case, threads, dtype, monkeypatch):
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
+def _has_avx512() -> bool:
+    try:
+        return " avx512f " in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or not _has_avx512(),
+                    reason="where AVX-512 is missing, the kernel built for the machine is this tiling")
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_cpu_prefill_kernel_tiled_for_sixteen_vector_registers(case, monkeypatch):
+    """The prefill kernel sizes its register tiles to the target: AVX-512's 32 registers of 16 floats,
+    or 16 of 8 (AVX2; NEON's 32 of 4 hold as many floats). Built here with AVX-512 off, the second tiling
+    (smaller key tiles, value rows in blocks of columns) must equal the SDPA path as the first does."""
+    import ctypes
+
+    from inflight.ops import cpu_kernels
+
+    native = cpu_kernels.prefill_attention()
+    library = ctypes.CDLL(str(cpu_kernels._build(cpu_kernels._PREFILL_SOURCE, [*cpu_kernels._FLAGS, "-mno-avx512f"])))
+    function = library.paged_prefill_attention
+    function.argtypes, function.restype = native.argtypes, native.restype
+    seqs, block_size, kv_heads, group, head_dim, window = PREFILL_CASES[case]
+    inputs = make_batch(seqs, block_size, kv_heads, group, head_dim, torch.float32)
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda: function)
+    got = torch_ops.paged_attention(*inputs, head_dim ** -0.5, window)
+    assert torch_ops._last_plan.kernel_prefills is not None
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda: None)
+    expected = torch_ops.paged_attention(*inputs, head_dim ** -0.5, window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
 def test_cpu_prefill_kernel_leaves_other_rows_and_long_heads_alone():
     """The kernel writes the rows of prefill chunks only (decodes' rows are the decode kernel's), and

@@ -4,13 +4,15 @@
 
    torch's fused CPU attention reached 60-120 GFLOP/s on the default model's shapes (head_dim 64, 9 query
    heads on 3 KV heads; 2 cores, AVX-512) where its matrix products reach ~300; this kernel, a flash
-   attention shaped for them, 170-250 (client/bench_cpu_attention.py). Phase 1 packs each sequence's keys, per KV head, into tiles of KEYS keys transposed ([dim][key])
-   and its values into rows, both padded to a multiple of 16 dimensions with zeros: every query tile of
-   that head reads them again, from the caches. Phase 2 takes work items of up to ROWS query rows
-   (positions x the query heads sharing one KV head, which share its keys too) and walks their key tiles:
-   scores by a register-blocked product (rows x 64 keys of accumulators, one broadcast per row and
-   dimension), the online softmax in float32 (running max and sum, rows rescaled when the max grows),
-   then the value product into the rows' accumulators. Tiles no query of the item can see are skipped.
+   attention shaped for them, 170-290 (client/bench_cpu_attention.py). Phase 1 packs each sequence's
+   keys, per KV head, into tiles of KEYS keys transposed ([dim][key]) and its values into rows, both
+   padded to 16, 32, 64 or 128 dimensions with zeros: every query tile of that head reads them again,
+   from the caches. Phase 2 takes work items of up to ROWS query rows (positions x the query heads
+   sharing one KV head, which share its keys too) and walks their key tiles: scores by a register-blocked
+   product (a block of rows x KEYS keys of sums in registers, one broadcast per row and dimension), the
+   online softmax in float32 (running max and sum, rows rescaled when the max grows), then the value
+   product into the rows' sums, a block of columns at a time. Tiles no query of the item can see are
+   skipped.
 
    Built and loaded by cpu_kernels.py with the decode kernel's flags (FMA contraction on). Items run in
    parallel on torch's OpenMP runtime, the costliest (the last query tiles: the most keys) first. */
@@ -19,11 +21,26 @@
 
 #include "cpu_kernels.h"
 
-#define LANES 16 /* floats in one vector below */
-#define KEYS 64  /* keys per tile */
-#define ROWS 96  /* query rows per work item, unless one position's group of heads is more */
+/* The register tiles below are sized to the target's vector registers: spilled, they run several
+   times slower than torch (an AVX-512 tiling built for AVX2 ran at 10 GFLOP/s against SDPA's 60). */
+#if defined(__AVX512F__)
+#define LANES 16     /* floats in one vector */
+#define REGISTERS 32 /* vector registers */
+#define KEYS 64      /* keys per tile */
+#else                /* AVX2: 16 registers of 8 floats; NEON: 32 of 4, as many floats */
+#define LANES 8
+#define REGISTERS 16
+#define KEYS 32
+#endif
+#define ROWS 96 /* query rows per work item, unless one position's group of heads is more */
 
-/* Sixteen floats: one AVX-512 register, two AVX2 ones; GCC lowers the arithmetic to what the target has. */
+enum {
+    KV = KEYS / LANES,                          /* vectors in a row of a tile's scores: 4 */
+    SCORE_ROWS = (REGISTERS - KV - 1) / KV,     /* rows of a block of scores: their sums, a key row, a query */
+    VALUE_VECTORS = 4,                          /* most vectors of a value row one block sums */
+};
+
+/* LANES floats; GCC lowers the arithmetic to what the target has. */
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
 ALWAYS_INLINE vec load(const float *p) {
@@ -34,15 +51,13 @@ ALWAYS_INLINE vec load(const float *p) {
 
 ALWAYS_INLINE void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-/* The register tile: at most ACCUMULATORS vectors of sums. The arrays below have that fixed size (not
-   R x DV, which GCC would allocate on the stack as variable-length arrays even where R and DV are
-   constants), so that inlined with constant R and DV every element lives in a register. */
-#define ACCUMULATORS 24
+/* The arrays of sums below have a fixed size (not R x the row's vectors, which GCC would allocate on
+   the stack as variable-length arrays even where inlining makes both constants), so that every
+   element lives in a register. */
 
 /* s[r][0, KEYS) = q[r] . k for R rows of q (dp floats each) against a tile of keys stored [dp][KEYS]. */
 ALWAYS_INLINE void tile_scores(const float *q, const float *kt, float *s, const int R, const int64_t dp) {
-    enum { KV = KEYS / LANES };
-    vec acc[ACCUMULATORS];
+    vec acc[REGISTERS];
     for (int i = 0; i < R * KV; i++) acc[i] = (vec){0};
     for (int64_t d = 0; d < dp; d++) {
         vec k[KV];
@@ -56,48 +71,57 @@ ALWAYS_INLINE void tile_scores(const float *q, const float *kt, float *s, const 
         for (int c = 0; c < KV; c++) store(s + r * KEYS + c * LANES, acc[r * KV + c]);
 }
 
-/* o[r] += sum over j < keys of p[r][j] * v[j], R rows of DV vectors; v stored [KEYS][DV * LANES]. */
-ALWAYS_INLINE void tile_values(const float *p, const float *v, float *o, const int R, const int DV, int64_t keys) {
-    vec acc[ACCUMULATORS];
-    for (int i = 0; i < R * DV; i++) acc[i] = load(o + i * LANES);
+/* o[r] += sum over j < keys of p[r][j] * v[j] for R rows of CV vectors: a block of columns of rows
+   `stride` floats long (v's rows and o's). */
+ALWAYS_INLINE void tile_values(const float *p, const float *v, float *o, const int R, const int CV, int64_t keys,
+                               int64_t stride) {
+    vec acc[REGISTERS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < CV; c++) acc[r * CV + c] = load(o + r * stride + c * LANES);
     for (int64_t j = 0; j < keys; j++) {
-        vec x[ACCUMULATORS / 3];
-        for (int c = 0; c < DV; c++) x[c] = load(v + (j * DV + c) * LANES);
+        vec x[VALUE_VECTORS];
+        for (int c = 0; c < CV; c++) x[c] = load(v + j * stride + c * LANES);
         for (int r = 0; r < R; r++) {
             const vec b = (vec){0} + p[r * KEYS + j];
-            for (int c = 0; c < DV; c++) acc[r * DV + c] += b * x[c];
+            for (int c = 0; c < CV; c++) acc[r * CV + c] += b * x[c];
         }
     }
-    for (int i = 0; i < R * DV; i++) store(o + i * LANES, acc[i]);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < CV; c++) store(o + r * stride + c * LANES, acc[r * CV + c]);
 }
 
-/* Blocks of the register tile (6 rows of 64 keys; 24 / DV rows of values) and one row at a time for
-   what is left. */
+/* Blocks of the register tile and one row at a time for what is left. */
 static void scores_rows(const float *q, const float *kt, float *s, int64_t rows, int64_t dp) {
     int64_t r = 0;
-    for (; r + 6 <= rows; r += 6) tile_scores(q + r * dp, kt, s + r * KEYS, 6, dp);
+    for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS) tile_scores(q + r * dp, kt, s + r * KEYS, SCORE_ROWS, dp);
     for (; r < rows; r++) tile_scores(q + r * dp, kt, s + r * KEYS, 1, dp);
 }
 
-#define VALUE_ROWS(DV)                                                                                   \
-    static void values_rows_##DV(const float *p, const float *v, float *o, int64_t rows, int64_t keys) { \
-        const int block = ACCUMULATORS / DV;                                                             \
-        int64_t r = 0;                                                                                   \
-        for (; r + block <= rows; r += block)                                                            \
-            tile_values(p + r * KEYS, v, o + r * DV * LANES, block, DV, keys);                           \
-        for (; r < rows; r++) tile_values(p + r * KEYS, v, o + r * DV * LANES, 1, DV, keys);             \
+/* Rows of CV vectors: blocks of as many rows as leave a register for the value row and one for p. */
+#define VALUE_ROWS(CV)                                                                                    \
+    static void values_rows_##CV(const float *p, const float *v, float *o, int64_t rows, int64_t keys,    \
+                                 int64_t stride) {                                                        \
+        const int block = (REGISTERS - CV - 1) / CV;                                                      \
+        int64_t r = 0;                                                                                    \
+        for (; r + block <= rows; r += block)                                                             \
+            tile_values(p + r * KEYS, v, o + r * stride, block, CV, keys, stride);                        \
+        for (; r < rows; r++) tile_values(p + r * KEYS, v, o + r * stride, 1, CV, keys, stride);          \
     }
 VALUE_ROWS(1)
 VALUE_ROWS(2)
 VALUE_ROWS(4)
-VALUE_ROWS(8)
 
+/* The value product of `rows` rows of dv vectors, in blocks of columns of at most VALUE_VECTORS. */
 static void values_rows(const float *p, const float *v, float *o, int64_t rows, int64_t keys, int64_t dv) {
-    switch (dv) {
-        case 1: values_rows_1(p, v, o, rows, keys); break;
-        case 2: values_rows_2(p, v, o, rows, keys); break;
-        case 4: values_rows_4(p, v, o, rows, keys); break;
-        default: values_rows_8(p, v, o, rows, keys); break;
+    const int64_t stride = dv * LANES;
+    for (int64_t c0 = 0; c0 < dv; c0 += VALUE_VECTORS) {
+        const float *vc = v + c0 * LANES;
+        float *oc = o + c0 * LANES;
+        switch (dv - c0 < VALUE_VECTORS ? dv - c0 : VALUE_VECTORS) { /* dv: a power of two */
+            case 1: values_rows_1(p, vc, oc, rows, keys, stride); break;
+            case 2: values_rows_2(p, vc, oc, rows, keys, stride); break;
+            default: values_rows_4(p, vc, oc, rows, keys, stride); break;
+        }
     }
 }
 
