@@ -36,7 +36,7 @@
 
 enum {
     KV = KEYS / LANES,                          /* vectors in a row of a tile's scores: 4 */
-    SCORE_ROWS = (REGISTERS - KV - 1) / KV,     /* rows of a block of scores: their sums, a key row, a query */
+    SCORE_ROWS = (REGISTERS - KV - 1) / KV,     /* a block's rows: registers for their sums, keys, a query */
     VALUE_VECTORS = 4,                          /* most vectors of a value row one block sums */
 };
 
