@@ -51,50 +51,36 @@ ALWAYS_INLINE vec load(const float *p) {
 
 ALWAYS_INLINE void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-/* The arrays of sums below have a fixed size (not R x the row's vectors, which GCC would allocate on
-   the stack as variable-length arrays even where inlining makes both constants), so that every
-   element lives in a register. */
-
-/* s[r][0, KEYS) = q[r] . k for R rows of q (dp floats each) against a tile of keys stored [dp][KEYS]. */
-ALWAYS_INLINE void tile_scores(const float *q, const float *kt, float *s, const int R, const int64_t dp) {
+/* c[r] (+)= sum over i < n of a[r][i] * b[i] for R rows of CV vectors, each row's sums in registers:
+   the product both halves of a tile use (scores: a = queries, b = the tile's keys [dp][KEYS]; values:
+   a = the probabilities, b = the tile's values [KEYS][dp], a block of their columns). Rows of a, b and
+   c lie `a_stride`, `b_stride` and `c_stride` floats apart; `accumulate`: add to c instead of
+   overwriting it. The sums' array has a fixed size (not R x CV, which GCC would allocate on the stack as
+   a variable-length array even where inlining makes both constants), so that every element lives in a
+   register. */
+ALWAYS_INLINE void tile_product(const float *a, int64_t a_stride, const float *b, int64_t b_stride, float *c,
+                                int64_t c_stride, const int R, const int CV, int64_t n, const int accumulate) {
     vec acc[REGISTERS];
-    for (int i = 0; i < R * KV; i++) acc[i] = (vec){0};
-    for (int64_t d = 0; d < dp; d++) {
-        vec k[KV];
-        for (int c = 0; c < KV; c++) k[c] = load(kt + d * KEYS + c * LANES);
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < CV; v++) acc[r * CV + v] = accumulate ? load(c + r * c_stride + v * LANES) : (vec){0};
+    for (int64_t i = 0; i < n; i++) {
+        vec x[VALUE_VECTORS > KV ? VALUE_VECTORS : KV];
+        for (int v = 0; v < CV; v++) x[v] = load(b + i * b_stride + v * LANES);
         for (int r = 0; r < R; r++) {
-            const vec b = (vec){0} + q[r * dp + d];
-            for (int c = 0; c < KV; c++) acc[r * KV + c] += b * k[c];
+            const vec broadcast = (vec){0} + a[r * a_stride + i];
+            for (int v = 0; v < CV; v++) acc[r * CV + v] += broadcast * x[v];
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < KV; c++) store(s + r * KEYS + c * LANES, acc[r * KV + c]);
-}
-
-/* o[r] += sum over j < keys of p[r][j] * v[j] for R rows of CV vectors: a block of columns of rows
-   `stride` floats long (v's rows and o's). */
-ALWAYS_INLINE void tile_values(const float *p, const float *v, float *o, const int R, const int CV, int64_t keys,
-                               int64_t stride) {
-    vec acc[REGISTERS];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < CV; c++) acc[r * CV + c] = load(o + r * stride + c * LANES);
-    for (int64_t j = 0; j < keys; j++) {
-        vec x[VALUE_VECTORS];
-        for (int c = 0; c < CV; c++) x[c] = load(v + j * stride + c * LANES);
-        for (int r = 0; r < R; r++) {
-            const vec b = (vec){0} + p[r * KEYS + j];
-            for (int c = 0; c < CV; c++) acc[r * CV + c] += b * x[c];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < CV; c++) store(o + r * stride + c * LANES, acc[r * CV + c]);
+        for (int v = 0; v < CV; v++) store(c + r * c_stride + v * LANES, acc[r * CV + v]);
 }
 
 /* Blocks of the register tile and one row at a time for what is left. */
 static void scores_rows(const float *q, const float *kt, float *s, int64_t rows, int64_t dp) {
     int64_t r = 0;
-    for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS) tile_scores(q + r * dp, kt, s + r * KEYS, SCORE_ROWS, dp);
-    for (; r < rows; r++) tile_scores(q + r * dp, kt, s + r * KEYS, 1, dp);
+    for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS)
+        tile_product(q + r * dp, dp, kt, KEYS, s + r * KEYS, KEYS, SCORE_ROWS, KV, dp, 0);
+    for (; r < rows; r++) tile_product(q + r * dp, dp, kt, KEYS, s + r * KEYS, KEYS, 1, KV, dp, 0);
 }
 
 /* Rows of CV vectors: blocks of as many rows as leave a register for the value row and one for p. */
@@ -104,8 +90,9 @@ static void scores_rows(const float *q, const float *kt, float *s, int64_t rows,
         const int block = (REGISTERS - CV - 1) / CV;                                                      \
         int64_t r = 0;                                                                                    \
         for (; r + block <= rows; r += block)                                                             \
-            tile_values(p + r * KEYS, v, o + r * stride, block, CV, keys, stride);                        \
-        for (; r < rows; r++) tile_values(p + r * KEYS, v, o + r * stride, 1, CV, keys, stride);          \
+            tile_product(p + r * KEYS, KEYS, v, stride, o + r * stride, stride, block, CV, keys, 1);      \
+        for (; r < rows; r++)                                                                             \
+            tile_product(p + r * KEYS, KEYS, v, stride, o + r * stride, stride, 1, CV, keys, 1);          \
     }
 VALUE_ROWS(1)
 VALUE_ROWS(2)
@@ -133,12 +120,20 @@ struct prefill {
     float *packed;
 };
 
+/* Tile `tile` of KV head h's packed keys ([dp][KEYS]), and of its values ([KEYS][dp]). */
+static inline float *key_tile(const struct prefill *f, int64_t h, int64_t tile, int64_t dp) {
+    return f->packed + (2 * h * f->tiles + tile) * KEYS * dp;
+}
+
+static inline float *value_tile(const struct prefill *f, int64_t h, int64_t tile, int64_t dp) {
+    return key_tile(f, h, f->tiles + tile, dp);
+}
+
 /* Phase 1, one tile of keys and values of KV head h of prefill `f`. */
 static void pack_tile(const struct prefill *f, const int64_t *table, const void *key_cache, const void *value_cache,
                       int64_t h, int64_t tile, int64_t num_kv_heads, int64_t head_dim, int64_t dp, int64_t block_size,
                       int bf16) {
-    float *head = f->packed + h * f->tiles * 2 * KEYS * dp;
-    float *kt = head + tile * KEYS * dp, *v = head + (f->tiles + tile) * KEYS * dp;
+    float *kt = key_tile(f, h, tile, dp), *v = value_tile(f, h, tile, dp);
     const int64_t element_bytes = bf16 ? 2 : 4;
     for (int64_t j = 0; j < KEYS; j++) {
         const int64_t position = f->first_key + tile * KEYS + j;
@@ -180,10 +175,9 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
     const int64_t first = context + p0, last = context + p0 + m - 1;
     int64_t lowest = window > 0 ? first - window + 1 : 0;
     if (lowest < f->first_key) lowest = f->first_key;
-    const float *head = f->packed + h * f->tiles * 2 * KEYS * dp;
     for (int64_t tile = (lowest - f->first_key) / KEYS; tile * KEYS + f->first_key <= last; tile++) {
         const int64_t t0 = f->first_key + tile * KEYS; /* position of the tile's key 0 */
-        const float *kt = head + tile * KEYS * dp, *v = head + f->tiles * KEYS * dp + tile * KEYS * dp;
+        const float *kt = key_tile(f, h, tile, dp), *v = value_tile(f, h, tile, dp);
         scores_rows(q, kt, s, rows, dp);
         int64_t keys = 0; /* keys of the tile any row sees: the value product stops there */
         for (int64_t r = 0; r < rows; r++) {
@@ -249,25 +243,22 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
         free(f), free(pack_starts), free(item_starts);
         return -1;
     }
-    int64_t floats = 0;
-    pack_starts[0] = item_starts[0] = 0;
+    pack_starts[0] = item_starts[0] = 0; /* in tiles of keys (each with one of values), in work items */
     for (int64_t i = 0; i < prefills; i++) {
         const int64_t context = seq_lens[i] - q_lens[i];
         int64_t first_key = window > 0 ? context - window + 1 : 0;
         if (first_key < 0) first_key = 0;
         f[i] = (struct prefill){q_starts[i], q_lens[i], seq_lens[i], first_key,
                                 (seq_lens[i] - first_key + KEYS - 1) / KEYS, NULL};
-        floats += num_kv_heads * f[i].tiles * 2 * KEYS * dp;
         pack_starts[i + 1] = pack_starts[i] + num_kv_heads * f[i].tiles;
         item_starts[i + 1] = item_starts[i] + num_kv_heads * ((q_lens[i] + m - 1) / m);
     }
-    float *packed = aligned_alloc(64, sizeof(float) * (size_t)floats);
+    float *packed = aligned_alloc(64, sizeof(float) * (size_t)(pack_starts[prefills] * 2 * KEYS * dp));
     if (packed == NULL) {
         free(f), free(pack_starts), free(item_starts);
         return -1;
     }
-    for (int64_t i = 0, offset = 0; i < prefills; offset += num_kv_heads * f[i].tiles * 2 * KEYS * dp, i++)
-        f[i].packed = packed + offset;
+    for (int64_t i = 0; i < prefills; i++) f[i].packed = packed + pack_starts[i] * 2 * KEYS * dp;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
