@@ -12,7 +12,6 @@ only; decode rows the keys and values read per second (small mixes partly from t
 """
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
 
+from bench_kernels import build, causal_flops  # noqa: E402
 from inflight.cpu_runtime import keep_freed_memory  # noqa: E402
 from inflight.ops import cpu_kernels, torch_ops  # noqa: E402
 
@@ -41,24 +41,6 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
 }
 
 
-def build(seqs, heads: int, kv_heads: int, head_dim: int, block_size: int = 16, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    needed = [-(-(c + q) // block_size) for c, q in seqs]
-    order = list(range(sum(needed)))
-    random.Random(seed).shuffle(order)
-    tables, used = [], 0
-    for n in needed:
-        tables.append(order[used:used + n])
-        used += n
-    block_tables = torch.tensor([t + [0] * (max(needed) - len(t)) for t in tables])
-    cu = torch.tensor([0] + torch.cumsum(torch.tensor([q for _, q in seqs]), 0).tolist())
-    seq_lens = torch.tensor([c + q for c, q in seqs])
-    shape = (len(order), block_size, kv_heads, head_dim)
-    key_cache, value_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    query = torch.randn(int(cu[-1]), heads, head_dim, generator=gen)
-    return query, key_cache, value_cache, cu, seq_lens, block_tables
-
-
 def per_call(call, calls: int) -> float:
     call()  # makes the step's plan
     times = []
@@ -73,9 +55,10 @@ def bench(shape: str, calls: int) -> list[tuple]:
     """Rows of (mix, ms without the kernels, ms with them, rate without, rate with, unit)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     keep_freed_memory()
+    torch.manual_seed(0)
     rows = []
     for name, seqs in MIXES.items():
-        inputs = build(seqs, heads, kv_heads, head_dim)
+        inputs = build(seqs, heads, kv_heads, head_dim, 16, torch.float32, device="cpu")
         out = torch.empty_like(inputs[0])
 
         def attend():
@@ -89,7 +72,7 @@ def bench(shape: str, calls: int) -> list[tuple]:
         finally:
             cpu_kernels.decode_attention, cpu_kernels.prefill_attention = decode_kernel, prefill_kernel
         if all(q > 1 for _, q in seqs):
-            work, unit = sum(4 * q * (c + (q + 1) / 2) * head_dim * heads for c, q in seqs) / 1e9, "GFLOP/s"
+            work, unit = causal_flops(seqs, heads, head_dim) / 1e9, "GFLOP/s"
         else:
             work, unit = sum(2 * (c + q) * kv_heads * head_dim * 4 for c, q in seqs) / 1e9, "GB/s"
         rows.append((name, 1000 * without, 1000 * with_kernels, work / without, work / with_kernels, unit))

@@ -65,22 +65,24 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / seconds  # read + write
 
 
-def build(seqs, heads, kv_heads, head_dim, block_size, dtype):
+def build(seqs, heads, kv_heads, head_dim, block_size, dtype, device: str = "cuda"):
+    """A ragged batch over a paged cache whose blocks are handed out shuffled, as a long-running pool has
+    them: (query, key cache, value cache, cu_seqlens_q, seq_lens, block tables)."""
     lens = [c + q for c, q in seqs]
     blocks = [-(-n // block_size) for n in lens]
-    perm = torch.randperm(sum(blocks), device="cuda")
+    perm = torch.randperm(sum(blocks), device=device)
     tables, used = [], 0
     for b in blocks:
         tables.append(perm[used:used + b])
         used += b
     width = max(blocks)
     block_tables = torch.stack([F.pad(t, (0, width - len(t))) for t in tables])
-    kc = torch.randn(sum(blocks), block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    kc = torch.randn(sum(blocks), block_size, kv_heads, head_dim, device=device, dtype=dtype)
     vc = torch.randn_like(kc)
-    q_lens = torch.tensor([q for _, q in seqs], device="cuda")
+    q_lens = torch.tensor([q for _, q in seqs], device=device)
     cu = F.pad(torch.cumsum(q_lens, 0), (1, 0))
-    query = torch.randn(int(cu[-1]), heads, head_dim, device="cuda", dtype=dtype)
-    return query, kc, vc, cu, torch.tensor(lens, device="cuda"), block_tables
+    query = torch.randn(int(cu[-1]), heads, head_dim, device=device, dtype=dtype)
+    return query, kc, vc, cu, torch.tensor(lens, device=device), block_tables
 
 
 def causal_flops(seqs, heads: int, head_dim: int) -> float:

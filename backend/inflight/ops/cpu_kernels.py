@@ -97,14 +97,16 @@ def _build(source_path: Path, flags: list[str]) -> Path:
 
 
 def _load(source_path: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
-    """The built library, or None (logged) where it cannot be built or kernels are switched off."""
+    """The built library (logged), or None (logged) where it cannot be built or kernels are switched off."""
     if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
         return None
     try:
-        return ctypes.CDLL(str(_build(source_path, flags)))
+        library = ctypes.CDLL(str(_build(source_path, flags)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU %s unavailable, using torch operations (slower): %s", what, e)
         return None
+    logger.info("CPU %s: %s", what, library._name)
+    return library
 
 
 # Argument types: pointers pass as tensors' data_ptr().
@@ -118,7 +120,6 @@ def _attention_function(source_path: Path, what: str, name: str, argtypes: list)
         return None
     function = getattr(library, name)
     function.restype, function.argtypes = ctypes.c_int, argtypes
-    logger.info("CPU %s: %s", what, library._name)
     return function
 
 
@@ -208,7 +209,7 @@ class LayerOps:
     cannot take is copied first); each returns new tensors, as the torch operations it replaces do."""
 
     def __init__(self, library: ctypes.CDLL):
-        pointer, size, threads = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        pointer, size, threads = _POINTER, _SIZE, ctypes.c_int
         signatures = {
             "rms_norm": [pointer, size, pointer, pointer, size, size, ctypes.c_float, threads],
             "add_rms_norm": [pointer, size, pointer, size, pointer, pointer, pointer, size, size, ctypes.c_float,
@@ -289,7 +290,4 @@ def _vector(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def layer_ops() -> LayerOps | None:
     """The layer kernels, or None where they cannot be built."""
     library = _load(_LAYER_OPS_SOURCE, [*_FLAGS, "-ffp-contract=off"], "layer kernels")
-    if library is None:
-        return None
-    logger.info("CPU layer kernels: %s", library._name)
-    return LayerOps(library)
+    return None if library is None else LayerOps(library)
