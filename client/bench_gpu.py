@@ -3,18 +3,21 @@ files under models/): random-weight models built from the default model's shape 
 (throughput does not depend on the weights' values), then
 
 1. greedy agreement with HF `generate` (one request at a time) on the default shape, float32 and bfloat16;
-2. the decode step of 128 running sequences, both shapes, with CUDA graphs (and fused layers), with graphs
-   and torch_compile, with graphs and transformers' own layers, one step at a time, and eager: wall time,
-   GPU-busy time and kernel launches per step (torch profiler);
-3. offline output tok/s on the 1.2B shape for inflight (each graphed mode), HF continuous
-   batching at its best (CUDA graphs and async batching) and HF static batching (one batch), on a
-   workload shaped like nano-vllm's benchmark (inputs and outputs of 100 to 1024 tokens), scaled down.
+2. the decode step of 128 running sequences, both shapes, on the engine's defaults (CUDA graphs, async
+   scheduling, fused layers), sampling at temperature 1 and with per-row parameters: wall time, GPU-busy
+   time and kernel launches per step (torch profiler);
+3. offline output tok/s on the 1.2B shape for inflight, HF continuous batching at its best (CUDA graphs
+   and async batching) and HF static batching (one batch), on a workload shaped like nano-vllm's
+   benchmark (inputs and outputs of 100 to 1024 tokens), scaled down.
 
-It prints markdown tables and writes them to --out. `--smoke` runs the same steps on CPU with tiny shapes
-and a few requests (the test suite does, so that the script works when a GPU is at hand).
+With --all, the decode step and offline rate also for the other modes, one change each from the
+defaults: torch_compile, transformers' own layers, one step at a time, and eager (EXTRA_MODES: what the
+issue's five minutes leave no room for). It prints markdown tables and writes them to --out, and on
+stderr how long each measurement took. `--smoke` runs the same steps on CPU with tiny shapes and a few
+requests (the test suite does, so that the script works when a GPU is at hand).
 
     make bench-gpu
-    python3 client/bench_gpu.py --skip eager,sync,hf-static     # leave parts out to fit a GPU session's time
+    python3 client/bench_gpu.py --all --skip eager,sync,hf-static     # leave parts out to fit a session
     python3 client/bench_gpu.py --smoke --out /tmp/bench-gpu.md
 """
 
@@ -60,6 +63,7 @@ MODES = {  # engine settings compared, by the name --skip takes, in the order th
 # still overlapped with the step in flight (the `sampled` rows of the decode table).
 SAMPLED = dict(temperature=0.7, top_p=0.9, repetition_penalty=1.1)
 PARTS = (*MODES, "sampled", "greedy", "hf-cb", "hf-static")  # what --skip can leave out, to fit a session's time
+EXTRA_MODES = ("compile", "unfused", "sync", "eager")  # measured only with --all
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True)
 
@@ -300,6 +304,7 @@ def decode_table(report: "Report", keys: list[str], built: dict[str, str], devic
             r = decode_step(model_dir, device, sequences, steps, sampling, **settings)
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
             r = failure(e)
+        report.took(f"decode step, {name}, {mode}")
         if isinstance(r, str):
             release()  # once the traceback, which holds the failed step's engine, is gone
             report.add(f"| {name}, {mode} | {r} | | |")
@@ -327,18 +332,28 @@ def offline_table(report: "Report", keys: list[str], built: dict[str, str], devi
                    "| output tok/s |", "|---|---:|")
     rates = {}
     for system, tps in offline(model_dir, device, work, 64, keys, peers):
+        report.took(f"offline, {system.split(' (')[0]}")
         report.add(f"| {system} | {tps if isinstance(tps, str) else f'{tps:,.0f}'} |")
         rates[system] = None if isinstance(tps, str) else tps
     return rates
 
 
 class Report:
-    """Lines printed as they come (a run cut short keeps what it measured) and written to --out."""
+    """Lines printed as they come (a run cut short keeps what it measured) and written to --out; on
+    stderr, how long each measurement took (what fits a GPU session's minutes)."""
 
     def __init__(self, out: str | None):
         self.out = Path(out) if out else None
         if self.out:
             self.out.write_text("")
+        self.started = self._last = time.perf_counter()
+
+    def took(self, what: str) -> None:
+        """Say on stderr how long `what`, everything since the previous call, took."""
+        now = time.perf_counter()
+        print(f"[bench-gpu at {now - self.started:.0f} s] {what}: {now - self._last:.1f} s", file=sys.stderr,
+              flush=True)
+        self._last = now
 
     def add(self, *lines: str) -> None:
         for line in lines:
@@ -353,6 +368,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few requests")
     parser.add_argument("--out", default=None, help="also write the tables to this file")
     parser.add_argument("--host-profile", action="store_true", help="also profile the host side of decode steps")
+    parser.add_argument("--all", action="store_true", help=f"also the modes {', '.join(EXTRA_MODES)}")
     parser.add_argument("--skip", default="", help=f"comma-separated parts to leave out, of {', '.join(PARTS)}")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -366,22 +382,23 @@ def main() -> None:
     shapes = {"tiny (smoke)": SMOKE_SHAPE} if args.smoke else SHAPES
     sequences, steps = (8, 3) if args.smoke else (128, 20)
     work = make_workload(*((6, 0, (8, 40), (4, 16)) if args.smoke else (128, 0, (100, 1024), (100, 1024))))
-    started = time.perf_counter()
     report = Report(args.out)
     report.add(f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory(prefix="inflight-bench-gpu-") as tmp:
         built = {name: build_model(shape, Path(tmp) / f"m{i}", torch.bfloat16 if device == "cuda" else torch.float32,
                                    device) for i, (name, shape) in enumerate(shapes.items())}
         first = next(iter(built.values()))
+        report.took("random-weight models built")
         report.add("", "| greedy, engine vs HF `generate` (12 prompts x 24 tokens) | same tokens |", "|---|---:|")
         prompts = make_workload(12, 3, (4, 200)).prompts
         for dtype in () if "greedy" in skip else ("float32", "bfloat16") if device == "cuda" else ("float32",):
             expected = hf_greedy(first, device, dtype, prompts, 24)
             agreement = greedy_agreement(first, device, dtype, prompts, expected)
+            report.took(f"greedy agreement, {dtype}")
             report.add(f"| {next(iter(built))}, {dtype} | {agreement} |")
         # Two rounds: the engine's defaults (decode steps of both shapes, offline against the HF peers),
         # then the other modes: a run cut short by its time limit keeps the figures the targets need.
-        modes = [key for key in MODES if key not in skip]
+        modes = selected_modes(args.all, skip)
         rates, targets = {}, []  # targets: (what the GPU engine issue asks, measured, met)
         for round_modes, peers in ((modes[:1], {"hf-cb", "hf-static"} - skip), (modes[1:], set())):
             targets += decode_table(report, round_modes, built, device, sequences, steps,
@@ -405,7 +422,13 @@ def main() -> None:
         if args.host_profile and device == "cuda":
             report.add("", f"host profile, {name}, decode steps of {sequences} sequences:", "```",
                        host_profile(model_dir, sequences, 20), "```")
-    report.add("", f"(bench-gpu took {time.perf_counter() - started:.0f} s)")
+            report.took("host profile")
+    report.add("", f"(bench-gpu took {time.perf_counter() - report.started:.0f} s)")
+
+
+def selected_modes(all_modes: bool, skip: set[str]) -> list[str]:
+    """The modes a run measures, the engine's defaults first."""
+    return [key for key in MODES if key not in skip and (all_modes or key not in EXTRA_MODES)]
 
 
 if __name__ == "__main__":
