@@ -199,6 +199,35 @@ PERSON_SCHEMA = {
 }
 
 
+def bench_kv_cache_dtype(model_dir: str, work: Workload, repeats: int, budget: int) -> dict:
+    """The workload offline (greedy) with the model's float32 KV cache and with a bfloat16 one
+    (`kv_cache_dtype`): output tok/s (medians of alternating runs), KV tokens a GiB holds, and how many
+    outputs stay equal to the float32 cache's."""
+    from inflight import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
+    outputs, tokens_per_gib = {}, {}
+
+    def run(kv_cache_dtype: str) -> float:
+        llm = make_llm(model_dir, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=budget)
+        start = time.perf_counter()
+        outs = llm.generate(work.prompts, params)
+        elapsed = time.perf_counter() - start
+        outputs[kv_cache_dtype] = [o.token_ids for o in outs]
+        tokens_per_gib[kv_cache_dtype] = llm.runner.block_size * 2**30 // llm.runner.bytes_per_block
+        return elapsed
+
+    seconds = alternating({kv: lambda kv=kv: run(kv) for kv in ("auto", "bfloat16")}, repeats)
+    for kv, times in seconds.items():
+        print(f"  kv_cache_dtype {kv}, each run: " + ", ".join(f"{work.output_tokens / t:.1f}" for t in times)
+              + " tok/s", file=sys.stderr)
+    pairs = list(zip(outputs["auto"], outputs["bfloat16"]))
+    leading = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a) for a, b in pairs]
+    return {"rates": {kv: work.output_tokens / statistics.median(times) for kv, times in seconds.items()},
+            "tokens_per_gib": tokens_per_gib, "same": sum(a == b for a, b in pairs), "requests": len(pairs),
+            "leading": statistics.mean(leading)}
+
+
 def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[str, float]:
     """A quarter of the workload's prompts with n=4 completions each, against the same prompts sent as
     four separate requests each (sampled, seeded, EOS ignored: the same tokens to make); output tok/s,
@@ -554,13 +583,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers",
                         default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,beams,spec,tp,"
-                                "detok,sampling,attention",
+                                "detok,sampling,attention,kv-dtype",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
                              "lora (the cost of serving two LoRA adapters), beams (beam search against HF "
                              "generate's), spec (n-gram speculative decoding against HF's prompt lookup), tp "
                              "(tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), sampling "
                              "(the sampler's cost for 128 streams), attention (the CPU attention kernels against "
-                             "the torch paths, bench_cpu_attention.py)")
+                             "the torch paths, bench_cpu_attention.py), kv-dtype (a bfloat16 KV cache against the "
+                             "model's float32 one)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -645,6 +675,15 @@ def main() -> None:
         print(f"\n| inflight offline, median of {args.repeats} | output tok/s |\n|---|---:|\n"
               f"| without logprobs | {plain:.1f} |\n"
               f"| logprobs=5 on every request | {with_logprobs:.1f} ({1 - with_logprobs / plain:+.1%} cost) |")
+    if "kv-dtype" in peers:
+        r = bench_kv_cache_dtype(args.model, work, args.repeats, args.max_num_batched_tokens)
+        plain, rounded = r["rates"]["auto"], r["rates"]["bfloat16"]
+        print(f"\n| KV cache (kv_cache_dtype), inflight offline, median of {args.repeats} | output tok/s | "
+              f"KV tokens a GiB holds |\n|---|---:|---:|\n"
+              f"| float32, the model's dtype (auto) | {plain:.1f} | {r['tokens_per_gib']['auto']:,} |\n"
+              f"| bfloat16 | {rounded:.1f} ({rounded / plain - 1:+.1%}) | {r['tokens_per_gib']['bfloat16']:,} |\n\n"
+              f"greedy outputs equal to the float32 cache's: {r['same']} of {r['requests']} "
+              f"(on average the first {r['leading']:.0%} of a request's tokens)")
     if "n" in peers:
         r = bench_n_completions(args.model, work, args.repeats)
         print(f"\n| {len(work.prompts) // 4} prompts x 4 completions, median of {args.repeats} | output tok/s |\n"

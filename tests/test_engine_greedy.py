@@ -64,6 +64,52 @@ def test_default_model_matches_hf(default_model, hf_reference):
     assert llm.stats()["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_sixteen_bit_kv_cache_matches_hf_over_rounded_keys_and_values(tiny_models, device, kv_cache_dtype):
+    """A float32 model with a 16-bit KV cache (`kv_cache_dtype`): greedy output equals HF `generate` in
+    float32 whose attention sees its keys and values rounded to that dtype (what the cache holds), with
+    chunked prefill and preemption; the pool holds the 2-byte blocks its memory pays for. On a CPU the
+    bfloat16 cache is read by the C kernels, the float16 one gathered for torch; on a GPU, by the kernels."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cache_dtype = getattr(torch, kv_cache_dtype)
+
+    def rounded_kv_attention(module, query, key, value, *args, **kwargs):
+        return sdpa_attention_forward(module, query, key.to(cache_dtype).float(), value.to(cache_dtype).float(),
+                                      *args, **kwargs)
+
+    AttentionInterface.register(f"sdpa_kv_{kv_cache_dtype}", rounded_kv_attention)
+    model_dir = tiny_models["llama"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=f"sdpa_kv_{kv_cache_dtype}").eval()
+    prompts = random_prompts(8, 1, 200, vocab=512, seed=11)
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            expected.append(out[0, len(prompt):].tolist())
+    memory = 40 * 2 * 2 * 16 * 2 * 16 * 2  # 40 blocks of 2 layers x K/V x 16 tokens x 2 KV heads x 16 dims x 2 bytes
+    llm = LLM(model_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, block_size=16,
+              max_num_seqs=16, max_num_batched_tokens=128, enable_prefix_caching=False, **MODES[device])
+    assert llm.runner.kv_cache.dtype == cache_dtype and llm.runner.num_blocks == 40
+    outs = llm.generate(prompts, GREEDY)
+    assert [out.token_ids for out in outs] == expected
+    assert llm.stats()["num_preemptions"] > 0, "the pool was meant to be too small to hold every sequence"
+    llm.block_manager.check_all_free()
+
+
+def test_kv_cache_dtype_is_checked():
+    from inflight.config import EngineConfig
+
+    assert EngineConfig("m", device="cpu").kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be float32, float16, bfloat16 or auto, got 'fp8'"):
+        EngineConfig("m", device="cpu", kv_cache_dtype="fp8")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile_matches_hf(tiny_models, hf_reference, device):
     """torch_compile: the model compiled around our attention (a graph break), dynamic shapes, chunked

@@ -23,9 +23,9 @@ if DEVICE == "cuda":
     TOLERANCE[torch.bfloat16] = 2e-2
 
 
-def make_batch(seqs, block_size, num_kv_heads, group, head_dim, dtype, num_blocks=None, seed=0):
+def make_batch(seqs, block_size, num_kv_heads, group, head_dim, dtype, num_blocks=None, seed=0, cache_dtype=None):
     """seqs: (context_len, new_tokens) per sequence. Blocks are handed out in a shuffled order, so
-    every block table is scattered."""
+    every block table is scattered. The caches hold `cache_dtype` (default: the query's `dtype`)."""
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-(c + q) // block_size) for c, q in seqs]
     num_blocks = num_blocks or sum(needed) + 3
@@ -41,8 +41,8 @@ def make_batch(seqs, block_size, num_kv_heads, group, head_dim, dtype, num_block
     cu = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist())
     seq_lens = torch.tensor([c + q for c, q in seqs])
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=gen).to(dtype)
-    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    key_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
+    value_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
     query = torch.randn(int(cu[-1]), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     return [to(t) for t in (query, key_cache, value_cache, cu, seq_lens, block_tables)]
@@ -75,6 +75,29 @@ def test_paged_attention_matches_torch(case, dtype):
     expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
     got = ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window, impl="triton")
     assert got.dtype == dtype and got.shape == query.shape
+    err = (got.float() - expected.float()).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
+
+
+# (query dtype, cache dtype) pairs of a model whose KV cache has a dtype of its own (kv_cache_dtype); the
+# interpreter computes float32 and float16 only.
+MIXED_DTYPES = [(torch.float32, torch.float16)]
+if DEVICE == "cuda":
+    MIXED_DTYPES += [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", MIXED_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", ["mixed", "sliding-window", "head-dim-128"])
+def test_paged_attention_reads_a_cache_of_another_dtype(case, dtype, cache_dtype):
+    """The kernel converts what it loads to the query's dtype: within the query dtype's tolerance of the
+    torch reference over the same cache."""
+    seqs, block_size, kv_heads, group, head_dim, window = CASES[case]
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
+                                                                     dtype, cache_dtype=cache_dtype)
+    scale = head_dim ** -0.5
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
+    got = ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window, impl="triton")
+    assert got.dtype == dtype and key_cache.dtype == cache_dtype
     err = (got.float() - expected.float()).abs().max().item()
     assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
 
@@ -166,26 +189,33 @@ def test_start_up_compiles_every_attention_variant_without_writing_kv(tiny_model
     assert [out.token_ids for out in outs] == [hf_reference(model, prompt, 6) for prompt in prompts]
 
 
+# (query dtype, cache dtype): the model's own, and a float32 model with a 16-bit cache (kv_cache_dtype).
+REFERENCE_DTYPES = [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+                    (torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
+
+
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["c-kernel", "gathered"])
 @pytest.mark.parametrize("sliding_window", [None, 7])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_reference_matches_dense_attention(dtype, sliding_window, cpu_kernel, monkeypatch):
-    """The torch reference itself against plain causal SDPA over each sequence's full context. On a CPU,
-    float32 and bfloat16 decodes and prefill chunks take the C kernels, float16 ones (and all without
-    them) the gathered groups and SDPA per sequence; head_dim 64 and 128 are the decode kernel's unrolled
-    cases, 80 its general one (and one the prefill kernel pads to 128)."""
+@pytest.mark.parametrize("dtype, cache_dtype", REFERENCE_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_reference_matches_dense_attention(dtype, cache_dtype, sliding_window, cpu_kernel, monkeypatch):
+    """The torch reference itself against plain causal SDPA over each sequence's full context, in the
+    query's dtype over the cache's values. On a CPU, decodes and prefill chunks over float32 and bfloat16
+    caches take the C kernels, over float16 ones (and all without them) the gathered groups and SDPA per
+    sequence; head_dim 64 and 128 are the decode kernel's unrolled cases, 80 its general one (and one the
+    prefill kernel pads to 128)."""
     if not cpu_kernel:
         monkeypatch.setattr(torch_ops.cpu_kernels, "decode_attention", lambda: None)
         monkeypatch.setattr(torch_ops.cpu_kernels, "prefill_attention", lambda: None)
-    elif DEVICE != "cpu" or dtype == torch.float16:
-        pytest.skip("the C kernel serves float32 and bfloat16 on a CPU")
+    elif DEVICE != "cpu" or cache_dtype == torch.float16:
+        pytest.skip("the C kernels read float32 and bfloat16 caches on a CPU")
     for head_dim in (64, 128, 80):
-        check_reference_matches_dense_attention(dtype, sliding_window, head_dim)
+        check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cache_dtype)
 
 
-def check_reference_matches_dense_attention(dtype, sliding_window, head_dim):
+def check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cache_dtype):
     seqs = [(0, 9), (12, 1), (20, 6), (37, 1), (4, 1), (30, 1)]
-    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, 8, 2, 2, head_dim, dtype)
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, 8, 2, 2, head_dim, dtype,
+                                                                     cache_dtype=cache_dtype)
     scale = head_dim ** -0.5
     got = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale,
                                     sliding_window=sliding_window)
@@ -204,10 +234,10 @@ def check_reference_matches_dense_attention(dtype, sliding_window, head_dim):
         expected = (scores.softmax(-1) @ v).transpose(0, 1).to(dtype)
         tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(got[cu[i]:cu[i + 1]], expected, atol=tolerance, rtol=tolerance)
-    kernel_expected = (DEVICE == "cpu" and dtype != torch.float16
+    kernel_expected = (DEVICE == "cpu" and cache_dtype != torch.float16
                        and torch_ops.cpu_kernels.decode_attention() is not None)
     assert (torch_ops._last_plan.kernel_decodes is not None) == kernel_expected
-    prefill_kernel_expected = (DEVICE == "cpu" and dtype != torch.float16
+    prefill_kernel_expected = (DEVICE == "cpu" and cache_dtype != torch.float16
                                and torch_ops.cpu_kernels.prefill_attention() is not None)
     assert (torch_ops._last_plan.kernel_prefills is not None) == prefill_kernel_expected
     assert not torch_ops._last_plan.prefills if prefill_kernel_expected else len(torch_ops._last_plan.prefills) == 2

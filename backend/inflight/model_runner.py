@@ -61,11 +61,12 @@ class ModelRunner:
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.block_size = config.block_size
         self.attention_impl = ops.resolve_impl(None, self.device.type)
-        ops.prepare(self.attention_impl, self.device.type, dtype)
+        self.kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        ops.prepare(self.attention_impl, self.device.type, self.kv_dtype)
         self.num_blocks = self._pool_size()
         # One tensor for the whole pool: [layer, key/value, block, slot, kv head, head dim].
         self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=dtype, device=self.device)
+                                    self.head_dim, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         self.max_model_len = self._max_model_len()
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
@@ -171,7 +172,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def _pool_size(self) -> int:
@@ -189,8 +190,8 @@ class ModelRunner:
         blocks = self._smallest_over_ranks(budget // self.bytes_per_block)  # every rank holds the same block ids
         if blocks < 1:
             raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", blocks, self.block_size,
-                    blocks * self.bytes_per_block / 2**30)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", blocks, self.block_size,
+                    blocks * self.bytes_per_block / 2**30, str(self.kv_dtype).removeprefix("torch."))
         return blocks
 
     def _smallest_over_ranks(self, value: int) -> int:

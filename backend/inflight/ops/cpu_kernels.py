@@ -147,12 +147,13 @@ PREFILL_MAX_HEAD_DIM = 128
 
 def _check_attention_inputs(what: str, query, key_cache, value_cache, out, block_tables, indices) -> None:
     # The C functions trust their pointers: what they read must be what they expect (a few µs a layer).
-    if not (key_cache.dtype in CACHE_DTYPES and query.dtype == key_cache.dtype == value_cache.dtype == out.dtype
-            and key_cache.is_contiguous() and value_cache.is_contiguous() and out.shape == query.shape
+    if not (key_cache.dtype in CACHE_DTYPES and key_cache.dtype == value_cache.dtype and query.is_floating_point()
+            and query.dtype == out.dtype and out.shape == query.shape
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
             and block_tables.dtype == torch.int64 and block_tables.stride(-1) == 1
             and all(t.dtype == torch.int64 and t.is_contiguous() for t in indices)):
-        raise ValueError(f"CPU {what} attention: float32 or bfloat16 query and contiguous caches, int64 indices "
-                         "expected")
+        raise ValueError(f"CPU {what} attention: contiguous float32 or bfloat16 caches, an output of the query's "
+                         "dtype, int64 indices expected")
 
 
 def _float32_out(out: torch.Tensor) -> torch.Tensor:
@@ -169,9 +170,10 @@ def _finish(status: int, what: str, out: torch.Tensor, target: torch.Tensor, row
 
 def run_decode_attention(function, query, token_rows, key_cache, value_cache, block_tables, table_rows, starts,
                          ends, max_len: int, scale: float, out) -> None:
-    """query, out: [T, Hq, D] of the caches' dtype; caches [blocks, block_size, Hkv, D] contiguous, float32
-    or bfloat16; block_tables [S, W] int64 with unit column stride; token_rows, table_rows, starts, ends:
-    [n] int64. The kernel computes in float32: a bfloat16 query is widened, its output rounded back."""
+    """query, out: [T, Hq, D] of one floating dtype; caches [blocks, block_size, Hkv, D] contiguous, float32
+    or bfloat16 (the query's dtype or not: kv_cache_dtype); block_tables [S, W] int64 with unit column
+    stride; token_rows, table_rows, starts, ends: [n] int64. The kernel computes in float32: a 16-bit
+    query is widened, its output rounded back."""
     _check_attention_inputs("decode", query, key_cache, value_cache, out, block_tables,
                             (token_rows, table_rows, starts, ends))
     num_heads, head_dim = query.shape[1:]

@@ -5,13 +5,17 @@ Shapes: query [T, Hq, D] ragged over sequences by cu_seqlens_q [S+1]; key_cache/
 [num_blocks, block_size, Hkv, D]; seq_lens [S] counts each sequence's context plus its new tokens;
 block_tables [S, max_blocks].
 
-One-token queries (decodes) are computed together: on a CPU in float32 or bfloat16 all at once straight
-from the cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read once), elsewhere
-(float16, CUDA tensors, no C compiler) in groups of similar context length whose keys and values are
-gathered first.
-Longer queries (prefill chunks): on a CPU in float32 or bfloat16 (head_dim up to 128) all at once by the
-C prefill kernel, elsewhere one sequence at a time through SDPA. Which cache rows each of them reads is
-planned once per step: every layer gets the same metadata tensors, so the plan is reused until they change.
+The cache's dtype may differ from the query's (`kv_cache_dtype`): keys and values are stored rounded to
+it and computed with in float32.
+
+One-token queries (decodes) are computed together: on a CPU with a float32 or bfloat16 cache all at
+once straight from the cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read
+once), elsewhere (a float16 cache, CUDA tensors, no C compiler) in groups of similar context length
+whose keys and values are gathered first.
+Longer queries (prefill chunks): on a CPU with a float32 or bfloat16 cache (head_dim up to 128) all at
+once by the C prefill kernel, elsewhere one sequence at a time through SDPA. Which cache rows each of
+them reads is planned once per step: every layer gets the same metadata tensors, so the plan is reused
+until they change.
 """
 
 from dataclasses import dataclass
@@ -186,8 +190,7 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
 def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window) -> _Plan:
     global _last_plan
     num_heads, head_dim = query.shape[1:]
-    c_kernels = (query.device.type == "cpu" and query.dtype == key_cache.dtype
-                 and key_cache.dtype in cpu_kernels.CACHE_DTYPES)
+    c_kernels = query.device.type == "cpu" and key_cache.dtype in cpu_kernels.CACHE_DTYPES
     decode_kernel = c_kernels and cpu_kernels.decode_attention() is not None
     prefill_kernel = (c_kernels and head_dim <= cpu_kernels.PREFILL_MAX_HEAD_DIM
                       and cpu_kernels.prefill_attention() is not None)

@@ -17,7 +17,8 @@ split count comes from the batch's shape alone (`decode_splits`), never from a d
 captured CUDA graph stays valid as contexts grow.
 
 The softmax and accumulators are float32; the matmuls take 16-bit inputs as they are on a GPU, and
-float32 everywhere under the interpreter (TRITON_INTERPRET=1), which computes bfloat16 wrongly.
+float32 everywhere under the interpreter (TRITON_INTERPRET=1), which computes bfloat16 wrongly. A cache
+of another dtype than the query's (`kv_cache_dtype`) is converted to the matmuls' dtype as it loads.
 """
 
 import os
@@ -114,7 +115,7 @@ def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv
     if DOT_FP32:
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale_log2
     else:
-        s = tl.dot(q, k) * scale_log2  # 16-bit inputs, float32 accumulation
+        s = tl.dot(q, k.to(q.dtype)) * scale_log2  # 16-bit inputs in the query's dtype, float32 accumulation
     if MASKED:
         allowed = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
@@ -132,7 +133,7 @@ def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv
     if DOT_FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
     return acc, m_new, l_i
 
 
