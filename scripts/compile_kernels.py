@@ -8,7 +8,8 @@ that need more registers or shared memory than the GPU has. Prints one row per k
 
 The variants are those the engine launches: decode (whole and split-KV) and prefill tiles for the
 default model's shape (9 query heads on 3 KV heads, head_dim 64) and a Llama-3-8B-like one (32 on 8,
-head_dim 128), with and without a sliding window, and the split-KV merge.
+head_dim 128), with and without a sliding window, and the split-KV merge; and decode and prefill over a
+KV cache of another dtype than the query's (kv_cache_dtype).
 """
 
 import argparse
@@ -42,19 +43,32 @@ SHAPES = {  # name: (query heads, KV heads, head_dim, sliding window)
     "llama3-8b+window": (32, 8, 128, 4096),
 }
 METADATA = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr", "slot_ptr")  # int64 tensors
+# (query dtype, KV cache dtype) of a model whose cache has a dtype of its own, compiled where the query's
+# dtype is asked for.
+MIXED_DTYPES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
 
 
-def signature(kernel, constants: dict, dtype: torch.dtype, multiples_of_16: set[str]) -> tuple[dict, dict]:
+def type_name(dtype) -> str:
+    """A variant's dtype, or its query's and its cache's."""
+    if isinstance(dtype, tuple):
+        return f"{TRITON_TYPES[dtype[0]]}, {TRITON_TYPES[dtype[1]]} cache"
+    return TRITON_TYPES[dtype]
+
+
+def signature(kernel, constants: dict, dtype, multiples_of_16: set[str]) -> tuple[dict, dict]:
     """Argument types and hints as the JIT gives them at the engine's launches: tensors as pointers
-    (16-byte aligned, as torch allocates them), `scale` a float, other scalars 32-bit ints, with the
+    (16-byte aligned, as torch allocates them; the caches of `dtype`, or of its second half when it is a
+    (query, cache) pair), `scale` a float, other scalars 32-bit ints, with the
     JIT's divisibility-by-16 specialization on the integers named in `multiples_of_16`. Without that
     hint ptxas sees unaligned rows: no vector loads, twice the registers, spills that no launch has."""
     types, attrs = {}, {}
+    query_dtype, cache_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
             types[name] = "constexpr"
         elif name.endswith("_ptr"):
-            pointee = "i64" if name in METADATA else "fp32" if name.startswith("part_") else TRITON_TYPES[dtype]
+            tensor_dtype = cache_dtype if "_cache_" in name else query_dtype
+            pointee = "i64" if name in METADATA else "fp32" if name.startswith("part_") else TRITON_TYPES[tensor_dtype]
             types[name] = f"*{pointee}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
@@ -78,7 +92,7 @@ def multiples_of_16(kernel, heads: int, head_dim: int) -> set[str]:
     return names & set(kernel.arg_names)
 
 
-def compile_variant(kernel, constants: dict, dtype: torch.dtype, arch: int, hinted: set[str] = frozenset()):
+def compile_variant(kernel, constants: dict, dtype, arch: int, hinted: set[str] = frozenset()):
     constants = dict(constants)
     options = {"num_warps": constants.pop("num_warps", 4)}
     if "num_stages" in constants:  # else Triton's default, as at a launch without it
@@ -121,6 +135,16 @@ def variants(dtypes: list[torch.dtype], block_size: int = 16):
                 yield f"write_kv_cache {shape}", write, constants, dtype, multiples_of_16(write, heads, head_dim)
                 constants = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim))
                 yield f"merge_splits {shape}", merge, constants, dtype, multiples_of_16(merge, heads, head_dim)
+    for query_dtype, cache_dtype in MIXED_DTYPES:
+        if query_dtype not in dtypes:
+            continue
+        for shape in ("smollm2", "llama3-8b"):
+            heads, kv_heads, head_dim, window = SHAPES[shape]
+            for phase, (tokens, seqs) in {"decode": (64, 64), "prefill": (2048, 4)}.items():
+                _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
+                                                         query_dtype, window, cache_dtype)
+                yield (f"paged_attention {shape} {phase}", attention, constants, (query_dtype, cache_dtype),
+                       multiples_of_16(attention, heads, head_dim))
 
 
 def report(job: tuple[int, list[str], int]) -> tuple[str, bool]:
@@ -132,12 +156,12 @@ def report(job: tuple[int, list[str], int]) -> tuple[str, bool]:
     try:
         compiled = compile_variant(kernel, constants, dtype, arch, hinted)
     except Exception as e:  # report every failing variant, not just the first
-        return (f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | FAILED: {type(e).__name__}: "
+        return (f"| sm_{arch} | {name} | {type_name(dtype)} | FAILED: {type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''} | | | |"), True
     usage = resource_usage(compiled.asm["ptx"])
     shared = compiled.metadata.shared
     too_big = shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[80])
-    return (f"| sm_{arch} | {name} | {TRITON_TYPES[dtype]} | {compiled.metadata.num_warps} | "
+    return (f"| sm_{arch} | {name} | {type_name(dtype)} | {compiled.metadata.num_warps} | "
             f"{usage['registers']} | {usage['spills']}{' (spilled)' if usage['spills'] else ''} | "
             f"{shared}{' (over the limit)' if too_big else ''} |"), too_big or usage["spills"] > 0
 

@@ -70,20 +70,23 @@ def test_sixteen_bit_kv_cache_matches_hf_over_rounded_keys_and_values(tiny_model
     """A float32 model with a 16-bit KV cache (`kv_cache_dtype`): greedy output equals HF `generate` in
     float32 whose attention sees its keys and values rounded to that dtype (what the cache holds), with
     chunked prefill and preemption; the pool holds the 2-byte blocks its memory pays for. On a CPU the
-    bfloat16 cache is read by the C kernels, the float16 one gathered for torch; on a GPU, by the kernels."""
+    bfloat16 cache is read by the C kernels, the float16 one gathered for torch; on a GPU, by the Triton
+    kernels, whose matmuls then take the cache's dtype (the reference rounds the queries too)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cache_dtype = getattr(torch, kv_cache_dtype)
 
     def rounded_kv_attention(module, query, key, value, *args, **kwargs):
+        if device == "cuda":
+            query = query.to(cache_dtype).float()
         return sdpa_attention_forward(module, query, key.to(cache_dtype).float(), value.to(cache_dtype).float(),
                                       *args, **kwargs)
 
-    AttentionInterface.register(f"sdpa_kv_{kv_cache_dtype}", rounded_kv_attention)
+    name = f"sdpa_kv_{kv_cache_dtype}_{device}"
+    AttentionInterface.register(name, rounded_kv_attention)
     model_dir = tiny_models["llama"]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation=f"sdpa_kv_{kv_cache_dtype}").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name).eval()
     prompts = random_prompts(8, 1, 200, vocab=512, seed=11)
     expected = []
     with torch.inference_mode():

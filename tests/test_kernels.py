@@ -89,8 +89,9 @@ if DEVICE == "cuda":
 @pytest.mark.parametrize("dtype, cache_dtype", MIXED_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", ["mixed", "sliding-window", "head-dim-128"])
 def test_paged_attention_reads_a_cache_of_another_dtype(case, dtype, cache_dtype):
-    """The kernel converts what it loads to the query's dtype: within the query dtype's tolerance of the
-    torch reference over the same cache."""
+    """The kernel converts what it loads to its matmuls' dtype: on a GPU the 16-bit one of the two (a
+    float32 query over a 16-bit cache is rounded), within that dtype's tolerance of the torch reference
+    over the same cache; the interpreter computes float32, within float32's."""
     seqs, block_size, kv_heads, group, head_dim, window = CASES[case]
     query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
                                                                      dtype, cache_dtype=cache_dtype)
@@ -99,7 +100,8 @@ def test_paged_attention_reads_a_cache_of_another_dtype(case, dtype, cache_dtype
     got = ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window, impl="triton")
     assert got.dtype == dtype and key_cache.dtype == cache_dtype
     err = (got.float() - expected.float()).abs().max().item()
-    assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
+    tolerance = TOLERANCE[torch.float32] if DEVICE == "cpu" else max(TOLERANCE[dtype], TOLERANCE[cache_dtype])
+    assert err <= tolerance, f"max abs error {err:.2e}"
 
 
 def float32_error(case: str, **launch) -> float:
@@ -500,7 +502,8 @@ def test_kernels_compile_for_gpus():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
-    assert len(rows) == 2 * 3 * 13 and not any("FAILED" in row for row in rows)
+    # 13 variants for each of 3 dtypes, 8 over a cache of another dtype, each for 2 targets
+    assert len(rows) == 2 * (3 * 13 + 8) and not any("FAILED" in row for row in rows)
 
 
 def test_kernel_strides_are_multiples_of_head_dim(tiny_models, monkeypatch):
