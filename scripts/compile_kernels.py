@@ -43,31 +43,32 @@ SHAPES = {  # name: (query heads, KV heads, head_dim, sliding window)
     "llama3-8b+window": (32, 8, 128, 4096),
 }
 METADATA = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr", "slot_ptr")  # int64 tensors
-# (query dtype, KV cache dtype) of a model whose cache has a dtype of its own, compiled where the query's
-# dtype is asked for.
-MIXED_DTYPES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
+# (query, KV cache, output) dtypes of a model whose cache has a dtype of its own (kv_cache_dtype), compiled
+# where the model's dtype (the output's) is asked for: a float32 model over a bfloat16 cache launches the
+# 16-bit kernel (its query rounded, triton_ops.paged_attention), a bfloat16 one reads a float16 cache.
+MIXED_DTYPES = [(torch.bfloat16, torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16, torch.bfloat16)]
 
 
 def type_name(dtype) -> str:
-    """A variant's dtype, or its query's and its cache's."""
+    """A variant's dtype, or its query's, its cache's and its output's."""
     if isinstance(dtype, tuple):
-        return f"{TRITON_TYPES[dtype[0]]}, {TRITON_TYPES[dtype[1]]} cache"
+        return f"{TRITON_TYPES[dtype[0]]}, {TRITON_TYPES[dtype[1]]} cache, {TRITON_TYPES[dtype[2]]} out"
     return TRITON_TYPES[dtype]
 
 
 def signature(kernel, constants: dict, dtype, multiples_of_16: set[str]) -> tuple[dict, dict]:
     """Argument types and hints as the JIT gives them at the engine's launches: tensors as pointers
-    (16-byte aligned, as torch allocates them; the caches of `dtype`, or of its second half when it is a
-    (query, cache) pair), `scale` a float, other scalars 32-bit ints, with the
+    (16-byte aligned, as torch allocates them; of `dtype`, or of a (query, cache, output) triple's
+    dtypes), `scale` a float, other scalars 32-bit ints, with the
     JIT's divisibility-by-16 specialization on the integers named in `multiples_of_16`. Without that
     hint ptxas sees unaligned rows: no vector loads, twice the registers, spills that no launch has."""
     types, attrs = {}, {}
-    query_dtype, cache_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+    query_dtype, cache_dtype, out_dtype = dtype if isinstance(dtype, tuple) else (dtype,) * 3
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
             types[name] = "constexpr"
         elif name.endswith("_ptr"):
-            tensor_dtype = cache_dtype if "_cache_" in name else query_dtype
+            tensor_dtype = cache_dtype if "_cache_" in name else out_dtype if name == "out_ptr" else query_dtype
             pointee = "i64" if name in METADATA else "fp32" if name.startswith("part_") else TRITON_TYPES[tensor_dtype]
             types[name] = f"*{pointee}"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -135,15 +136,15 @@ def variants(dtypes: list[torch.dtype], block_size: int = 16):
                 yield f"write_kv_cache {shape}", write, constants, dtype, multiples_of_16(write, heads, head_dim)
                 constants = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim))
                 yield f"merge_splits {shape}", merge, constants, dtype, multiples_of_16(merge, heads, head_dim)
-    for query_dtype, cache_dtype in MIXED_DTYPES:
-        if query_dtype not in dtypes:
+    for query_dtype, cache_dtype, out_dtype in MIXED_DTYPES:
+        if out_dtype not in dtypes:
             continue
         for shape in ("smollm2", "llama3-8b"):
             heads, kv_heads, head_dim, window = SHAPES[shape]
             for phase, (tokens, seqs) in {"decode": (64, 64), "prefill": (2048, 4)}.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         query_dtype, window, cache_dtype)
-                yield (f"paged_attention {shape} {phase}", attention, constants, (query_dtype, cache_dtype),
+                                                         query_dtype, window)
+                yield (f"paged_attention {shape} {phase}", attention, constants, (query_dtype, cache_dtype, out_dtype),
                        multiples_of_16(attention, heads, head_dim))
 
 

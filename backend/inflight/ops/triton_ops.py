@@ -18,9 +18,10 @@ captured CUDA graph stays valid as contexts grow.
 
 The softmax and accumulators are float32; the matmuls take 16-bit inputs as they are on a GPU, and
 float32 everywhere under the interpreter (TRITON_INTERPRET=1), which computes bfloat16 wrongly. A cache
-of another dtype than the query's (`kv_cache_dtype`) is converted to the matmuls' dtype as it loads; a
-float32 query over a 16-bit cache is rounded to the cache's dtype for the matmuls (float32 matmuls
-widening 16-bit tiles took more registers than the GPUs have: scripts/compile_kernels.py).
+of another dtype than the query's (`kv_cache_dtype`) is converted to the query's dtype as it loads; a
+float32 query over a 16-bit cache is first rounded to the cache's dtype (its output stays float32), so
+that the 16-bit kernel runs: float32 matmuls widening 16-bit tiles took more registers than the GPUs
+have (scripts/compile_kernels.py).
 """
 
 import os
@@ -153,7 +154,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # >1: each program takes 1/NUM_SPLITS of the keys; _merge_splits_kernel sums
-    DOT_FP32: tl.constexpr,  # float32 matmuls (a float32 query and cache, or the interpreter); else 16-bit
+    DOT_FP32: tl.constexpr,  # float32 matmuls (float32 inputs, or the interpreter); else 16-bit
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -188,8 +189,6 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    elif q.dtype == tl.float32:  # over a 16-bit cache (kv_cache_dtype): the matmuls take the cache's dtype
-        q = q.to(key_cache_ptr.dtype.element_ty)
     q_pos = context + q_idx
 
     # Keys this tile can see: causal up to its last query; a sliding window also bounds the start.
@@ -277,12 +276,10 @@ def _default_warps(decode: bool, head_dim: int, wide: bool) -> int:
 
 def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, dtype: torch.dtype, sliding_window: int | None = None,
-                   cache_dtype: torch.dtype | None = None,
                    block_m: int | None = None, tile_n: int | None = None, num_splits: int = 1,
                    num_warps: int | None = None, num_stages: int | None = None) -> tuple[tuple[int, int, int], dict]:
     """The launch grid and compile-time constants (with num_warps, and num_stages when given) of
-    `_paged_attention_kernel` for one batch of `dtype` queries over a cache of `cache_dtype` (default:
-    the same); the optional values override the defaults (bench sweeps)."""
+    `_paged_attention_kernel` for one batch; the optional values override the defaults (bench sweeps)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     if num_splits < 1 or num_splits & (num_splits - 1):
@@ -292,8 +289,7 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     # Decode-only batches waste rows on a tall tile; prefill-heavy ones want it tall. Compiled float32
     # prefill tiles take twice the registers: half the rows, and with head_dim 128 half the keys (no
     # spills on sm_80/sm_90: scripts/compile_kernels.py, which the tests run, fails on one).
-    fp32_matmuls = dtype == torch.float32 and cache_dtype in (None, torch.float32)
-    wide = fp32_matmuls and not _INTERPRETED
+    wide = dtype == torch.float32 and not _INTERPRETED
     decode = num_tokens == num_seqs
     block_m = max(block_m or (16 if decode else 32 if wide else 64), group_pad, 16)
     block_q = block_m // group_pad
@@ -302,7 +298,7 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
         SLIDING_WINDOW=sliding_window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
-        NUM_SPLITS=num_splits, DOT_FP32=fp32_matmuls or _INTERPRETED,
+        NUM_SPLITS=num_splits, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
         num_warps=num_warps or _default_warps(decode, head_dim, wide),
     )
     if num_stages is not None:
@@ -322,13 +318,14 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    if query.dtype == torch.float32 and key_cache.dtype != torch.float32 and not _INTERPRETED:
+        query = query.to(key_cache.dtype)  # over a 16-bit cache: the 16-bit kernel, a float32 output
     if num_splits is None:
         num_splits = _default_splits(query, num_seqs, num_kv_heads)
     grid, constants = attention_meta(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                                     query.dtype, sliding_window, key_cache.dtype, block_m=block_m, tile_n=tile_n,
-                                     num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
-    if out is None:
-        out = torch.empty_like(query)
+                                     query.dtype, sliding_window, block_m, tile_n, num_splits, num_warps, num_stages)
     if num_tokens == 0 or num_seqs == 0:
         return out
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
