@@ -60,25 +60,29 @@ def test_three_ranks_match_one_across_chunks_preemption_prefix_caching_and_forks
     assert children() <= before, "a worker outlived close()"
 
 
-@pytest.mark.parametrize("ranks, fused, drafts", [(2, False, False), (4, False, False), (2, True, True)])
-def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused, drafts):
+@pytest.mark.parametrize("ranks, fused, drafts, kv_cache_dtype",
+                         [(2, False, False, "auto"), (4, False, False, "auto"), (2, True, True, "bfloat16")])
+def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused, drafts, kv_cache_dtype):
     """fused: each rank with fused layers (on by default on GPUs), inside transformers' sharded modules.
     The last prompt is a beam search (its beams fork and copy blocks on every rank). drafts: the ranks
     judge n-gram drafts (speculative decoding), against one rank without them. The second prompt holds
-    virtual tokens of a p-tuning table (every rank embeds them: the step's message carries their rows)."""
+    virtual tokens of a p-tuning table (every rank embeds them: the step's message carries their rows).
+    kv_cache_dtype: every rank's cache in that dtype, as one rank's."""
     model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
     prompts = random_prompts(6, 3, 40, 512, seed=ranks)
     table = torch.randn(5, 64, generator=torch.Generator().manual_seed(ranks)) * 0.2
     prompts[1] = {"prompt_token_ids": prompts[1][:2] + list(range(512, 517)) + prompts[1][2:],
                   "prompt_embedding_table": table}
     params = [GREEDY] * 5 + [SamplingParams(beam_width=3, n=2, max_tokens=24, ignore_eos=True)]
-    settings = dict(num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1)
+    settings = dict(num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1,
+                    kv_cache_dtype=kv_cache_dtype)
     expected = run_to_the_end(LLM(model, **settings), prompts, params)
     speculative = {"num_speculative_tokens": 3, "prompt_lookup_min": 1} if drafts else None
     llm = LLM(model, tensor_parallel_size=ranks, fused_layers=fused, speculative_config=speculative, **settings)
     try:
         assert run_to_the_end(llm, prompts, params) == expected
         assert not drafts or llm.stats()["spec_decode_draft_tokens_total"] > 0
+        assert llm.runner.kv_cache.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
     finally:
         llm.close()
 
