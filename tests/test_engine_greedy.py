@@ -107,10 +107,18 @@ def test_sixteen_bit_kv_cache_matches_hf_over_rounded_keys_and_values(tiny_model
 
 def test_kv_cache_dtype_is_checked():
     from inflight.config import EngineConfig
+    from inflight.model_runner import kv_cache_dtype
 
     assert EngineConfig("m", device="cpu").kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="kv_cache_dtype must be float32, float16, bfloat16 or auto, got 'fp8'"):
         EngineConfig("m", device="cpu", kv_cache_dtype="fp8")
+    assert kv_cache_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
+    assert kv_cache_dtype("float16", torch.bfloat16, "cuda") == torch.float16
+    assert kv_cache_dtype("bfloat16", torch.float32, "cuda") == torch.bfloat16
+    # A wider cache than the model's: on a CPU the C kernels compute in float32 anyway; on a GPU refused.
+    assert kv_cache_dtype("float32", torch.bfloat16, "cpu") == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype float32 is wider than the model's bfloat16"):
+        kv_cache_dtype("float32", torch.bfloat16, "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -31,6 +31,18 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The KV cache's dtype: the setting's, or the model's for "auto". On a GPU the attention kernels
+    compute in the model's dtype (or the cache's, when narrower), so a wider cache would only cost
+    memory (and a float32 cache under 16-bit queries takes more registers than sm_80 has): refused."""
+    chosen = model_dtype if setting == "auto" else _DTYPES[setting]
+    if device_type == "cuda" and chosen.itemsize > model_dtype.itemsize:
+        model = str(model_dtype).removeprefix("torch.")
+        raise ValueError(f"kv_cache_dtype {setting} is wider than the model's {model}: on a GPU attention "
+                         "computes in the model's dtype, so it would only cost memory")
+    return chosen
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0):
         self.config = config
@@ -61,7 +73,7 @@ class ModelRunner:
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.block_size = config.block_size
         self.attention_impl = ops.resolve_impl(None, self.device.type)
-        self.kv_dtype = dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, self.device.type)
         ops.prepare(self.attention_impl, self.device.type, self.kv_dtype)
         self.num_blocks = self._pool_size()
         # One tensor for the whole pool: [layer, key/value, block, slot, kv head, head dim].
