@@ -113,6 +113,11 @@ def make_llm(model_dir: str, **settings):
 
 
 def run_inflight(model_dir: str, work: Workload, logprobs: int | None = None, **settings) -> float:
+    return inflight_run(model_dir, work, logprobs, **settings)[0]
+
+
+def inflight_run(model_dir: str, work: Workload, logprobs: int | None = None, **settings):
+    """(seconds, the engine, its outputs) of the workload offline, greedy, EOS ignored."""
     from inflight import SamplingParams
 
     llm = make_llm(model_dir, **settings)
@@ -123,7 +128,7 @@ def run_inflight(model_dir: str, work: Workload, logprobs: int | None = None, **
     elapsed = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outs) == work.output_tokens
     llm.block_manager.check_all_free()
-    return elapsed
+    return elapsed, llm, outs
 
 
 def dense_forward_rate(model_dir: str, tokens: int = 256, repeats: int = 5) -> tuple[float, str]:
@@ -199,20 +204,20 @@ PERSON_SCHEMA = {
 }
 
 
+def agreeing_tokens(ours: list[int], reference: list[int]) -> int:
+    """How many leading tokens of `ours` equal the reference's (as many as both have, if none differs)."""
+    return next((i for i, (x, y) in enumerate(zip(ours, reference)) if x != y), min(len(ours), len(reference)))
+
+
 def bench_kv_cache_dtype(model_dir: str, work: Workload, repeats: int, budget: int) -> dict:
     """The workload offline (greedy) with the model's float32 KV cache and with a bfloat16 one
     (`kv_cache_dtype`): output tok/s (medians of alternating runs), KV tokens a GiB holds, and how many
     outputs stay equal to the float32 cache's."""
-    from inflight import SamplingParams
-
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
     outputs, tokens_per_gib = {}, {}
 
     def run(kv_cache_dtype: str) -> float:
-        llm = make_llm(model_dir, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=budget)
-        start = time.perf_counter()
-        outs = llm.generate(work.prompts, params)
-        elapsed = time.perf_counter() - start
+        elapsed, llm, outs = inflight_run(model_dir, work, kv_cache_dtype=kv_cache_dtype,
+                                          max_num_batched_tokens=budget)
         outputs[kv_cache_dtype] = [o.token_ids for o in outs]
         tokens_per_gib[kv_cache_dtype] = llm.runner.block_size * 2**30 // llm.runner.bytes_per_block
         return elapsed
@@ -222,7 +227,7 @@ def bench_kv_cache_dtype(model_dir: str, work: Workload, repeats: int, budget: i
         print(f"  kv_cache_dtype {kv}, each run: " + ", ".join(f"{work.output_tokens / t:.1f}" for t in times)
               + " tok/s", file=sys.stderr)
     pairs = list(zip(outputs["auto"], outputs["bfloat16"]))
-    leading = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a) for a, b in pairs]
+    leading = [agreeing_tokens(b, a) / len(a) for a, b in pairs]
     return {"rates": {kv: work.output_tokens / statistics.median(times) for kv, times in seconds.items()},
             "tokens_per_gib": tokens_per_gib, "same": sum(a == b for a, b in pairs), "requests": len(pairs),
             "leading": statistics.mean(leading)}

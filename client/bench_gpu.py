@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "backend"), str(ROOT / "client")]
 
-from bench import Workload, load_hf, make_workload, run_hf_continuous, run_hf_static  # noqa: E402
+from bench import Workload, agreeing_tokens, load_hf, make_workload, run_hf_continuous, run_hf_static  # noqa: E402
 
 TOKENIZER = ROOT / "models" / "SmolLM2-135M-Instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -134,7 +134,7 @@ def greedy_agreement(model_dir: str, device: str, dtype: str, prompts: list[list
     del llm
     release()
     same = sum(a == b for a, b in zip(ours, expected))
-    leading = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(ours, expected)]
+    leading = [agreeing_tokens(a, b) for a, b in zip(ours, expected)]
     return f"{same}/{len(prompts)} (first {statistics.mean(leading):.1f} tokens agree)"
 
 

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "backend"), str(ROOT / "client")]
 
-from bench import make_workload  # noqa: E402
+from bench import agreeing_tokens, make_workload  # noqa: E402
 from bench_gpu import SHAPES, SMOKE_SHAPE, Report, build_model, release  # noqa: E402
 
 CANCEL_EVERY = 4  # in the cancellation storm, every 4th request is cancelled after its 2nd response
@@ -161,8 +161,7 @@ def exactness(records: list[dict], expected: list[list[int]]) -> str:
     """How many requests got exactly the offline tokens, and the share of all tokens that came before a
     request's first difference (16-bit numerics can differ between batch compositions)."""
     exact = sum(r["error"] is None and r["ids"] == expected[r["index"]] for r in records)
-    agreeing = sum(next((i for i, (a, b) in enumerate(zip(r["ids"], expected[r["index"]])) if a != b),
-                        min(len(r["ids"]), len(expected[r["index"]]))) for r in records)
+    agreeing = sum(agreeing_tokens(r["ids"], expected[r["index"]]) for r in records)
     total = sum(len(expected[r["index"]]) for r in records)
     return f"{exact}/{len(records)} ({agreeing / max(total, 1):.1%})"
 
