@@ -92,6 +92,15 @@ def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF `generate`'s greedy continuation of one prompt, EOS ignored."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 class HFReference:
     """Greedy continuations from HF `generate`, one request at a time, memoized per model."""
 
@@ -106,12 +115,7 @@ class HFReference:
         if key not in self._cache:
             if model_dir not in self._models:
                 self._models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            model = self._models[model_dir]
-            ids = torch.tensor([prompt])
-            with torch.inference_mode():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                     do_sample=False, eos_token_id=None, pad_token_id=0)
-            self._cache[key] = out[0, len(prompt):].tolist()
+            self._cache[key] = hf_greedy(self._models[model_dir], prompt, max_new_tokens)
         return self._cache[key]
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import hf_greedy, random_prompts
 from inflight import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -88,13 +88,7 @@ def test_sixteen_bit_kv_cache_matches_hf_over_rounded_keys_and_values(tiny_model
     model_dir = tiny_models["llama"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name).eval()
     prompts = random_prompts(8, 1, 200, vocab=512, seed=11)
-    expected = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-            expected.append(out[0, len(prompt):].tolist())
+    expected = [hf_greedy(model, prompt, MAX_TOKENS) for prompt in prompts]
     memory = 40 * 2 * 2 * 16 * 2 * 16 * 2  # 40 blocks of 2 layers x K/V x 16 tokens x 2 KV heads x 16 dims x 2 bytes
     llm = LLM(model_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, block_size=16,
               max_num_seqs=16, max_num_batched_tokens=128, enable_prefix_caching=False, **MODES[device])
