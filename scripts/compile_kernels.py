@@ -8,8 +8,11 @@ that need more registers or shared memory than the GPU has. Prints one row per k
 
 The variants are those the engine launches: decode (whole and split-KV) and prefill tiles for the
 default model's shape (9 query heads on 3 KV heads, head_dim 64) and a Llama-3-8B-like one (32 on 8,
-head_dim 128), with and without a sliding window, and the split-KV merge; and decode and prefill over a
-KV cache of another dtype than the query's (kv_cache_dtype).
+head_dim 128), with and without a sliding window, Gemma-2-9B's (16 on 8, head_dim 256, a softcap) and
+gpt-oss-20b's (64 on 8, head_dim 64, sinks, a window of 128), and the split-KV merge; and decode and
+prefill over a KV cache of another dtype than the query's (kv_cache_dtype).
+
+    .venv/bin/python scripts/compile_kernels.py --shapes gemma2-9b,gpt-oss-20b   # some shapes only
 """
 
 import argparse
@@ -37,12 +40,15 @@ from inflight.ops import triton_ops  # noqa: E402
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Shared memory a block may use (bytes): A100 (sm_80), H100/H200 (sm_90).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
-SHAPES = {  # name: (query heads, KV heads, head_dim, sliding window)
-    "smollm2": (9, 3, 64, None),
-    "llama3-8b": (32, 8, 128, None),
-    "llama3-8b+window": (32, 8, 128, 4096),
+SHAPES = {  # name: (query heads, KV heads, head_dim, sliding window, attention's options)
+    "smollm2": (9, 3, 64, None, {}),
+    "llama3-8b": (32, 8, 128, None, {}),
+    "llama3-8b+window": (32, 8, 128, 4096, {}),
+    "gemma2-9b": (16, 8, 256, 4096, dict(softcap=50.0)),
+    "gpt-oss-20b": (64, 8, 64, 128, dict(sinks=True)),
 }
 METADATA = ("cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr", "slot_ptr")  # int64 tensors
+FLOAT_ARGUMENTS = ("qk_scale",)
 # (query, KV cache, output) dtypes of a model whose cache has a dtype of its own (kv_cache_dtype), compiled
 # where the model's dtype (the output's) is asked for: a float32 model over a bfloat16 cache launches the
 # 16-bit kernel (its query rounded, triton_ops.paged_attention), a bfloat16 one reads a float16 cache.
@@ -69,11 +75,13 @@ def signature(kernel, constants: dict, dtype, multiples_of_16: set[str]) -> tupl
             types[name] = "constexpr"
         elif name.endswith("_ptr"):
             tensor_dtype = cache_dtype if "_cache_" in name else out_dtype if name == "out_ptr" else query_dtype
+            if name == "sinks_ptr":  # the model's parameter
+                tensor_dtype = out_dtype
             pointee = "i64" if name in METADATA else "fp32" if name.startswith("part_") else TRITON_TYPES[tensor_dtype]
             types[name] = f"*{pointee}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            types[name] = "fp32" if name.startswith("scale") else "i32"
+            types[name] = "fp32" if name in FLOAT_ARGUMENTS else "i32"
             if name in multiples_of_16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return types, attrs
@@ -95,6 +103,8 @@ def multiples_of_16(kernel, heads: int, head_dim: int) -> set[str]:
 
 def compile_variant(kernel, constants: dict, dtype, arch: int, hinted: set[str] = frozenset()):
     constants = dict(constants)
+    if "HAS_SINKS" in constants and not constants["HAS_SINKS"]:
+        constants["sinks_ptr"] = None  # launched with None: a constant, no argument
     options = {"num_warps": constants.pop("num_warps", 4)}
     if "num_stages" in constants:  # else Triton's default, as at a launch without it
         options["num_stages"] = constants.pop("num_stages")
@@ -118,17 +128,18 @@ def resource_usage(ptx: str) -> dict[str, int]:
             "spills": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
 
 
-def variants(dtypes: list[torch.dtype], block_size: int = 16):
+def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_size: int = 16):
     """(name, kernel, constants, dtype, integer arguments hinted as multiples of 16) for every kernel
     variant worth compiling."""
     attention, write, merge = (triton_ops._paged_attention_kernel, triton_ops._write_kv_cache_kernel,
                                triton_ops._merge_splits_kernel)
     for dtype in dtypes:
-        for shape, (heads, kv_heads, head_dim, window) in SHAPES.items():
+        for shape in shapes:
+            heads, kv_heads, head_dim, window, options = SHAPES[shape]
             phases = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
             for phase, (tokens, seqs, splits) in phases.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         dtype, window, num_splits=splits)
+                                                         dtype, window, num_splits=splits, **options)
                 yield (f"paged_attention {shape} {phase}", attention, constants, dtype,
                        multiples_of_16(attention, heads, head_dim))
             if window is None:
@@ -139,8 +150,8 @@ def variants(dtypes: list[torch.dtype], block_size: int = 16):
     for query_dtype, cache_dtype, out_dtype in MIXED_DTYPES:
         if out_dtype not in dtypes:
             continue
-        for shape in ("smollm2", "llama3-8b"):
-            heads, kv_heads, head_dim, window = SHAPES[shape]
+        for shape in {"smollm2", "llama3-8b"} & set(shapes):
+            heads, kv_heads, head_dim, window, _ = SHAPES[shape]
             for phase, (tokens, seqs) in {"decode": (64, 64), "prefill": (2048, 4)}.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
                                                          query_dtype, window)
@@ -148,12 +159,12 @@ def variants(dtypes: list[torch.dtype], block_size: int = 16):
                        multiples_of_16(attention, heads, head_dim))
 
 
-def report(job: tuple[int, list[str], int]) -> tuple[str, bool]:
+def report(job: tuple[int, list[str], list[str], int]) -> tuple[str, bool]:
     """Compile the index-th variant of `dtypes` for `arch`: its table row, and whether it failed (did not
     compile, spilled, or needs more shared memory than the GPU has). Variants are found by index, so that
     worker processes rebuild them rather than receive kernels."""
-    arch, dtype_names, index = job
-    name, kernel, constants, dtype, hinted = list(variants([getattr(torch, n) for n in dtype_names]))[index]
+    arch, dtype_names, shapes, index = job
+    name, kernel, constants, dtype, hinted = list(variants([getattr(torch, n) for n in dtype_names], shapes))[index]
     try:
         compiled = compile_variant(kernel, constants, dtype, arch, hinted)
     except Exception as e:  # report every failing variant, not just the first
@@ -171,11 +182,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated")
     parser.add_argument("--dtypes", default="float16,bfloat16,float32")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="variants compiled at once")
     args = parser.parse_args()
-    dtype_names = args.dtypes.split(",")
-    count = len(list(variants([getattr(torch, n) for n in dtype_names])))
-    jobs = [(arch, dtype_names, i) for arch in map(int, args.targets.split(",")) for i in range(count)]
+    dtype_names, shapes = args.dtypes.split(","), args.shapes.split(",")
+    count = len(list(variants([getattr(torch, n) for n in dtype_names], shapes)))
+    jobs = [(arch, dtype_names, shapes, i) for arch in map(int, args.targets.split(",")) for i in range(count)]
     print("| target | kernel | dtype | warps | registers | spill stores (bytes) | shared memory (bytes) |")
     print("|---|---|---|---:|---:|---:|---:|")
     failures = 0

@@ -72,6 +72,19 @@ if DEVICE == "cuda":
     MIXED_DTYPES += [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
 
 
+# A model's options of attention (Gemma 2's softcap, gpt-oss's sinks), strong enough to change every result.
+OPTIONS = {"softcap": dict(softcap=1.5), "sinks": dict(sinks=[2.0, -1.0, 0.5, 3.0]),
+           "softcap-and-sinks": dict(softcap=2.5, sinks=[-0.5, 1.0, 4.0, 0.0])}
+
+
+def attention_options(option: str, num_heads: int) -> dict:
+    """The option's softcap and sinks (a float32 tensor of one logit per query head) on the test device."""
+    options = dict(OPTIONS[option])
+    if "sinks" in options:
+        options["sinks"] = torch.tensor((options["sinks"] * num_heads)[:num_heads], device=DEVICE)
+    return options
+
+
 @pytest.mark.parametrize("dtype, cache_dtype", [(dtype, dtype) for dtype in TOLERANCE] + MIXED_DTYPES,
                          ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", CASES)
@@ -90,6 +103,27 @@ def test_paged_attention_matches_torch(case, dtype, cache_dtype):
     err = (got.float() - expected.float()).abs().max().item()
     tolerance = max(TOLERANCE[dtype], TOLERANCE[cache_dtype]) if DEVICE == "cuda" else TOLERANCE[dtype]
     assert err <= tolerance, f"max abs error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case, num_splits", [("decode-only", 1), ("decode-only", 4), ("mixed", 1),
+                                              ("sliding-window", 1), ("mqa", 2)])
+@pytest.mark.parametrize("option", OPTIONS)
+def test_softcap_and_sinks_match_torch(option, case, num_splits, dtype):
+    """A model's softcap and sinks (OPTIONS) in the kernel, with its context split or not (the sinks
+    belong to the first split only), within the dtype's tolerance of the torch reference."""
+    from inflight.ops import triton_ops
+
+    seqs, block_size, kv_heads, group, head_dim, window = CASES[case]
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
+                                                                     dtype)
+    options = attention_options(option, kv_heads * group)
+    scale = head_dim ** -0.5
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window, **options)
+    got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window, **options,
+                                     num_splits=num_splits)
+    err = (got.float() - expected.float()).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
 
 
 def float32_error(case: str, **launch) -> float:
@@ -202,26 +236,51 @@ def test_reference_matches_dense_attention(dtype, cache_dtype, sliding_window, c
         check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cache_dtype)
 
 
-def check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cache_dtype):
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["c-kernel", "gathered"])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("option", OPTIONS)
+def test_reference_with_softcap_and_sinks_matches_dense_attention(option, dtype, cache_dtype, sliding_window,
+                                                                  cpu_kernel, monkeypatch):
+    """As above, with a softcap (each scaled score s as softcap * tanh(s / softcap)) and sinks (a logit per
+    query head in each softmax's denominator, with no value), which the dense reference applies as
+    transformers' eager attention does. The C kernels (decode and prefill) take both; without them, the
+    gathered groups and the path that materializes each chunk's scores (SDPA takes neither)."""
+    if not cpu_kernel:
+        monkeypatch.setattr(torch_ops.cpu_kernels, "decode_attention", lambda: None)
+        monkeypatch.setattr(torch_ops.cpu_kernels, "prefill_attention", lambda: None)
+    elif DEVICE != "cpu":
+        pytest.skip("the C kernels are for a CPU")
+    for head_dim in (64, 128, 80):
+        check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cache_dtype,
+                                                **attention_options(option, 4))
+
+
+def check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cache_dtype, softcap=None, sinks=None):
     seqs = [(0, 9), (12, 1), (20, 6), (37, 1), (4, 1), (30, 1)]
     query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, 8, 2, 2, head_dim, dtype,
                                                                      cache_dtype=cache_dtype)
     scale = head_dim ** -0.5
     got = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale,
-                                    sliding_window=sliding_window)
+                                    sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     for i, (context, q_len) in enumerate(seqs):
         slots = [tables[i, p // 8].item() * 8 + p % 8 for p in range(context + q_len)]
         k = key_cache.view(-1, 2, head_dim)[slots].transpose(0, 1).repeat_interleave(2, 0).float()
         v = value_cache.view(-1, 2, head_dim)[slots].transpose(0, 1).repeat_interleave(2, 0).float()
         q = query[cu[i]:cu[i + 1]].transpose(0, 1).float()
         scores = (q @ k.transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(context, context + q_len, device=query.device)[:, None]
         k_pos = torch.arange(context + q_len, device=query.device)[None, :]
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= q_pos - k_pos >= sliding_window
         scores.masked_fill_(hidden, float("-inf"))
-        expected = (scores.softmax(-1) @ v).transpose(0, 1).to(dtype)
+        if sinks is not None:  # transformers' eager attention: one more column, dropped after the softmax
+            scores = torch.cat([scores, sinks.float()[:, None, None].expand(-1, q_len, 1)], dim=-1)
+        expected = (scores.softmax(-1)[..., :context + q_len] @ v).transpose(0, 1).to(dtype)
         tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(got[cu[i]:cu[i + 1]], expected, atol=tolerance, rtol=tolerance)
     kernel_expected = (DEVICE == "cpu" and cache_dtype != torch.float16
@@ -490,8 +549,8 @@ def test_kernels_compile_for_gpus():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
-    # 13 variants for each of 3 dtypes, 8 over a cache of another dtype, each for 2 targets
-    assert len(rows) == 2 * (3 * 13 + 8) and not any("FAILED" in row for row in rows)
+    # 19 variants for each of 3 dtypes, 8 over a cache of another dtype, each for 2 targets
+    assert len(rows) == 2 * (3 * 19 + 8) and not any("FAILED" in row for row in rows)
 
 
 def test_kernel_strides_are_multiples_of_head_dim(tiny_models, monkeypatch):

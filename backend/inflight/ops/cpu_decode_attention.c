@@ -8,7 +8,8 @@
    against the query heads it serves; pass 2 takes the softmax per query head (float32, max subtracted);
    pass 3 walks the value rows the same way into per-head sums. Each row of the context is read from
    memory once. Items run in parallel on the OpenMP runtime torch has already loaded (same soname), with
-   torch's thread count passed in. */
+   torch's thread count passed in. A model's softcap bounds the scores before the softmax; its sinks
+   (a logit per query head) join each softmax's denominator. */
 
 #include <stdlib.h>
 
@@ -58,8 +59,8 @@ ALWAYS_INLINE void add_scaled(float *acc, const void *row, float weight, const i
    that the loops over it unroll; bf16 is a constant at every call site. */
 ALWAYS_INLINE void attend(const float *q, const int64_t *table, const void *k_cache, const void *v_cache,
                           int64_t start, int64_t end, int64_t heads, int64_t group, int64_t row_stride,
-                          int64_t block_size, const int64_t head_dim, const int bf16, float scale, float *scores,
-                          float *acc, float *o) {
+                          int64_t block_size, const int64_t head_dim, const int bf16, float scale, float softcap,
+                          const float *sinks, float *scores, float *acc, float *o) {
     const int64_t len = end - start, rows = heads * group;
     float *s = scores - start;
     FOR_EACH_ROW(k_cache, p, k, {
@@ -68,14 +69,18 @@ ALWAYS_INLINE void attend(const float *q, const int64_t *table, const void *k_ca
                 s[r * len + p] = scale * dot(q + r * head_dim, advance(k, h * head_dim, bf16), head_dim, bf16);
     })
     for (int64_t r = 0; r < rows; r++) {
-        float *sr = scores + r * len, top = sr[0], total = 0.0f;
+        float *sr = scores + r * len;
+        if (softcap > 0.0f)
+            for (int64_t j = 0; j < len; j++) sr[j] = softcap * tanhf(sr[j] / softcap);
+        float top = sinks ? sinks[r] : sr[0], total = 0.0f;
 #pragma omp simd reduction(max : top)
-        for (int64_t j = 1; j < len; j++) top = sr[j] > top ? sr[j] : top;
+        for (int64_t j = 0; j < len; j++) top = sr[j] > top ? sr[j] : top;
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < len; j++) {
             sr[j] = expf(sr[j] - top);
             total += sr[j];
         }
+        if (sinks) total += expf(sinks[r] - top);
         const float inverse = 1.0f / total;
         for (int64_t j = 0; j < len; j++) sr[j] *= inverse;
     }
@@ -91,25 +96,29 @@ ALWAYS_INLINE void attend(const float *q, const int64_t *table, const void *k_ca
 /* One work item (see below), with head_dim and the cache's type as constants where they can be. */
 ALWAYS_INLINE void attend_item(const float *q, const int64_t *table, const void *k, const void *v, int64_t start,
                                int64_t end, int64_t heads, int64_t group, int64_t row_stride, int64_t block_size,
-                               int64_t head_dim, const int bf16, float scale, float *scores, float *acc, float *o) {
+                               int64_t head_dim, const int bf16, float scale, float softcap, const float *sinks,
+                               float *scores, float *acc, float *o) {
     if (head_dim == 64)
-        attend(q, table, k, v, start, end, heads, group, row_stride, block_size, 64, bf16, scale, scores, acc, o);
+        attend(q, table, k, v, start, end, heads, group, row_stride, block_size, 64, bf16, scale, softcap, sinks,
+               scores, acc, o);
     else if (head_dim == 128)
-        attend(q, table, k, v, start, end, heads, group, row_stride, block_size, 128, bf16, scale, scores, acc, o);
+        attend(q, table, k, v, start, end, heads, group, row_stride, block_size, 128, bf16, scale, softcap, sinks,
+               scores, acc, o);
     else
-        attend(q, table, k, v, start, end, heads, group, row_stride, block_size, head_dim, bf16, scale, scores, acc,
-               o);
+        attend(q, table, k, v, start, end, heads, group, row_stride, block_size, head_dim, bf16, scale, softcap,
+               sinks, scores, acc, o);
 }
 
 /* query, out: [tokens, Hq, D] float32 contiguous; caches: [slots, Hkv, D] contiguous, float32 or (cache_bf16)
    bfloat16; block_tables: rows `table_stride` apart. For decode i: its query row token_rows[i], its table
-   row table_rows[i], its visible positions [starts[i], ends[i]), at least one. Returns 0, or -1 when
-   memory for the scores ran out. */
+   row table_rows[i], its visible positions [starts[i], ends[i]), at least one. softcap: 0 for none; sinks:
+   [Hq] float32, or NULL. Returns 0, or -1 when memory for the scores ran out. */
 int paged_decode_attention(const float *query, const int64_t *token_rows, const void *key_cache,
                            const void *value_cache, const int64_t *block_tables, int64_t table_stride,
                            const int64_t *table_rows, const int64_t *starts, const int64_t *ends, int64_t decodes,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           int64_t max_len, float scale, float *out, int num_threads, int cache_bf16) {
+                           int64_t max_len, float scale, float softcap, const float *sinks, float *out,
+                           int num_threads, int cache_bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row_stride = num_kv_heads * head_dim;  // one slot of the cache
     /* Work item: a decode's heads, all of them (its rows read whole, in order: what the memory serves
@@ -129,14 +138,15 @@ int paged_decode_attention(const float *query, const int64_t *token_rows, const 
             const int64_t i = item / parts, h0 = item % parts * heads;
             const int64_t offset = (token_rows[i] * num_heads + h0 * group) * head_dim;
             const int64_t *table = block_tables + table_rows[i] * table_stride;
+            const float *item_sinks = sinks ? sinks + h0 * group : NULL;
             if (cache_bf16)
                 attend_item(query + offset, table, advance(key_cache, h0 * head_dim, 1),
                             advance(value_cache, h0 * head_dim, 1), starts[i], ends[i], heads, group, row_stride,
-                            block_size, head_dim, 1, scale, scores, acc, out + offset);
+                            block_size, head_dim, 1, scale, softcap, item_sinks, scores, acc, out + offset);
             else
                 attend_item(query + offset, table, advance(key_cache, h0 * head_dim, 0),
                             advance(value_cache, h0 * head_dim, 0), starts[i], ends[i], heads, group, row_stride,
-                            block_size, head_dim, 0, scale, scores, acc, out + offset);
+                            block_size, head_dim, 0, scale, softcap, item_sinks, scores, acc, out + offset);
         }
         free(scores);
     }

@@ -128,7 +128,7 @@ def decode_attention():
     return _attention_function(
         _ATTENTION_SOURCE, "decode attention kernel", "paged_decode_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
-         _SIZE, _SIZE, _SIZE, ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int])
+         _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int])
 
 
 @cache
@@ -136,7 +136,7 @@ def prefill_attention():
     return _attention_function(
         _PREFILL_SOURCE, "prefill attention kernel", "paged_prefill_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
-         _SIZE, _SIZE, _SIZE, ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int])
+         _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int])
 
 
 # The caches' dtypes the kernels read.
@@ -156,6 +156,15 @@ def _check_attention_inputs(what: str, query, key_cache, value_cache, out, block
                          "dtype, int64 indices expected")
 
 
+def _sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """The sinks as the kernels read them: [num_heads] float32, contiguous on the CPU."""
+    if sinks is None:
+        return None
+    if sinks.numel() != num_heads:
+        raise ValueError(f"CPU attention: {sinks.numel()} sinks for {num_heads} query heads")
+    return sinks.detach().to(torch.float32).contiguous().view(-1)
+
+
 def _float32_out(out: torch.Tensor) -> torch.Tensor:
     """Where the kernel writes: `out` itself when it is float32 and contiguous, else a float32 buffer."""
     return out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(out.shape, dtype=torch.float32)
@@ -169,25 +178,28 @@ def _finish(status: int, what: str, out: torch.Tensor, target: torch.Tensor, row
 
 
 def run_decode_attention(function, query, token_rows, key_cache, value_cache, block_tables, table_rows, starts,
-                         ends, max_len: int, scale: float, out) -> None:
+                         ends, max_len: int, scale: float, softcap: float | None, sinks: torch.Tensor | None,
+                         out) -> None:
     """query, out: [T, Hq, D] of one floating dtype; caches [blocks, block_size, Hkv, D] contiguous, float32
     or bfloat16 (the query's dtype or not: kv_cache_dtype); block_tables [S, W] int64 with unit column
-    stride; token_rows, table_rows, starts, ends: [n] int64. The kernel computes in float32: a 16-bit
-    query is widened, its output rounded back."""
+    stride; token_rows, table_rows, starts, ends: [n] int64; softcap: None or above 0; sinks: None or [Hq].
+    The kernel computes in float32: a 16-bit query is widened, its output rounded back."""
     _check_attention_inputs("decode", query, key_cache, value_cache, out, block_tables,
                             (token_rows, table_rows, starts, ends))
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    query, target = query.float().contiguous(), _float32_out(out)
+    query, target, sinks = query.float().contiguous(), _float32_out(out), _sinks(sinks, num_heads)
     status = function(query.data_ptr(), token_rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                       block_tables.data_ptr(), block_tables.stride(0), table_rows.data_ptr(), starts.data_ptr(),
                       ends.data_ptr(), len(token_rows), num_heads, num_kv_heads, head_dim, block_size, max_len, scale,
-                      target.data_ptr(), torch.get_num_threads(), int(key_cache.dtype == torch.bfloat16))
+                      softcap or 0.0, None if sinks is None else sinks.data_ptr(), target.data_ptr(),
+                      torch.get_num_threads(), int(key_cache.dtype == torch.bfloat16))
     _finish(status, "decode", out, target, token_rows)
 
 
 def run_prefill_attention(function, query, key_cache, value_cache, block_tables, table_rows, q_starts, q_lens,
-                          seq_lens, token_rows, sliding_window: int | None, scale: float, out) -> None:
+                          seq_lens, token_rows, sliding_window: int | None, scale: float, softcap: float | None,
+                          sinks: torch.Tensor | None, out) -> None:
     """Prefill chunk i: query rows [q_starts[i], q_starts[i] + q_lens[i]), the last q_lens[i] of its
     seq_lens[i] positions, causal, its block-table row table_rows[i]; token_rows: all those rows.
     Layouts and dtypes as run_decode_attention's; head_dim at most PREFILL_MAX_HEAD_DIM."""
@@ -197,11 +209,12 @@ def run_prefill_attention(function, query, key_cache, value_cache, block_tables,
     block_size, num_kv_heads = key_cache.shape[1:3]
     if head_dim > PREFILL_MAX_HEAD_DIM:
         raise ValueError(f"CPU prefill attention: head_dim {head_dim} above {PREFILL_MAX_HEAD_DIM}")
-    query, target = query.float().contiguous(), _float32_out(out)
+    query, target, sinks = query.float().contiguous(), _float32_out(out), _sinks(sinks, num_heads)
     status = function(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                       block_tables.stride(0), table_rows.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(),
                       seq_lens.data_ptr(), len(q_lens), num_heads, num_kv_heads, head_dim, block_size,
-                      sliding_window or 0, scale, target.data_ptr(), torch.get_num_threads(),
+                      sliding_window or 0, scale, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+                      target.data_ptr(), torch.get_num_threads(),
                       int(key_cache.dtype == torch.bfloat16))
     _finish(status, "prefill", out, target, token_rows)
 

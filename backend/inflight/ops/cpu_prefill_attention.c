@@ -12,7 +12,8 @@
    product (a block of rows x KEYS keys of sums in registers, one broadcast per row and dimension), the
    online softmax in float32 (running max and sum, rows rescaled when the max grows), then the value
    product into the rows' sums, a block of columns at a time. Tiles no query of the item can see are
-   skipped.
+   skipped. A model's softcap bounds the scores before the softmax; its sinks (a logit per query head)
+   start each row's running sum as a key whose value is zero would.
 
    Built and loaded by cpu_kernels.py with the decode kernel's flags (FMA contraction on). Items run in
    parallel on torch's OpenMP runtime, the costliest (the last query tiles: the most keys) first. */
@@ -156,7 +157,8 @@ static void pack_tile(const struct prefill *f, const int64_t *table, const void 
    heads of KV head h. Scratch: q, o [ROWS or more][dp]; s [same rows][KEYS]; max, sum [rows]. */
 static void attend_item(const struct prefill *f, const float *query, int64_t q_stride, float *out, int64_t h,
                         int64_t p0, int64_t m, int64_t group, int64_t head_dim, int64_t dp, int64_t window, float scale,
-                        float *q, float *o, float *s, float *row_max, float *row_sum) {
+                        float softcap, const float *sinks, float *q, float *o, float *s, float *row_max,
+                        float *row_sum) {
     const int64_t rows = m * group, context = f->seq_len - f->q_len;
     for (int64_t i = 0; i < m; i++)
         for (int64_t g = 0; g < group; g++) {
@@ -167,8 +169,8 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
         }
     memset(o, 0, sizeof(float) * rows * dp);
     for (int64_t r = 0; r < rows; r++) {
-        row_max[r] = -INFINITY;
-        row_sum[r] = 0.0f;
+        row_max[r] = sinks ? sinks[h * group + r % group] : -INFINITY;
+        row_sum[r] = sinks ? 1.0f : 0.0f;
     }
     /* Absolute positions: the item's queries [first, last]; key k is visible to query p when
        k <= p and, with a window, p - k < window. */
@@ -191,6 +193,8 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
                 continue;
             }
             if (to > keys) keys = to;
+            if (softcap > 0.0f)
+                for (int64_t j = from; j < to; j++) sr[j] = softcap * tanhf(sr[j] / softcap);
             float top = row_max[r];
 #pragma omp simd reduction(max : top)
             for (int64_t j = from; j < to; j++) top = sr[j] > top ? sr[j] : top;
@@ -226,12 +230,14 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
    contiguous, float32 or (cache_bf16) bfloat16; block_tables rows `table_stride` apart. Prefill i: query
    rows [q_starts[i], q_starts[i] + q_lens[i]), the last q_lens[i] of seq_lens[i] positions, its table row
    table_rows[i]. window: keys a query sees, itself included (0: all before it). head_dim at most 128.
+   softcap: 0 for none; sinks: [num_heads] float32, or NULL.
    Returns 0, or -1 when memory for the packed keys or the scratch ran out. */
 int paged_prefill_attention(const float *query, const void *key_cache, const void *value_cache,
                             const int64_t *block_tables, int64_t table_stride, const int64_t *table_rows,
                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens, int64_t prefills,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t window, float scale, float *out, int num_threads, int cache_bf16) {
+                            int64_t window, float scale, float softcap, const float *sinks, float *out,
+                            int num_threads, int cache_bf16) {
     if (prefills <= 0) return 0;
     const int64_t group = num_heads / num_kv_heads, q_stride = num_heads * head_dim;
     const int64_t dp = head_dim <= 16 ? 16 : head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : 128;
@@ -284,8 +290,8 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
             const int64_t q_tile = tiles - 1 - (t - item_starts[i]) / num_kv_heads, p0 = q_tile * m;
             const int64_t count = p0 + m <= q_lens[i] ? m : q_lens[i] - p0;
             float *q = scratch, *o = q + rows * dp, *s = o + rows * dp, *row_max = s + rows * KEYS;
-            attend_item(&f[i], query, q_stride, out, h, p0, count, group, head_dim, dp, window, scale, q, o, s,
-                        row_max, row_max + rows);
+            attend_item(&f[i], query, q_stride, out, h, p0, count, group, head_dim, dp, window, scale, softcap,
+                        sinks, q, o, s, row_max, row_max + rows);
         }
         free(scratch);
     }

@@ -8,6 +8,10 @@ block_tables [S, max_blocks].
 The cache's dtype may differ from the query's (`kv_cache_dtype`): keys and values are stored rounded to
 it and computed with in float32.
 
+Two options of some models' attention: `softcap` (Gemma 2) bounds each scaled score to (-softcap,
+softcap) by softcap * tanh(score / softcap); `sinks` (gpt-oss), one logit per query head, take a share of
+each softmax's denominator as a key whose value is zero would.
+
 One-token queries (decodes) are computed together: on a CPU with a float32 or bfloat16 cache all at
 once straight from the cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read
 once), elsewhere (a float16 cache, CUDA tensors, no C compiler) in groups of similar context length
@@ -205,8 +209,22 @@ def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_wi
     return plan
 
 
+def _probabilities(scores: torch.Tensor, visible: torch.Tensor | None, softcap: float | None,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax over the last axis of float32 `scores` (scaled) with the model's softcap and sinks (shaped
+    to broadcast with one column of `scores`); `visible`: where keys may be seen, broadcast likewise."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                    sliding_window=None, out=None):
+                    sliding_window=None, softcap=None, sinks=None, out=None):
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
     group = num_heads // num_kv_heads
@@ -219,22 +237,23 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         d = plan.kernel_decodes
         cpu_kernels.run_decode_attention(cpu_kernels.decode_attention(), query.contiguous(), d.token_rows,
                                          key_cache.contiguous(), value_cache.contiguous(), d.block_tables,
-                                         d.table_rows, d.starts, d.ends, d.max_len, scale, out)
+                                         d.table_rows, d.starts, d.ends, d.max_len, scale, softcap, sinks, out)
     for g in plan.decode_groups:
         n = len(g.token_rows)
         k = flat_k.index_select(0, g.cache_rows).view(n * num_kv_heads, g.max_len, head_dim).float()
         v = flat_v.index_select(0, g.cache_rows).view(n * num_kv_heads, g.max_len, head_dim).float()
         q = query[g.token_rows].float().view(n * num_kv_heads, group, head_dim)
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(n, num_kv_heads, group, g.max_len)
-        scores.masked_fill_(~g.valid, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(n * num_kv_heads, group, g.max_len)
+        group_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
+        probs = _probabilities(scores, g.valid, softcap, group_sinks).view(n * num_kv_heads, group, g.max_len)
         out[g.token_rows] = torch.bmm(probs, v).view(n, num_heads, head_dim).to(out.dtype)
 
     if plan.kernel_prefills is not None:
         p = plan.kernel_prefills
         cpu_kernels.run_prefill_attention(cpu_kernels.prefill_attention(), query, key_cache.contiguous(),
                                           value_cache.contiguous(), p.block_tables, p.table_rows, p.q_starts,
-                                          p.q_lens, p.seq_lens, p.token_rows, sliding_window, scale, out)
+                                          p.q_lens, p.seq_lens, p.token_rows, sliding_window, scale, softcap, sinks,
+                                          out)
     slot_k = key_cache.view(-1, num_kv_heads, head_dim)
     slot_v = value_cache.view(-1, num_kv_heads, head_dim)
     for p in plan.prefills:
@@ -243,7 +262,14 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         k = slot_k[p.slots].transpose(0, 1)[None].float()  # [1, Hkv, L, D]
         v = slot_v[p.slots].transpose(0, 1)[None].float()
         q = query[p.start:p.start + p.q_len].transpose(0, 1)[None].float()  # [1, Hq, q_len, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
+        if softcap is None and sinks is None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+                                               enable_gqa=num_heads != num_kv_heads)
+        else:  # SDPA has neither: every score materialized
+            k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+            visible = p.mask if p.mask is not None else torch.ones(p.q_len, p.q_len, dtype=torch.bool,
+                                                                   device=q.device).tril()
+            head_sinks = None if sinks is None else sinks.view(1, num_heads, 1, 1)
+            o = _probabilities(q @ k.transpose(-1, -2) * scale, visible, softcap, head_sinks) @ v
         out[p.start:p.start + p.q_len] = o[0].transpose(0, 1).to(out.dtype)
     return out

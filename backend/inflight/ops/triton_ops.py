@@ -16,6 +16,10 @@ writes its float32 partial output and log-sum-exp, and `_merge_splits_kernel` we
 split count comes from the batch's shape alone (`decode_splits`), never from a device value, so a
 captured CUDA graph stays valid as contexts grow.
 
+A model's softcap (Gemma 2) bounds each score by softcap * tanh(score / softcap) before the softmax; its
+sinks (gpt-oss), a logit per query head, start each row's online softmax as a key whose value is zero
+would (in the first split only).
+
 The softmax and accumulators are float32; the matmuls take 16-bit inputs as they are on a GPU, and
 float32 everywhere under the interpreter (TRITON_INTERPRET=1), which computes bfloat16 wrongly. A cache
 of another dtype than the query's (`kv_cache_dtype`) is converted to the query's dtype as it loads; a
@@ -95,12 +99,13 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, block_t: in
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos, kv_end, dims, dim_ok,
                  stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
-                 scale_log2,
+                 qk_scale,
                  SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                 DOT_FP32: tl.constexpr, MASKED: tl.constexpr):
+                 DOT_FP32: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
     """One tile of TILE_N keys from n0 into the online softmax (base 2). MASKED: the tile may hold keys
     past the end or after a query (causal) or outside the sliding window; else every key is visible to
-    every row."""
+    every row. The scores are the products times qk_scale: the scale and log2(e), or with a SOFTCAP
+    (the softcap times log2(e); 0: none) the scale over the softcap, whose tanh then times SOFTCAP."""
     keys = n0 + tl.arange(0, TILE_N)
     pages = n0 // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
     if MASKED:
@@ -116,9 +121,11 @@ def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv
                 + kv_head * stride_kc_head + dims[:, None],
                 mask=dim_ok[:, None] & key_ok[None, :], other=0.0)  # [DIM_PAD, TILE_N]
     if DOT_FP32:
-        s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * scale_log2
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * qk_scale
     else:
-        s = tl.dot(q, k.to(q.dtype)) * scale_log2  # 16-bit inputs in the query's dtype, float32 accumulation
+        s = tl.dot(q, k.to(q.dtype)) * qk_scale  # 16-bit inputs in the query's dtype, float32 accumulation
+    if SOFTCAP > 0:
+        s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * SOFTCAP  # tanh(s), from what Triton has
     if MASKED:
         allowed = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
@@ -143,8 +150,8 @@ def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2, num_seqs, num_heads,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr,
+    qk_scale, num_seqs, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
@@ -155,6 +162,8 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # >1: each program takes 1/NUM_SPLITS of the keys; _merge_splits_kernel sums
     DOT_FP32: tl.constexpr,  # float32 matmuls (float32 inputs, or the interpreter); else 16-bit
+    SOFTCAP: tl.constexpr,  # the softcap times log2(e), 0: none (see _attend_tile); a model's constant
+    HAS_SINKS: tl.constexpr,  # sinks_ptr: a logit per query head; else None (no argument more at a launch)
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -207,18 +216,22 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink as a first key of value zero, counted once: in the first split
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(kv_start, tl.minimum(unmasked_end, kv_end), TILE_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
                                      kv_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
-                                     stride_vc_block, stride_vc_slot, stride_vc_head, scale_log2,
-                                     SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, False)
+                                     stride_vc_block, stride_vc_slot, stride_vc_head, qk_scale,
+                                     SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, False, SOFTCAP)
     for n0 in range(tl.maximum(unmasked_end, kv_start), kv_end, TILE_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
                                      kv_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
-                                     stride_vc_block, stride_vc_slot, stride_vc_head, scale_log2,
-                                     SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, True)
+                                     stride_vc_block, stride_vc_slot, stride_vc_head, qk_scale,
+                                     SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, True, SOFTCAP)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS > 1:  # the partial result and its log-sum-exp (base 2), merged by _merge_splits_kernel
@@ -277,7 +290,8 @@ def _default_warps(decode: bool, head_dim: int, wide: bool) -> int:
 def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, dtype: torch.dtype, sliding_window: int | None = None,
                    block_m: int | None = None, tile_n: int | None = None, num_splits: int = 1,
-                   num_warps: int | None = None, num_stages: int | None = None) -> tuple[tuple[int, int, int], dict]:
+                   num_warps: int | None = None, num_stages: int | None = None, softcap: float | None = None,
+                   sinks: bool = False) -> tuple[tuple[int, int, int], dict]:
     """The launch grid and compile-time constants (with num_warps, and num_stages when given) of
     `_paged_attention_kernel` for one batch; the optional values override the defaults (bench sweeps)."""
     if num_heads % num_kv_heads:
@@ -287,18 +301,20 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     # Decode-only batches waste rows on a tall tile; prefill-heavy ones want it tall. Compiled float32
-    # prefill tiles take twice the registers: half the rows, and with head_dim 128 half the keys (no
-    # spills on sm_80/sm_90: scripts/compile_kernels.py, which the tests run, fails on one).
+    # prefill tiles take twice the registers: half the rows, and with head_dim 128 half the keys, as
+    # float32 decodes with head_dim 256 (Gemma 2) do (no spills on sm_80/sm_90: scripts/compile_kernels.py,
+    # which the tests run, fails on one).
     wide = dtype == torch.float32 and not _INTERPRETED
     decode = num_tokens == num_seqs
     block_m = max(block_m or (16 if decode else 32 if wide else 64), group_pad, 16)
     block_q = block_m // group_pad
-    default_tile_n = 16 if wide and not decode and head_dim > 64 else 32
+    default_tile_n = 16 if wide and (head_dim > 128 or not decode and head_dim > 64) else 32
     constants = dict(
         SLIDING_WINDOW=sliding_window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
-        NUM_SPLITS=num_splits, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
+        NUM_SPLITS=num_splits, DOT_FP32=dtype == torch.float32 or _INTERPRETED, SOFTCAP=(softcap or 0.0) * LOG2_E,
+        HAS_SINKS=sinks,
         num_warps=num_warps or _default_warps(decode, head_dim, wide),
     )
     if num_stages is not None:
@@ -313,7 +329,8 @@ def _default_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int) -> in
 
 
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                    sliding_window=None, out=None, block_m: int | None = None, tile_n: int | None = None,
+                    sliding_window=None, softcap=None, sinks=None, out=None, block_m: int | None = None,
+                    tile_n: int | None = None,
                     num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -325,7 +342,8 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     if num_splits is None:
         num_splits = _default_splits(query, num_seqs, num_kv_heads)
     grid, constants = attention_meta(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                                     query.dtype, sliding_window, block_m, tile_n, num_splits, num_warps, num_stages)
+                                     query.dtype, sliding_window, block_m, tile_n, num_splits, num_warps, num_stages,
+                                     softcap=softcap, sinks=sinks is not None)
     if num_tokens == 0 or num_seqs == 0:
         return out
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
@@ -335,9 +353,12 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # not written
+    if sinks is not None:
+        assert sinks.numel() == num_heads and sinks.is_contiguous()
+    qk_scale = scale / softcap if softcap is not None else scale * LOG2_E
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
-        scale * LOG2_E, num_seqs, num_heads,
+        sinks, qk_scale, num_seqs, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
