@@ -45,16 +45,46 @@ TINY_FAMILIES = {
 }
 
 
+# More of transformers' model types, in the same tiny size: each with what sets its attention or layers
+# apart. Their references are HF's eager attention (its SDPA ignores Gemma 2's softcap and gpt-oss's sinks).
+MORE_FAMILIES = {
+    "gemma": dict(model_type="gemma", head_dim=16),  # GeGLU, norms of 1 + weight, scaled embeddings
+    "gemma2": dict(model_type="gemma2", head_dim=256, sliding_window=48, attn_logit_softcapping=0.5,
+                   final_logit_softcapping=3.0),  # softcap, a head longer than the C prefill kernel takes
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=48,
+                        layer_types=["sliding_attention", "full_attention"]),  # query/key norms, two rotaries
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2),  # sinks, MoE
+    "phi3": dict(model_type="phi3", pad_token_id=0),  # one q/k/v projection
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64),
+    "olmo2": dict(model_type="olmo2"),
+    "starcoder2": dict(model_type="starcoder2", sliding_window=48),  # LayerNorm, biases
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024, num_key_value_heads=None),
+    "gpt_neox": dict(model_type="gpt_neox", num_key_value_heads=None),  # partial rotary, parallel residual
+    "granite": dict(model_type="granite"),  # multipliers
+    "cohere": dict(model_type="cohere"),
+    "glm4": dict(model_type="glm4", pad_token_id=0),
+    "smollm3": dict(model_type="smollm3", pad_token_id=0),  # layers without rotary
+    "exaone4": dict(model_type="exaone4", sliding_window=48),
+    "llama4_text": dict(model_type="llama4_text", attention_chunk_size=2048),  # chunked: full up to a chunk
+    "phi": dict(model_type="phi", num_key_value_heads=None),
+}
+
+
 def make_tiny_model(family: str, out: Path, vocab_size: int = 512, num_attention_heads: int = 4,
                     num_key_value_heads: int = 2) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    settings = dict(TINY_FAMILIES[family])
+    settings = dict(TINY_FAMILIES.get(family) or MORE_FAMILIES[family])
     model_type = settings.pop("model_type")
+    sizes = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                 max_position_embeddings=1024)
+    sizes.update(settings)
     config = AutoConfig.for_model(
-        model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, max_position_embeddings=1024,
-        initializer_range=0.2, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, **settings,
+        model_type, **{k: v for k, v in sizes.items() if v is not None}, initializer_range=0.2,
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
     )
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -102,11 +132,13 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 class HFReference:
-    """Greedy continuations from HF `generate`, one request at a time, memoized per model."""
+    """Greedy continuations from HF `generate`, one request at a time, memoized per model; `attention`:
+    transformers' attention implementation (its default where None)."""
 
-    def __init__(self):
+    def __init__(self, attention: str | None = None):
         self._models = {}
         self._cache = {}
+        self._attention = {} if attention is None else dict(attn_implementation=attention)
 
     def __call__(self, model_dir: str, prompt: list[int], max_new_tokens: int) -> list[int]:
         from transformers import AutoModelForCausalLM
@@ -114,7 +146,8 @@ class HFReference:
         key = (model_dir, tuple(prompt), max_new_tokens)
         if key not in self._cache:
             if model_dir not in self._models:
-                self._models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+                self._models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                               **self._attention).eval()
             self._cache[key] = hf_greedy(self._models[model_dir], prompt, max_new_tokens)
         return self._cache[key]
 
@@ -158,6 +191,25 @@ def serve(env: dict | None = None, **settings):
 @pytest.fixture(scope="session")
 def hf_reference() -> HFReference:
     return HFReference()
+
+
+@pytest.fixture(scope="session")
+def hf_eager_reference() -> HFReference:
+    return HFReference(attention="eager")
+
+
+@pytest.fixture(scope="session")
+def more_tiny_models(tmp_path_factory):
+    """The tiny checkpoint of one of MORE_FAMILIES, made on first use."""
+    root = tmp_path_factory.mktemp("more-tiny")
+    made = {}
+
+    def model(family: str) -> str:
+        if family not in made:
+            made[family] = str(make_tiny_model(family, root / family))
+        return made[family]
+
+    return model
 
 
 # Prompts and helpers of the served reliability and fault tests.

@@ -136,3 +136,26 @@ def test_auto_is_the_gpu_in_bfloat16(tiny_models, monkeypatch):
     monkeypatch.setattr(inflight.config, "auto_device", lambda: "cuda")
     llm = LLM(tiny_models["llama"], num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64)
     assert (llm.config.device, llm.runner.dtype, llm.runner.graphs is not None) == ("cuda", torch.bfloat16, True)
+
+
+def test_a_model_that_cannot_be_captured_decodes_eagerly(tiny_models, monkeypatch, caplog):
+    """Where capturing fails (modeling code that waits for the GPU in its forward pass, as some mixtures of
+    experts route tokens), the engine starts with eager decode steps and says why, rather than not at
+    all. Here on a CPU, with a capture that fails as CUDA's does."""
+    from inflight import model_runner
+
+    class FailingGraphs:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def capture(self):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_use_cuda_graphs", lambda self: True)
+    monkeypatch.setattr(model_runner, "DecodeGraphs", FailingGraphs)
+    with caplog.at_level("WARNING", logger="inflight.model_runner"):
+        llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", num_kv_blocks=32)
+    assert llm.runner.graphs is None
+    assert "decode steps run eagerly: CUDA error: operation not permitted" in caplog.text
+    out = llm.generate([[5, 6, 7]], GREEDY)[0]
+    assert len(out.token_ids) == GREEDY.max_tokens

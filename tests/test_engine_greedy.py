@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
+from conftest import MORE_FAMILIES, hf_greedy, random_prompts
 from inflight import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -152,3 +152,18 @@ def assert_nothing_compiles_after_start_up(llm):
     assert llm.num_steps > 0
     assert counters["stats"]["unique_graphs"] == compiled, "a step compiled a graph after start-up"
     llm.block_manager.check_all_free()
+
+
+# Chunked prefill and preemption, pipelined; on a GPU machine on the GPU too (CUDA graphs where they capture).
+MORE_CASES = [(mode, schedule) for mode in MODES if mode != "cpu" for schedule in ("chunked-prefill", "preemption")]
+
+
+@pytest.mark.parametrize("mode, schedule", MORE_CASES, ids=["-".join(case) for case in MORE_CASES])
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_model_types_match_hf(more_tiny_models, hf_eager_reference, family, mode, schedule):
+    """Other model types transformers has, each run by its own modeling code with our attention: greedy
+    equal to HF's eager attention; Gemma 2's softcap and gpt-oss's sinks taken by the kernels, Llama 4's
+    chunked attention over contexts up to its chunk."""
+    prompts = random_prompts(16, 1, 320, vocab=512, seed=7)
+    run_and_compare(more_tiny_models(family), prompts, hf_eager_reference, dtype="float32", **MODES[mode],
+                    **SCHEDULES[schedule])

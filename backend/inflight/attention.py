@@ -4,9 +4,14 @@ The model is called with a batch axis of 1 holding every scheduled token of ever
 `use_cache=False`. Its attention layers call `paged_attention_forward` (registered with transformers'
 AttentionInterface), which writes the new keys and values into the layer's paged cache and attends
 over each sequence's cached context through the ragged metadata of the step.
+
+What a model's attention layers ask beyond keys, values and a scale (a sliding window, Gemma 2's softcap,
+gpt-oss's sinks) is honoured; anything else that would change the result is refused at start-up, when
+`model_support.py` runs one forward pass that records each call (`AttentionContext.calls`) instead of
+attending.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -26,20 +31,41 @@ class AttentionContext:
     seq_lens: torch.Tensor  # [S] context + new tokens
     block_tables: torch.Tensor  # [S, max_blocks]
     impl: str  # "triton" | "torch"
+    calls: list["AttentionCall"] | None = None  # when set, each layer's call is recorded here, nothing attended
+
+
+@dataclass
+class AttentionCall:
+    """What one attention layer passed: the shapes [1, heads, T, D] of its query, key and value, and every
+    argument beyond them that is not None (the attention mask included)."""
+
+    layer_idx: int | None
+    query_shape: tuple[int, ...]
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
+    arguments: dict = field(default_factory=dict)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            inflight_context: AttentionContext | None = None, sliding_window=None, **kwargs):
+                            inflight_context: AttentionContext | None = None, sliding_window=None, softcap=None,
+                            s_aux=None, **kwargs):
     if inflight_context is None:
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's inflight_context")
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention was called without the engine's inflight_context: "
+                           "this model's layers do not pass their arguments through to attention")
     ctx = inflight_context
+    if ctx.calls is not None:
+        arguments = dict(kwargs, attention_mask=attention_mask, dropout=dropout or None, sliding_window=sliding_window,
+                         softcap=softcap, s_aux=s_aux)
+        ctx.calls.append(AttentionCall(getattr(module, "layer_idx", None), tuple(query.shape), tuple(key.shape),
+                                       tuple(value.shape), {k: v for k, v in arguments.items() if v is not None}))
+        return query.new_zeros(*query.shape[:3], value.shape[3]).transpose(1, 2), None
     key_cache, value_cache = ctx.kv_caches[module.layer_idx]
     # [1, heads, T, D] -> [T, heads, D]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     ops.write_kv_cache(k, v, key_cache, value_cache, ctx.slot_mapping, impl=ctx.impl)
     out = ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.cu_seqlens_q, ctx.seq_lens,
                               ctx.block_tables, scaling if scaling is not None else q.shape[-1] ** -0.5,
-                              sliding_window=sliding_window, impl=ctx.impl)
+                              sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux, impl=ctx.impl)
     return out.unsqueeze(0), None
 
 

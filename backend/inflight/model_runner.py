@@ -20,9 +20,10 @@ from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_availabl
 from .compile_warmup import compile_shape_classes
 from .cuda_graphs import DecodeGraphs
 from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
-from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, to_device
+from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill, to_device
 from .kernel_warmup import compile_attention_kernels
 from .lora import LoRAAdapters
+from .model_support import UnsupportedModel, attention_chunk, check_attention_calls
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
 
@@ -55,16 +56,24 @@ class ModelRunner:
             keep_freed_memory()
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         hf_config = getattr(hf_config, "text_config", hf_config)
+        self.attention_chunk = attention_chunk(hf_config)  # before loading the weights: refused at once
         self.dtype = dtype = self._dtype(getattr(hf_config, "dtype", None))
         sharding = {}
         if self.world_size > 1:  # transformers' own tensor-parallel plan over the process group
             from transformers.distributed import DistributedConfig
             sharding["distributed_config"] = DistributedConfig(tp_size=self.world_size, tp_plan="auto")
-        self.model = AutoModelForCausalLM.from_pretrained(
-            config.model, dtype=dtype,
-            attn_implementation=ATTN_IMPLEMENTATION_COMPILED if config.torch_compile else ATTN_IMPLEMENTATION,
-            trust_remote_code=config.trust_remote_code, **sharding,
-        ).to(self.device).eval()
+        attn_implementation = ATTN_IMPLEMENTATION_COMPILED if config.torch_compile else ATTN_IMPLEMENTATION
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                config.model, dtype=dtype, attn_implementation=attn_implementation,
+                trust_remote_code=config.trust_remote_code, **sharding,
+            ).to(self.device).eval()
+        except KeyError as e:  # modeling code that picks attention classes by name has none for ours
+            if e.args != (attn_implementation,):
+                raise
+            raise UnsupportedModel(f"inflight cannot run model type {hf_config.model_type!r}: its modeling code "
+                                   "does not use transformers' attention interface (AttentionInterface), where "
+                                   "inflight's paged attention plugs in") from e
         self.hf_config = hf_config
         self.num_layers = hf_config.num_hidden_layers
         # This rank's KV heads: the attention layers see 1/N of them under tensor parallelism.
@@ -83,14 +92,15 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                     -(-self.max_model_len // self.block_size), self.device)
+        self._model_call = self.model
         # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
         self.lora = LoRAAdapters(self.model, config.lora_modules, dtype, self.device) if config.lora_modules else None
+        self._check_attention_calls()
         if self._use_packed_weights():
             # A step samples one row a sequence: the output head needs no more rows, prompt logprobs aside.
             pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens,
                                head_rows=config.max_num_seqs,
                                merge_siblings=self.hf_config.model_type in FUSED_MODEL_TYPES)
-        self._model_call = self.model
         self.fused_layers = None
         if config.torch_compile:
             self._compile()
@@ -101,10 +111,35 @@ class ModelRunner:
             num_sms = self._smallest_over_ranks(torch.cuda.get_device_properties(self.device).multi_processor_count)
             compile_attention_kernels(self._forward, self.buffers, config.max_num_seqs, config.max_num_batched_tokens,
                                       self.num_kv_heads, self.block_size, num_sms)
-        self.graphs = None
-        if self._use_cuda_graphs():
-            self.graphs = DecodeGraphs(self._forward, self.buffers, config.max_num_seqs, lora=self.lora is not None)
-            self.graphs.capture()
+        self.graphs = self._capture_graphs() if self._use_cuda_graphs() else None
+
+    @torch.inference_mode()
+    def _check_attention_calls(self) -> None:
+        """One forward pass of two tokens that records what each attention layer asks (model_support.py)."""
+        calls = []
+        step = self.buffers.load(empty_prefill(min(2, self.config.max_num_batched_tokens), self.block_size))
+        try:
+            self._forward(step, calls=calls)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # the modeling code broke on what our attention returns or is given
+            raise UnsupportedModel(f"inflight cannot run model type {self.hf_config.model_type!r}: its first forward "
+                                   f"pass through inflight's attention failed: {type(e).__name__}: {e}") from e
+        check_attention_calls(calls, self.hf_config.model_type, self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """The decode steps' graphs; None, with a warning, where the model cannot be captured (modeling code
+        that waits for the GPU in its forward, as some mixtures of experts' routing does): eager decodes."""
+        graphs = DecodeGraphs(self._forward, self.buffers, self.config.max_num_seqs, lora=self.lora is not None)
+        try:
+            graphs.capture()
+        except RuntimeError as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            logger.warning("CUDA graphs could not be captured for model type %s, so decode steps run eagerly: %s",
+                           self.hf_config.model_type, e)
+            return None
+        return graphs
 
     def _compile(self) -> None:
         """torch.compile the model (our attention stays a graph break: attention.py), with dynamic shapes,
@@ -139,7 +174,16 @@ class ModelRunner:
         """Prompt plus output of one sequence: the setting, or the model's limit capped by the pool."""
         capacity = self.num_blocks * self.block_size
         if self.config.max_model_len is None:
-            return min(getattr(self.hf_config, "max_position_embeddings", None) or capacity, capacity)
+            limit = min(getattr(self.hf_config, "max_position_embeddings", None) or capacity, capacity)
+            if self.attention_chunk is not None and limit > self.attention_chunk:
+                logger.info("max_model_len %d: its attention is chunked, which is exact for contexts of up to "
+                            "one chunk", self.attention_chunk)
+                return self.attention_chunk
+            return limit
+        if self.attention_chunk is not None and self.config.max_model_len > self.attention_chunk:
+            raise UnsupportedModel(f"max_model_len ({self.config.max_model_len}) exceeds this model's attention "
+                                   f"chunk ({self.attention_chunk}): inflight runs chunked attention over contexts "
+                                   "of up to one chunk")
         if self.config.max_model_len > capacity:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the KV pool's "
                              f"{capacity} tokens; raise num_kv_blocks or kv_cache_memory")
@@ -247,7 +291,7 @@ class ModelRunner:
             return self.graphs.replay(inputs, sampled)
         return self._forward(self.buffers.load(inputs, sampled=sampled))
 
-    def _forward(self, step: StepTensors) -> torch.Tensor:
+    def _forward(self, step: StepTensors, calls: list | None = None) -> torch.Tensor:
         if self.lora is not None:
             self.lora.begin_step(step.lora_ids)
         context = AttentionContext(
@@ -257,6 +301,7 @@ class ModelRunner:
             seq_lens=step.seq_lens,
             block_tables=step.block_tables,
             impl=self.attention_impl,
+            calls=calls,
         )
         if step.embeds is None:
             tokens = dict(input_ids=step.input_ids[None])

@@ -1,0 +1,81 @@
+"""Which of transformers' models the engine runs exactly: checked at start-up, refused with the reason.
+
+The engine runs transformers' own modeling code with our paged attention in place of its attention
+(attention.py). That is exact for a model whose every layer attends, causally, over its own keys and
+values, asking of attention only what our kernels honour: a scale, a sliding window, a softcap (Gemma 2),
+sinks (gpt-oss). Anything else would run wrong, or fail in a request, so it is refused here:
+- layers that keep a state per sequence (Mamba, linear attention, convolutions: Jamba, Qwen3-Next,
+  LFM2, ...): the engine pages keys and values, nothing else;
+- layers that read another layer's keys and values (Gemma 3n), bidirectional attention;
+- key and value heads of different sizes (multi-head latent attention: DeepSeek V3);
+- attention that does not go through transformers' attention interface (Falcon, GPT-J, BLOOM, MPT);
+- arguments to attention that would change its result and our kernels do not take (an attention mask,
+  say, carrying ALiBi biases).
+Chunked attention (Llama 4) equals full attention over contexts of up to one chunk, so it is run over
+those: `attention_chunk` says how long that is.
+"""
+
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from .attention import AttentionCall
+
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Arguments to attention that the kernels honour, and those transformers' layers pass along that have no
+# bearing on attention's result (the positions are already in the rotated queries and keys).
+HONOURED_ARGUMENTS = {"sliding_window", "softcap", "s_aux"}
+ARGUMENTS_WITHOUT_BEARING = {"position_ids", "use_cache", "output_router_logits", "output_attentions",
+                             "cache_position", "position_embeddings"}
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+def _refuse(model_type: str, why: str) -> UnsupportedModel:
+    return UnsupportedModel(f"inflight cannot run model type {model_type!r}: {why}")
+
+
+def attention_chunk(hf_config) -> int | None:
+    """The chunk of a model with chunked attention layers (the longest context it runs exactly), else None.
+    Raises UnsupportedModel for a model whose layers are not all causal attention over their own KV."""
+    model_type = hf_config.model_type
+    layer_types, _ = get_layer_types_and_kwargs(hf_config)
+    stateful = sorted(set(layer_types) - ATTENTION_LAYER_TYPES - {"chunked_attention"})
+    if stateful:
+        raise _refuse(model_type, f"it has layers of type {', '.join(stateful)}, which keep a state per sequence "
+                                  "that the engine does not page (only attention layers are supported)")
+    if getattr(hf_config, "num_kv_shared_layers", None):
+        raise _refuse(model_type, f"{hf_config.num_kv_shared_layers} of its layers read another layer's keys "
+                                  "and values")
+    if getattr(hf_config, "use_bidirectional_attention", None):
+        raise _refuse(model_type, "its attention is bidirectional (use_bidirectional_attention)")
+    return hf_config.attention_chunk_size if "chunked_attention" in layer_types else None
+
+
+def check_attention_calls(calls: list[AttentionCall], model_type: str, num_layers: int, num_kv_heads: int,
+                          head_dim: int) -> None:
+    """Raise UnsupportedModel unless a forward pass called our attention once in each layer, with heads of
+    the sizes the KV cache was made for and no argument the kernels would ignore."""
+    if not calls:
+        raise _refuse(model_type, "its attention does not go through transformers' attention interface "
+                                  "(AttentionInterface), where inflight's paged attention plugs in")
+    layers = sorted(call.layer_idx for call in calls if call.layer_idx is not None)
+    if layers != list(range(num_layers)):
+        raise _refuse(model_type, f"one forward pass called attention in layers {layers}, where each of its "
+                                  f"{num_layers} layers was expected once")
+    for call in calls:
+        where = f"layer {call.layer_idx}"
+        sizes = {call.query_shape[3], call.key_shape[3], call.value_shape[3]}
+        if len(sizes) > 1:
+            raise _refuse(model_type, f"{where} has query, key and value heads of sizes {call.query_shape[3]}, "
+                                      f"{call.key_shape[3]} and {call.value_shape[3]} (the kernels take one size)")
+        if (call.key_shape[1], call.query_shape[3]) != (num_kv_heads, head_dim):
+            raise _refuse(model_type, f"{where} has {call.key_shape[1]} KV heads of size {call.query_shape[3]} where "
+                                      f"its config says {num_kv_heads} of size {head_dim}")
+        arguments = dict(call.arguments)
+        if arguments.pop("is_causal", True) is not True:
+            raise _refuse(model_type, f"{where}'s attention is not causal")
+        ignored = sorted(set(arguments) - HONOURED_ARGUMENTS - ARGUMENTS_WITHOUT_BEARING)
+        if ignored:
+            raise _refuse(model_type, f"{where} passes {', '.join(ignored)} to attention, which inflight's kernels "
+                                      "do not take")
