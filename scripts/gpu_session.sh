@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of one device-machine session, as one script (README "GPU"): the GPU tests (CUDA graphs
-# against eager and HF, the engine's greedy tests and the sampler on CUDA, the kernels compiled), `make bench-gpu`, `make bench-kernels`
+# against eager and HF, the engine's greedy tests and the sampler on CUDA, the kernels compiled; PARTS naming
+# `tests-models`: the other model types on CUDA), `make bench-gpu`, `make bench-kernels`
 # and (PARTS naming `sweep`) its --sweep, and (PARTS naming `served`) client/bench_served.py through
 # tritonserver; PARTS chooses the parts. Each part has its own time limit, so one that hangs or fails
 # leaves the others their time; logs and tables go to $OUT. Needs no package registry: a newer
@@ -31,7 +32,11 @@ want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -q -p
   tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py tests/test_engine_behaviour.py \
   tests/test_async_scheduling.py tests/test_lora.py tests/test_beam_search.py tests/test_speculative.py \
   tests/test_prompt_embeds.py \
-  -k "cuda or graphs or auto or padded or bucket or step_inputs or gpu or pipeline"
+  -k "(cuda or graphs or auto or padded or bucket or step_inputs or gpu or pipeline) and not more_model_types"
+# The other model types (README "Models") on CUDA: their kernels' softcap and sinks compiled, and whether
+# each captures in CUDA graphs (the warnings summary names those whose decode steps ran eagerly).
+want tests-models && part tests-models "${MODELS_S:-240}" python3 -m pytest -q -p no:cacheprovider \
+  tests/test_engine_greedy.py -k "more_model_types and cuda"
 # BENCH_ARGS: bench-gpu's options beyond the GPU engine issue's set (what `make bench-gpu` runs, in the
 # issue's five minutes), e.g. "--all --skip graphs,sampled,greedy,hf-cb,hf-static" for the other modes
 # alone. The log says how long each measurement took.

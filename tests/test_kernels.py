@@ -252,7 +252,7 @@ def test_reference_with_softcap_and_sinks_matches_dense_attention(option, dtype,
         monkeypatch.setattr(torch_ops.cpu_kernels, "prefill_attention", lambda: None)
     elif DEVICE != "cpu":
         pytest.skip("the C kernels are for a CPU")
-    for head_dim in (64, 128, 80):
+    for head_dim in (64, 128, 80, 256):  # 256: Gemma's, whose Gemma 2 has the softcap
         check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cache_dtype,
                                                 **attention_options(option, 4))
 
@@ -346,6 +346,7 @@ PREFILL_CASES = {
     "head-dim-32": ([(0, 77), (12, 5)], 32, 4, 1, 32, None),
     "head-dim-48": ([(64, 64)], 16, 1, 5, 48, 100),
     "head-dim-80": ([(0, 200)], 16, 2, 3, 80, None),
+    "head-dim-256": ([(0, 150), (100, 40)], 16, 2, 2, 256, None),  # Gemma's heads
     "group-of-100": ([(0, 9), (20, 3)], 16, 1, 100, 16, None),
 }
 
@@ -427,8 +428,8 @@ def test_cpu_prefill_kernel_leaves_other_rows_and_long_heads_alone():
     torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125, out=out)
     assert out[20].isnan().all() and out[:20].isfinite().all() and out[21:].isfinite().all()
 
-    long_heads = make_batch([(0, 12)], 16, 1, 2, 256, torch.float32)
-    torch_ops.paged_attention(*long_heads, 0.0625)
+    long_heads = make_batch([(0, 12)], 16, 1, 2, 512, torch.float32)
+    torch_ops.paged_attention(*long_heads, 512 ** -0.5)
     assert torch_ops._last_plan.kernel_prefills is None and len(torch_ops._last_plan.prefills) == 1
 
 

@@ -70,8 +70,7 @@ ALWAYS_INLINE void attend(const float *q, const int64_t *table, const void *k_ca
     })
     for (int64_t r = 0; r < rows; r++) {
         float *sr = scores + r * len;
-        if (softcap > 0.0f)
-            for (int64_t j = 0; j < len; j++) sr[j] = softcap * tanhf(sr[j] / softcap);
+        if (softcap > 0.0f) apply_softcap(sr, 0, len, softcap);
         float top = sinks ? sinks[r] : sr[0], total = 0.0f;
 #pragma omp simd reduction(max : top)
         for (int64_t j = 0; j < len; j++) top = sr[j] > top ? sr[j] : top;

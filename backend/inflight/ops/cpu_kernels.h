@@ -28,4 +28,12 @@ ALWAYS_INLINE float element(const void *row, int64_t d, const int bf16) {
     return value;
 }
 
+/* s[j] = softcap * tanh(s[j] / softcap) for j in [from, to): a model's softcap (Gemma 2), through the vector
+   expf (tanh(x) = 1 - 2 / (exp(2x) + 1)) rather than a scalar tanhf. */
+ALWAYS_INLINE void apply_softcap(float *s, int64_t from, int64_t to, float softcap) {
+    const float twice_inverse = 2.0f / softcap, twice = 2.0f * softcap;
+#pragma omp simd
+    for (int64_t j = from; j < to; j++) s[j] = softcap - twice / (expf(s[j] * twice_inverse) + 1.0f);
+}
+
 #endif

@@ -141,8 +141,8 @@ def prefill_attention():
 
 # The caches' dtypes the kernels read.
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
-# The longest head the prefill kernel takes (its register tiles hold 128 floats of a row).
-PREFILL_MAX_HEAD_DIM = 128
+# The longest head the prefill kernel takes (Gemma's 256; rows padded to a power of two from 16).
+PREFILL_MAX_HEAD_DIM = 256
 
 
 def _check_attention_inputs(what: str, query, key_cache, value_cache, out, block_tables, indices) -> None:

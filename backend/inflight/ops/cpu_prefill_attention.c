@@ -6,7 +6,7 @@
    heads on 3 KV heads; 2 cores, AVX-512) where its matrix products reach ~300; this kernel, a flash
    attention shaped for them, 170-290 (client/bench_cpu_attention.py). Phase 1 packs each sequence's
    keys, per KV head, into tiles of KEYS keys transposed ([dim][key]) and its values into rows, both
-   padded to 16, 32, 64 or 128 dimensions with zeros: every query tile of that head reads them again,
+   padded to 16, 32, 64, 128 or 256 dimensions with zeros: every query tile of that head reads them again,
    from the caches. Phase 2 takes work items of up to ROWS query rows (positions x the query heads
    sharing one KV head, which share its keys too) and walks their key tiles: scores by a register-blocked
    product (a block of rows x KEYS keys of sums in registers, one broadcast per row and dimension), the
@@ -193,8 +193,7 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
                 continue;
             }
             if (to > keys) keys = to;
-            if (softcap > 0.0f)
-                for (int64_t j = from; j < to; j++) sr[j] = softcap * tanhf(sr[j] / softcap);
+            if (softcap > 0.0f) apply_softcap(sr, from, to, softcap);
             float top = row_max[r];
 #pragma omp simd reduction(max : top)
             for (int64_t j = from; j < to; j++) top = sr[j] > top ? sr[j] : top;
@@ -229,7 +228,7 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
 /* query, out: [tokens, num_heads, head_dim] float32 contiguous; caches [slots, num_kv_heads, head_dim]
    contiguous, float32 or (cache_bf16) bfloat16; block_tables rows `table_stride` apart. Prefill i: query
    rows [q_starts[i], q_starts[i] + q_lens[i]), the last q_lens[i] of seq_lens[i] positions, its table row
-   table_rows[i]. window: keys a query sees, itself included (0: all before it). head_dim at most 128.
+   table_rows[i]. window: keys a query sees, itself included (0: all before it). head_dim at most 256.
    softcap: 0 for none; sinks: [num_heads] float32, or NULL.
    Returns 0, or -1 when memory for the packed keys or the scratch ran out. */
 int paged_prefill_attention(const float *query, const void *key_cache, const void *value_cache,
@@ -240,7 +239,7 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
                             int num_threads, int cache_bf16) {
     if (prefills <= 0) return 0;
     const int64_t group = num_heads / num_kv_heads, q_stride = num_heads * head_dim;
-    const int64_t dp = head_dim <= 16 ? 16 : head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : 128;
+    const int64_t dp = head_dim <= 16 ? 16 : head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
     const int64_t m = group >= ROWS ? 1 : ROWS / group, rows = m * group; /* positions, rows per item */
     struct prefill *f = malloc(sizeof *f * (size_t)prefills);
     int64_t *pack_starts = malloc(sizeof(int64_t) * (size_t)(prefills + 1));

@@ -16,7 +16,7 @@ One-token queries (decodes) are computed together: on a CPU with a float32 or bf
 once straight from the cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read
 once), elsewhere (a float16 cache, CUDA tensors, no C compiler) in groups of similar context length
 whose keys and values are gathered first.
-Longer queries (prefill chunks): on a CPU with a float32 or bfloat16 cache (head_dim up to 128) all at
+Longer queries (prefill chunks): on a CPU with a float32 or bfloat16 cache (head_dim up to 256) all at
 once by the C prefill kernel, elsewhere one sequence at a time through SDPA. Which cache rows each of
 them reads is planned once per step: every layer gets the same metadata tensors, so the plan is reused
 until they change.
