@@ -87,6 +87,32 @@ def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused,
         llm.close()
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt2"])
+def test_other_model_types_sharded_or_refused(tmp_path, family):
+    """Gemma 2 (its softcap in every rank's kernels), sharded by transformers' plan, equals one rank; GPT-2,
+    which transformers has no plan to shard, would hold every head on each rank: refused at start-up with
+    the reason, no worker left behind."""
+    model = str(make_tiny_model(family, tmp_path / family, num_attention_heads=8, num_key_value_heads=4))
+    prompts = random_prompts(4, 3, 40, 512, seed=5)
+    settings = dict(num_kv_blocks=24, max_num_seqs=4, max_num_batched_tokens=32, num_threads=1)
+    expected = run_to_the_end(LLM(model, **settings), prompts, [GREEDY] * 4)
+    before = children()
+    if family == "gpt2":
+        # (from rank 0 itself, or from another rank through the start-up's RuntimeError: whichever is first)
+        with pytest.raises((ValueError, RuntimeError), match="plan for it does not shard its attention heads"):
+            LLM(model, tensor_parallel_size=2, **settings)
+        deadline = time.monotonic() + 10
+        while children() - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert children() <= before, "a worker outlived the refusal"
+        return
+    llm = LLM(model, tensor_parallel_size=2, **settings)
+    try:
+        assert run_to_the_end(llm, prompts, [GREEDY] * 4) == expected
+    finally:
+        llm.close()
+
+
 def test_clear_errors_at_start_up(default_model, tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide the model's 9 attention heads and 3 KV"):
         LLM(default_model, tensor_parallel_size=2, num_kv_blocks=8)

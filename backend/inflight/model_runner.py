@@ -125,7 +125,8 @@ class ModelRunner:
         except Exception as e:  # the modeling code broke on what our attention returns or is given
             raise UnsupportedModel(f"inflight cannot run model type {self.hf_config.model_type!r}: its first forward "
                                    f"pass through inflight's attention failed: {type(e).__name__}: {e}") from e
-        check_attention_calls(calls, self.hf_config.model_type, self.num_layers, self.num_kv_heads, self.head_dim)
+        check_attention_calls(calls, self.hf_config.model_type, self.num_layers, self.num_kv_heads, self.head_dim,
+                              self.world_size)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """The decode steps' graphs; None, with a warning, where the model cannot be captured (modeling code

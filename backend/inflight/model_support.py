@@ -53,9 +53,10 @@ def attention_chunk(hf_config) -> int | None:
 
 
 def check_attention_calls(calls: list[AttentionCall], model_type: str, num_layers: int, num_kv_heads: int,
-                          head_dim: int) -> None:
+                          head_dim: int, tensor_parallel_size: int = 1) -> None:
     """Raise UnsupportedModel unless a forward pass called our attention once in each layer, with heads of
-    the sizes the KV cache was made for and no argument the kernels would ignore."""
+    the sizes the KV cache was made for (under tensor parallelism, this rank's share) and no argument the
+    kernels would ignore."""
     if not calls:
         raise _refuse(model_type, "its attention does not go through transformers' attention interface "
                                   "(AttentionInterface), where inflight's paged attention plugs in")
@@ -69,6 +70,10 @@ def check_attention_calls(calls: list[AttentionCall], model_type: str, num_layer
         if len(sizes) > 1:
             raise _refuse(model_type, f"{where} has query, key and value heads of sizes {call.query_shape[3]}, "
                                       f"{call.key_shape[3]} and {call.value_shape[3]} (the kernels take one size)")
+        if tensor_parallel_size > 1 and call.key_shape[1] == num_kv_heads * tensor_parallel_size:
+            raise _refuse(model_type, f"transformers' tensor-parallel plan for it does not shard its attention "
+                                      f"heads ({where} has all {call.key_shape[1]} KV heads on each rank): run it "
+                                      "with tensor_parallel_size 1")
         if (call.key_shape[1], call.query_shape[3]) != (num_kv_heads, head_dim):
             raise _refuse(model_type, f"{where} has {call.key_shape[1]} KV heads of size {call.query_shape[3]} where "
                                       f"its config says {num_kv_heads} of size {head_dim}")
