@@ -50,7 +50,7 @@ TINY_FAMILIES = {
 MORE_FAMILIES = {
     "gemma": dict(model_type="gemma", head_dim=16),  # GeGLU, norms of 1 + weight, scaled embeddings
     "gemma2": dict(model_type="gemma2", head_dim=256, sliding_window=48, attn_logit_softcapping=0.5,
-                   final_logit_softcapping=3.0),  # softcap, a head longer than the C prefill kernel takes
+                   final_logit_softcapping=3.0),  # softcaps; heads of 256, the C prefill kernel's longest
     "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=48,
                         layer_types=["sliding_attention", "full_attention"]),  # query/key norms, two rotaries
     "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2),  # sinks, MoE
@@ -60,7 +60,7 @@ MORE_FAMILIES = {
                       moe_intermediate_size=64),
     "olmo2": dict(model_type="olmo2"),
     "starcoder2": dict(model_type="starcoder2", sliding_window=48),  # LayerNorm, biases
-    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024, num_key_value_heads=None),
+    "gpt2": dict(model_type="gpt2", num_key_value_heads=None),  # absolute positions, no GQA
     "gpt_neox": dict(model_type="gpt_neox", num_key_value_heads=None),  # partial rotary, parallel residual
     "granite": dict(model_type="granite"),  # multipliers
     "cohere": dict(model_type="cohere"),

@@ -217,7 +217,7 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if HAS_SINKS:  # the sink as a first key of value zero, counted once: in the first split
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # log2(e)
         m_i = tl.where(split == 0, sink, m_i)
         l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
@@ -330,8 +330,8 @@ def _default_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int) -> in
 
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                     sliding_window=None, softcap=None, sinks=None, out=None, block_m: int | None = None,
-                    tile_n: int | None = None,
-                    num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+                    tile_n: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None):
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
