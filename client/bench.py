@@ -209,8 +209,11 @@ def agreeing_tokens(ours: list[int], reference: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(ours, reference)) if x != y), min(len(ours), len(reference)))
 
 
+KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
+
+
 def bench_kv_cache_dtype(model_dir: str, work: Workload, repeats: int, budget: int) -> dict:
-    """The workload offline (greedy) with the model's float32 KV cache and with a bfloat16 one
+    """The workload offline (greedy) with the model's float32 KV cache, a bfloat16 one and an fp8 one
     (`kv_cache_dtype`): output tok/s (medians of alternating runs), KV tokens a GiB holds, and how many
     outputs stay equal to the float32 cache's."""
     outputs, tokens_per_gib = {}, {}
@@ -222,15 +225,17 @@ def bench_kv_cache_dtype(model_dir: str, work: Workload, repeats: int, budget: i
         tokens_per_gib[kv_cache_dtype] = llm.runner.block_size * 2**30 // llm.runner.bytes_per_block
         return elapsed
 
-    seconds = alternating({kv: lambda kv=kv: run(kv) for kv in ("auto", "bfloat16")}, repeats)
+    seconds = alternating({kv: lambda kv=kv: run(kv) for kv in KV_DTYPES}, repeats)
     for kv, times in seconds.items():
         print(f"  kv_cache_dtype {kv}, each run: " + ", ".join(f"{work.output_tokens / t:.1f}" for t in times)
               + " tok/s", file=sys.stderr)
-    pairs = list(zip(outputs["auto"], outputs["bfloat16"]))
-    leading = [agreeing_tokens(b, a) / len(a) for a, b in pairs]
+    same, leading = {}, {}
+    for kv in KV_DTYPES[1:]:
+        pairs = list(zip(outputs["auto"], outputs[kv]))
+        same[kv] = sum(a == b for a, b in pairs)
+        leading[kv] = statistics.mean(agreeing_tokens(b, a) / len(a) for a, b in pairs)
     return {"rates": {kv: work.output_tokens / statistics.median(times) for kv, times in seconds.items()},
-            "tokens_per_gib": tokens_per_gib, "same": sum(a == b for a, b in pairs), "requests": len(pairs),
-            "leading": statistics.mean(leading)}
+            "tokens_per_gib": tokens_per_gib, "same": same, "leading": leading, "requests": len(outputs["auto"])}
 
 
 def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[str, float]:
@@ -594,8 +599,8 @@ def main() -> None:
                              "generate's), spec (n-gram speculative decoding against HF's prompt lookup), tp "
                              "(tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), sampling "
                              "(the sampler's cost for 128 streams), attention (the CPU attention kernels against "
-                             "the torch paths, bench_cpu_attention.py), kv-dtype (a bfloat16 KV cache against the "
-                             "model's float32 one)")
+                             "the torch paths, bench_cpu_attention.py), kv-dtype (bfloat16 and fp8 KV caches against "
+                             "the model's float32 one)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -682,13 +687,15 @@ def main() -> None:
               f"| logprobs=5 on every request | {with_logprobs:.1f} ({1 - with_logprobs / plain:+.1%} cost) |")
     if "kv-dtype" in peers:
         r = bench_kv_cache_dtype(args.model, work, args.repeats, args.max_num_batched_tokens)
-        plain, rounded = r["rates"]["auto"], r["rates"]["bfloat16"]
+        plain = r["rates"]["auto"]
         print(f"\n| KV cache (kv_cache_dtype), inflight offline, median of {args.repeats} | output tok/s | "
-              f"KV tokens a GiB holds |\n|---|---:|---:|\n"
-              f"| float32, the model's dtype (auto) | {plain:.1f} | {r['tokens_per_gib']['auto']:,} |\n"
-              f"| bfloat16 | {rounded:.1f} ({rounded / plain - 1:+.1%}) | {r['tokens_per_gib']['bfloat16']:,} |\n\n"
-              f"greedy outputs equal to the float32 cache's: {r['same']} of {r['requests']} "
-              f"(on average the first {r['leading']:.0%} of a request's tokens)")
+              f"KV tokens a GiB holds | greedy outputs equal to the float32 cache's |\n|---|---:|---:|---|\n"
+              f"| float32, the model's dtype (auto) | {plain:.1f} | {r['tokens_per_gib']['auto']:,} | |")
+        for kv in KV_DTYPES[1:]:
+            rate = r["rates"][kv]
+            print(f"| {kv} | {rate:.1f} ({rate / plain - 1:+.1%}) | {r['tokens_per_gib'][kv]:,} | "
+                  f"{r['same'][kv]} of {r['requests']} (on average the first {r['leading'][kv]:.0%} of a "
+                  "request's tokens) |")
     if "n" in peers:
         r = bench_n_completions(args.model, work, args.repeats)
         print(f"\n| {len(work.prompts) // 4} prompts x 4 completions, median of {args.repeats} | output tok/s |\n"

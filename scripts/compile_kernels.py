@@ -10,7 +10,8 @@ The variants are those the engine launches: decode (whole and split-KV) and pref
 default model's shape (9 query heads on 3 KV heads, head_dim 64) and a Llama-3-8B-like one (32 on 8,
 head_dim 128), with and without a sliding window, Gemma-2-9B's (16 on 8, head_dim 256, a softcap) and
 gpt-oss-20b's (64 on 8, head_dim 64, sinks, a window of 128), and the split-KV merge; and decode and
-prefill over a KV cache of another dtype than the query's (kv_cache_dtype).
+prefill over a KV cache of another dtype than the query's (kv_cache_dtype: 16-bit and fp8, and the KV
+writes into fp8 caches; fp8 e4m3 for sm_90 only, sm_80 does not convert it).
 
     .venv/bin/python scripts/compile_kernels.py --shapes gemma2-9b,gpt-oss-20b   # some shapes only
 """
@@ -37,7 +38,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from inflight.ops import triton_ops  # noqa: E402
 
-TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e5m2: "fp8e5",
+                torch.float8_e4m3fn: "fp8e4nv"}
 # Shared memory a block may use (bytes): A100 (sm_80), H100/H200 (sm_90).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 SHAPES = {  # name: (query heads, KV heads, head_dim, sliding window, attention's options)
@@ -53,6 +55,18 @@ FLOAT_ARGUMENTS = ("qk_scale",)
 # where the model's dtype (the output's) is asked for: a float32 model over a bfloat16 cache launches the
 # 16-bit kernel (its query rounded, triton_ops.paged_attention), a bfloat16 one reads a float16 cache.
 MIXED_DTYPES = [(torch.bfloat16, torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16, torch.bfloat16)]
+# fp8 caches (kv_cache_dtype fp8_e5m2, fp8_e4m3) under 16-bit queries (a float32 model's rounded to bfloat16),
+# and the KV writes into them; e4m3 only where the GPU converts it (model_runner.kv_cache_dtype).
+FP8_CACHES = [torch.float8_e5m2, torch.float8_e4m3fn]
+FP8_DTYPES = [(query, cache, out) for cache in FP8_CACHES for query, out in
+              ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16))]
+FP8_LEAST_ARCH = {torch.float8_e4m3fn: 89}
+
+
+def supported(arch: int, dtype) -> bool:
+    """Whether a variant's cache dtype is one the GPU of `arch` converts."""
+    cache = dtype[1] if isinstance(dtype, tuple) else dtype
+    return arch >= FP8_LEAST_ARCH.get(cache, 0)
 
 
 def type_name(dtype) -> str:
@@ -147,16 +161,21 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
                 yield f"write_kv_cache {shape}", write, constants, dtype, multiples_of_16(write, heads, head_dim)
                 constants = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim))
                 yield f"merge_splits {shape}", merge, constants, dtype, multiples_of_16(merge, heads, head_dim)
-    for query_dtype, cache_dtype, out_dtype in MIXED_DTYPES:
+    for query_dtype, cache_dtype, out_dtype in MIXED_DTYPES + FP8_DTYPES:
         if out_dtype not in dtypes:
             continue
-        for shape in {"smollm2", "llama3-8b"} & set(shapes):
+        for shape in [shape for shape in ("smollm2", "llama3-8b") if shape in shapes]:  # (in order: by index)
             heads, kv_heads, head_dim, window, _ = SHAPES[shape]
             for phase, (tokens, seqs) in {"decode": (64, 64), "prefill": (2048, 4)}.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         query_dtype, window)
+                                                         query_dtype, window, cache_dtype=cache_dtype)
                 yield (f"paged_attention {shape} {phase}", attention, constants, (query_dtype, cache_dtype, out_dtype),
                        multiples_of_16(attention, heads, head_dim))
+    for cache_dtype in FP8_CACHES:  # new keys and values converted to the cache's dtype before the launch
+        for shape in [shape for shape in ("smollm2", "llama3-8b") if shape in shapes]:
+            heads, kv_heads, head_dim, _, _ = SHAPES[shape]
+            _, constants = triton_ops.kv_write_meta(64, kv_heads, head_dim, block_size)
+            yield f"write_kv_cache {shape}", write, constants, cache_dtype, multiples_of_16(write, heads, head_dim)
 
 
 def report(job: tuple[int, list[str], list[str], int]) -> tuple[str, bool]:
@@ -186,8 +205,9 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="variants compiled at once")
     args = parser.parse_args()
     dtype_names, shapes = args.dtypes.split(","), args.shapes.split(",")
-    count = len(list(variants([getattr(torch, n) for n in dtype_names], shapes)))
-    jobs = [(arch, dtype_names, shapes, i) for arch in map(int, args.targets.split(",")) for i in range(count)]
+    dtypes = [variant[3] for variant in variants([getattr(torch, n) for n in dtype_names], shapes)]
+    jobs = [(arch, dtype_names, shapes, i) for arch in map(int, args.targets.split(","))
+            for i, dtype in enumerate(dtypes) if supported(arch, dtype)]
     print("| target | kernel | dtype | warps | registers | spill stores (bytes) | shared memory (bytes) |")
     print("|---|---|---|---:|---:|---:|---:|")
     failures = 0

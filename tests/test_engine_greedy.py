@@ -66,22 +66,30 @@ def test_default_model_matches_hf(default_model, hf_reference):
     assert llm.stats()["num_preemptions"] > 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+NARROW_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e5m2": torch.float8_e5m2,
+                    "fp8_e4m3": torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", NARROW_KV_DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_sixteen_bit_kv_cache_matches_hf_over_rounded_keys_and_values(tiny_models, device, kv_cache_dtype):
-    """A float32 model with a 16-bit KV cache (`kv_cache_dtype`): greedy output equals HF `generate` in
-    float32 whose attention sees its keys and values rounded to that dtype (what the cache holds), with
-    chunked prefill and preemption; the pool holds the 2-byte blocks its memory pays for. On a CPU the
-    bfloat16 cache is read by the C kernels, the float16 one gathered for torch; on a GPU, by the Triton
-    kernels, whose matmuls then take the cache's dtype (the reference rounds the queries too)."""
+def test_narrow_kv_cache_matches_hf_over_rounded_keys_and_values(tiny_models, device, kv_cache_dtype):
+    """A float32 model with a 16-bit or fp8 KV cache (`kv_cache_dtype`): greedy output equals HF `generate`
+    in float32 whose attention sees its keys and values rounded to that dtype (what the cache holds), with
+    chunked prefill and preemption; the pool holds the 2- or 1-byte blocks its memory pays for. On a CPU the
+    bfloat16 cache is read by the C kernels, the float16 and fp8 ones gathered for torch; on a GPU, by the
+    Triton kernels, whose matmuls then take the cache's dtype, or bfloat16 over fp8 (the reference rounds
+    the queries too)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    cache_dtype = getattr(torch, kv_cache_dtype)
+    cache_dtype = NARROW_KV_DTYPES[kv_cache_dtype]
+    if device == "cuda" and cache_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("this GPU does not convert fp8 e4m3")
+    query_dtype = torch.bfloat16 if cache_dtype.itemsize == 1 else cache_dtype
 
     def rounded_kv_attention(module, query, key, value, *args, **kwargs):
         if device == "cuda":
-            query = query.to(cache_dtype).float()
+            query = query.to(query_dtype).float()
         return sdpa_attention_forward(module, query, key.to(cache_dtype).float(), value.to(cache_dtype).float(),
                                       *args, **kwargs)
 
@@ -91,7 +99,8 @@ def test_sixteen_bit_kv_cache_matches_hf_over_rounded_keys_and_values(tiny_model
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name).eval()
     prompts = random_prompts(8, 1, 200, vocab=512, seed=11)
     expected = [hf_greedy(model, prompt, MAX_TOKENS) for prompt in prompts]
-    memory = 40 * 2 * 2 * 16 * 2 * 16 * 2  # 40 blocks of 2 layers x K/V x 16 tokens x 2 KV heads x 16 dims x 2 bytes
+    # 40 blocks of 2 layers x K/V x 16 tokens x 2 KV heads x 16 dims x 2 or 1 bytes
+    memory = 40 * 2 * 2 * 16 * 2 * 16 * cache_dtype.itemsize
     llm = LLM(model_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, block_size=16,
               max_num_seqs=16, max_num_batched_tokens=128, enable_prefix_caching=False, **MODES[device])
     assert llm.runner.kv_cache.dtype == cache_dtype and llm.runner.num_blocks == 40
@@ -106,8 +115,15 @@ def test_kv_cache_dtype_is_checked():
     from inflight.model_runner import kv_cache_dtype
 
     assert EngineConfig("m", device="cpu").kv_cache_dtype == "auto"
-    with pytest.raises(ValueError, match="kv_cache_dtype must be float32, float16, bfloat16 or auto, got 'fp8'"):
-        EngineConfig("m", device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be float32, float16, bfloat16, fp8, fp8_e4m3, "
+                                         "fp8_e5m2 or auto, got 'int8'"):
+        EngineConfig("m", device="cpu", kv_cache_dtype="int8")
+    assert kv_cache_dtype("fp8", torch.bfloat16, "cuda", (9, 0)) == torch.float8_e4m3fn
+    assert kv_cache_dtype("fp8_e5m2", torch.float32, "cuda", (8, 0)) == torch.float8_e5m2
+    assert kv_cache_dtype("fp8_e4m3", torch.float32, "cpu") == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="needs a GPU of compute capability 8.9 or more .* this one's is 8.0: "
+                                         "fp8_e5m2 works there"):
+        kv_cache_dtype("fp8", torch.bfloat16, "cuda", (8, 0))
     assert kv_cache_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
     assert kv_cache_dtype("float16", torch.bfloat16, "cuda") == torch.float16
     assert kv_cache_dtype("bfloat16", torch.float32, "cuda") == torch.bfloat16

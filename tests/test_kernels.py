@@ -66,10 +66,14 @@ CASES = {
 
 
 # (query dtype, cache dtype) pairs of a model whose KV cache has a dtype of its own (kv_cache_dtype; on a GPU
-# never a wider one: model_runner.kv_cache_dtype); the interpreter computes float32 and float16 only.
-MIXED_DTYPES = [(torch.float32, torch.float16)]
+# never a wider one: model_runner.kv_cache_dtype); the interpreter computes float32 and float16 only. fp8
+# caches: on a GPU a float32 query over them is rounded to bfloat16 (its tolerance), and e4m3 needs sm_89.
+FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
+MIXED_DTYPES = [(torch.float32, torch.float16), (torch.float32, torch.float8_e5m2), (torch.float32, torch.float8_e4m3fn)]
 if DEVICE == "cuda":
-    MIXED_DTYPES += [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
+    MIXED_DTYPES += [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16), (torch.bfloat16, torch.float8_e5m2)]
+    if torch.cuda.get_device_capability() < (8, 9):
+        MIXED_DTYPES = [pair for pair in MIXED_DTYPES if pair[1] != torch.float8_e4m3fn]
 
 
 # A model's options of attention (Gemma 2's softcap, gpt-oss's sinks), strong enough to change every result.
@@ -101,7 +105,9 @@ def test_paged_attention_matches_torch(case, dtype, cache_dtype):
     got = ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window, impl="triton")
     assert got.dtype == dtype and got.shape == query.shape and key_cache.dtype == cache_dtype
     err = (got.float() - expected.float()).abs().max().item()
-    tolerance = max(TOLERANCE[dtype], TOLERANCE[cache_dtype]) if DEVICE == "cuda" else TOLERANCE[dtype]
+    tolerance = TOLERANCE[dtype]
+    if DEVICE == "cuda":  # the matmuls' dtype: the 16-bit one of the two, bfloat16 over fp8
+        tolerance = max(tolerance, TOLERANCE[torch.bfloat16 if cache_dtype in FP8 else cache_dtype])
     assert err <= tolerance, f"max abs error {err:.2e}"
 
 
@@ -215,7 +221,8 @@ def test_start_up_compiles_every_attention_variant_without_writing_kv(tiny_model
 
 # (query dtype, cache dtype): the model's own, and a float32 model with a 16-bit cache (kv_cache_dtype).
 REFERENCE_DTYPES = [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
-                    (torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
+                    (torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float32, torch.float8_e5m2),
+                    (torch.float32, torch.float8_e4m3fn)]
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["c-kernel", "gathered"])
@@ -230,7 +237,7 @@ def test_reference_matches_dense_attention(dtype, cache_dtype, sliding_window, c
     if not cpu_kernel:
         monkeypatch.setattr(torch_ops.cpu_kernels, "decode_attention", lambda: None)
         monkeypatch.setattr(torch_ops.cpu_kernels, "prefill_attention", lambda: None)
-    elif DEVICE != "cpu" or cache_dtype == torch.float16:
+    elif DEVICE != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
         pytest.skip("the C kernels read float32 and bfloat16 caches on a CPU")
     for head_dim in (64, 128, 80):
         check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cache_dtype)
@@ -283,10 +290,10 @@ def check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cac
         expected = (scores.softmax(-1)[..., :context + q_len] @ v).transpose(0, 1).to(dtype)
         tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(got[cu[i]:cu[i + 1]], expected, atol=tolerance, rtol=tolerance)
-    kernel_expected = (DEVICE == "cpu" and cache_dtype != torch.float16
+    kernel_expected = (DEVICE == "cpu" and cache_dtype in (torch.float32, torch.bfloat16)
                        and torch_ops.cpu_kernels.decode_attention() is not None)
     assert (torch_ops._last_plan.kernel_decodes is not None) == kernel_expected
-    prefill_kernel_expected = (DEVICE == "cpu" and cache_dtype != torch.float16
+    prefill_kernel_expected = (DEVICE == "cpu" and cache_dtype in (torch.float32, torch.bfloat16)
                                and torch_ops.cpu_kernels.prefill_attention() is not None)
     assert (torch_ops._last_plan.kernel_prefills is not None) == prefill_kernel_expected
     assert not torch_ops._last_plan.prefills if prefill_kernel_expected else len(torch_ops._last_plan.prefills) == 2
@@ -513,6 +520,31 @@ def test_write_kv_cache_matches_torch(block_size, kv_heads, head_dim, dtype):
     assert int((caches["triton"][0] != 0).any(-1).any(-1).sum()) == tokens - 3
 
 
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+def test_write_kv_cache_into_fp8_saturates(cache_dtype):
+    """Keys and values into an fp8 cache (kv_cache_dtype fp8_e5m2, fp8_e4m3): rounded, the same bytes from
+    both implementations, and saturated at the dtype's largest finite value rather than turned into NaN
+    or infinity (unscaled, as vLLM's fp8 caches with their default scale of 1)."""
+    if DEVICE == "cuda" and cache_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("this GPU does not convert fp8 e4m3")
+    gen = torch.Generator().manual_seed(3)
+    key = torch.randn(9, 2, 64, generator=gen) * 3
+    key[0, 0, :4] = torch.tensor([1e3, -1e3, 1e6, -1e6])
+    key, value, slots = key.to(DEVICE), (-key).to(DEVICE), torch.tensor([4, -1, 0, 7, 9, 12, 3, 30, 31], device=DEVICE)
+    caches = {}
+    for impl in ("torch", "triton"):
+        kc = torch.zeros(4, 8, 2, 64, dtype=cache_dtype, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        ops.write_kv_cache(key, value, kc, vc, slots, impl=impl)
+        caches[impl] = (kc.view(torch.uint8), vc.view(torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(caches["torch"], caches["triton"]))
+    stored = caches["torch"][0].view(cache_dtype).view(-1, 2, 64).float()
+    largest, thousand = torch.finfo(cache_dtype).max, torch.tensor(1e3).to(cache_dtype).item()  # (1e3 in range)
+    assert stored[4, 0, :4].tolist() == [thousand, -thousand, largest, -largest]  # token 0's slot: 4
+    assert stored.isfinite().all()
+    assert torch.allclose(stored[7], key[3].float().cpu(), rtol=0.13, atol=0)  # token 3's slot; 2 or 3 mantissa bits
+
+
 def test_dispatch(monkeypatch):
     monkeypatch.delenv("INFLIGHT_ATTENTION", raising=False)
     assert ops.resolve_impl(None, "cpu") == "torch"
@@ -550,8 +582,9 @@ def test_kernels_compile_for_gpus():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
-    # 19 variants for each of 3 dtypes, 8 over a cache of another dtype, each for 2 targets
-    assert len(rows) == 2 * (3 * 19 + 8) and not any("FAILED" in row for row in rows)
+    # 19 variants for each of 3 dtypes, 8 over a 16-bit cache of another dtype, each for 2 targets; over fp8
+    # e5m2 caches 12 and 2 KV writes for both, over e4m3 as many for sm_90 alone (sm_80 does not convert it)
+    assert len(rows) == 2 * (3 * 19 + 8) + 2 * (12 + 2) + (12 + 2) and not any("FAILED" in row for row in rows)
 
 
 def test_kernel_strides_are_multiples_of_head_dim(tiny_models, monkeypatch):

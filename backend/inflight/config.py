@@ -66,8 +66,9 @@ class EngineConfig:
     # float32 | float16 | bfloat16 | auto: bfloat16 on a GPU (float16 where the checkpoint is float16),
     # float32 on a CPU
     dtype: str = "auto"
-    # The KV cache's: auto (the model's dtype) | float32 | float16 | bfloat16. A float32 model with a
-    # bfloat16 cache holds twice the tokens, and its decode attention reads half the bytes.
+    # The KV cache's: auto (the model's dtype) | float32 | float16 | bfloat16 | fp8 (= fp8_e4m3) | fp8_e4m3 |
+    # fp8_e5m2. A float32 model with a bfloat16 cache holds twice the tokens, and its decode attention reads
+    # half the bytes; an fp8 cache holds twice a 16-bit one's.
     kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # pool size as a block count ...
@@ -135,9 +136,11 @@ class EngineConfig:
             self.max_num_seqs = default_seqs
         if self.max_num_batched_tokens is None and isinstance(self.max_num_seqs, int):
             self.max_num_batched_tokens = max(default_tokens, self.max_num_seqs)
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in ("float32", "float16", "bfloat16", "auto"):
-                raise ValueError(f"{name} must be float32, float16, bfloat16 or auto, got {getattr(self, name)!r}")
+        if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "auto"):
+            raise ValueError("kv_cache_dtype must be float32, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2 or auto, "
+                             f"got {self.kv_cache_dtype!r}")
         positive("block_size")
         if self.block_size & (self.block_size - 1) or self.block_size < 8:
             raise ValueError(f"block_size must be a power of two of at least 8, got {self.block_size}")

@@ -30,13 +30,19 @@ from .scheduler import ScheduledBatch
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device_type: str) -> torch.dtype:
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device_type: str,
+                   capability: tuple[int, int] | None = None) -> torch.dtype:
     """The KV cache's dtype: the setting's, or the model's for "auto". On a GPU the attention kernels
     compute in the model's dtype (or the cache's, when narrower), so a wider cache would only cost
-    memory (and a float32 cache under 16-bit queries takes more registers than sm_80 has): refused."""
-    chosen = model_dtype if setting == "auto" else _DTYPES[setting]
+    memory (and a float32 cache under 16-bit queries takes more registers than sm_80 has): refused. An
+    fp8 e4m3 cache needs a GPU that converts it (compute capability `capability` 8.9 on)."""
+    chosen = model_dtype if setting == "auto" else _KV_DTYPES[setting]
+    if device_type == "cuda" and chosen == torch.float8_e4m3fn and capability is not None and capability < (8, 9):
+        raise ValueError(f"kv_cache_dtype {setting} (e4m3) needs a GPU of compute capability 8.9 or more (Ada, "
+                         f"Hopper); this one's is {capability[0]}.{capability[1]}: fp8_e5m2 works there")
     if device_type == "cuda" and chosen.itemsize > model_dtype.itemsize:
         model = str(model_dtype).removeprefix("torch.")
         raise ValueError(f"kv_cache_dtype {setting} is wider than the model's {model}: on a GPU attention "
@@ -82,7 +88,8 @@ class ModelRunner:
         self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.block_size = config.block_size
         self.attention_impl = ops.resolve_impl(None, self.device.type)
-        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, self.device.type)
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, self.device.type, capability)
         ops.prepare(self.attention_impl, self.device.type, self.kv_dtype)
         self.num_blocks = self._pool_size()
         # One tensor for the whole pool: [layer, key/value, block, slot, kv head, head dim].

@@ -6,7 +6,7 @@ Shapes: query [T, Hq, D] ragged over sequences by cu_seqlens_q [S+1]; key_cache/
 block_tables [S, max_blocks].
 
 The cache's dtype may differ from the query's (`kv_cache_dtype`): keys and values are stored rounded to
-it and computed with in float32.
+it (fp8 saturated: `stored`) and computed with in float32.
 
 Two options of some models' attention: `softcap` (Gemma 2) bounds each scaled score to (-softcap,
 softcap) by softcap * tanh(score / softcap); `sinks` (gpt-oss), one logit per query head, take a share of
@@ -31,6 +31,17 @@ from . import cpu_kernels
 
 
 _last_kept: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (slot_mapping, its rows to write or None)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values as the cache holds them: rounded to its dtype; to fp8 saturated at its largest
+    finite value (torch's conversion gives NaN for e4m3 or infinity for e5m2 beyond it, depending on the
+    version and device), unscaled, as vLLM's fp8 caches with their default scale of 1."""
+    if cache_dtype in FP8_DTYPES:
+        largest = torch.finfo(cache_dtype).max
+        return x.clamp(-largest, largest).to(cache_dtype)
+    return x.to(cache_dtype)
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -43,8 +54,11 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     keep = _last_kept[1]
     if keep is not None:
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        new = stored(new, cache.dtype)
+        if cache.dtype in FP8_DTYPES:  # (torch has no index_copy_ for them: as bytes)
+            new, cache = new.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, new)
 
 
 @dataclass

@@ -25,7 +25,8 @@ float32 everywhere under the interpreter (TRITON_INTERPRET=1), which computes bf
 of another dtype than the query's (`kv_cache_dtype`) is converted to the query's dtype as it loads; a
 float32 query over a 16-bit cache is first rounded to the cache's dtype (its output stays float32), so
 that the 16-bit kernel runs: float32 matmuls widening 16-bit tiles took more registers than the GPUs
-have (scripts/compile_kernels.py).
+have (scripts/compile_kernels.py); over an fp8 cache, to bfloat16. fp8 keys and values are widened to
+the query's dtype as they load (stored saturated, unscaled: torch_ops.stored).
 """
 
 import os
@@ -33,6 +34,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .torch_ops import FP8_DTYPES, stored
 
 # The interpreter computes 16-bit (bfloat16 above all) arithmetic wrongly: there, everything is float32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -83,8 +86,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, block_t: in
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    key = key.to(key_cache.dtype)
-    value = value.to(value_cache.dtype)
+    key, value = stored(key, key_cache.dtype), stored(value, value_cache.dtype)
     assert key.stride(2) == 1 and value.stride(2) == 1 and key_cache.stride(3) == 1
     grid, constants = kv_write_meta(num_tokens, num_kv_heads, head_dim, key_cache.shape[1], block_t)
     _write_kv_cache_kernel[grid](
@@ -276,24 +278,26 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return splits
 
 
-def _default_warps(decode: bool, head_dim: int, wide: bool) -> int:
+def _default_warps(decode: bool, head_dim: int, wide: bool, fp8_cache: bool) -> int:
     """Measured on an H200 (bench_kernels.py --sweep, 2026-11-30, bfloat16, Llama-3-8B shape): 16-bit
     decode is fastest with 4 warps on all five decode mixes, head_dim 128 too (256 x 2k: 0.556 ms against
     0.882 ms with 8; the other parameters as here). Compiled float32 decodes take 4 as well (with 8,
     ptxas on sm_80 caps them at 64 registers and spills: scripts/compile_kernels.py); prefill with
-    head_dim 128 and float32 prefill tiles keep 8."""
+    head_dim 128, float32 prefill tiles and prefill over an fp8 cache keep 8 (with 4, a float32 model's
+    over fp8 spilled on sm_80)."""
     if decode:
         return 4
-    return 8 if head_dim > 64 or wide else 4
+    return 8 if head_dim > 64 or wide or fp8_cache else 4
 
 
 def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, dtype: torch.dtype, sliding_window: int | None = None,
                    block_m: int | None = None, tile_n: int | None = None, num_splits: int = 1,
                    num_warps: int | None = None, num_stages: int | None = None, softcap: float | None = None,
-                   sinks: bool = False) -> tuple[tuple[int, int, int], dict]:
+                   sinks: bool = False, cache_dtype: torch.dtype | None = None) -> tuple[tuple[int, int, int], dict]:
     """The launch grid and compile-time constants (with num_warps, and num_stages when given) of
-    `_paged_attention_kernel` for one batch; the optional values override the defaults (bench sweeps)."""
+    `_paged_attention_kernel` for one batch (`dtype`: the query's; `cache_dtype`: the KV cache's, where
+    another); the optional values override the defaults (bench sweeps)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     if num_splits < 1 or num_splits & (num_splits - 1):
@@ -315,7 +319,7 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
         NUM_SPLITS=num_splits, DOT_FP32=dtype == torch.float32 or _INTERPRETED, SOFTCAP=(softcap or 0.0) * LOG2_E,
         HAS_SINKS=sinks,
-        num_warps=num_warps or _default_warps(decode, head_dim, wide),
+        num_warps=num_warps or _default_warps(decode, head_dim, wide, cache_dtype in FP8_DTYPES),
     )
     if num_stages is not None:
         constants["num_stages"] = num_stages
@@ -338,12 +342,13 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     if out is None:
         out = torch.empty_like(query)
     if query.dtype == torch.float32 and key_cache.dtype != torch.float32 and not _INTERPRETED:
-        query = query.to(key_cache.dtype)  # over a 16-bit cache: the 16-bit kernel, a float32 output
+        # over a 16-bit cache, the 16-bit kernel with a float32 output; over fp8, the bfloat16 one
+        query = query.to(torch.bfloat16 if key_cache.dtype in FP8_DTYPES else key_cache.dtype)
     if num_splits is None:
         num_splits = _default_splits(query, num_seqs, num_kv_heads)
     grid, constants = attention_meta(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                      query.dtype, sliding_window, block_m, tile_n, num_splits, num_warps, num_stages,
-                                     softcap=softcap, sinks=sinks is not None)
+                                     softcap=softcap, sinks=sinks is not None, cache_dtype=key_cache.dtype)
     if num_tokens == 0 or num_seqs == 0:
         return out
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
