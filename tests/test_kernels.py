@@ -237,8 +237,8 @@ def test_reference_matches_dense_attention(dtype, cache_dtype, sliding_window, c
     if not cpu_kernel:
         monkeypatch.setattr(torch_ops.cpu_kernels, "decode_attention", lambda: None)
         monkeypatch.setattr(torch_ops.cpu_kernels, "prefill_attention", lambda: None)
-    elif DEVICE != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
-        pytest.skip("the C kernels read float32 and bfloat16 caches on a CPU")
+    elif DEVICE != "cpu" or cache_dtype not in torch_ops.cpu_kernels.CACHE_DTYPES:
+        pytest.skip("the C kernels read float32, bfloat16 and fp8 caches on a CPU")
     for head_dim in (64, 128, 80):
         check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cache_dtype)
 
@@ -290,26 +290,33 @@ def check_reference_matches_dense_attention(dtype, sliding_window, head_dim, cac
         expected = (scores.softmax(-1)[..., :context + q_len] @ v).transpose(0, 1).to(dtype)
         tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(got[cu[i]:cu[i + 1]], expected, atol=tolerance, rtol=tolerance)
-    kernel_expected = (DEVICE == "cpu" and cache_dtype in (torch.float32, torch.bfloat16)
+    kernel_expected = (DEVICE == "cpu" and cache_dtype in torch_ops.cpu_kernels.CACHE_DTYPES
                        and torch_ops.cpu_kernels.decode_attention() is not None)
     assert (torch_ops._last_plan.kernel_decodes is not None) == kernel_expected
-    prefill_kernel_expected = (DEVICE == "cpu" and cache_dtype in (torch.float32, torch.bfloat16)
+    prefill_kernel_expected = (DEVICE == "cpu" and cache_dtype in torch_ops.cpu_kernels.CACHE_DTYPES
                                and torch_ops.cpu_kernels.prefill_attention() is not None)
     assert (torch_ops._last_plan.kernel_prefills is not None) == prefill_kernel_expected
     assert not torch_ops._last_plan.prefills if prefill_kernel_expected else len(torch_ops._last_plan.prefills) == 2
 
 
+# (query dtype, cache dtype) of the C kernels: the model's float32 or bfloat16, a float32 model over fp8.
+C_KERNEL_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                   (torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2)]
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype, cache_dtype", C_KERNEL_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("threads", [1, 2])
-def test_cpu_decode_kernel_builds_and_serves_decodes(threads, dtype, monkeypatch):
-    """The CI machines have a C compiler: the kernel must build there, and float32 and bfloat16 decodes
-    must take it (a silent fall-back to the gathered path would pass the tests above and lose the speed).
-    Two decodes on two threads are split by KV head, on one thread not: both equal the gathered path."""
+def test_cpu_decode_kernel_builds_and_serves_decodes(threads, dtype, cache_dtype, monkeypatch):
+    """The CI machines have a C compiler: the kernel must build there, and decodes over float32, bfloat16
+    and fp8 caches must take it (a silent fall-back to the gathered path would pass the tests above and
+    lose the speed). Two decodes on two threads are split by KV head, on one thread not: both equal the
+    gathered path."""
     from inflight.ops import cpu_kernels
 
     assert cpu_kernels.decode_attention() is not None
-    query, key_cache, value_cache, cu, seq_lens, tables = make_batch([(30, 1), (5, 1)], 8, 2, 3, 64, dtype)
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch([(30, 1), (5, 1)], 8, 2, 3, 64, dtype,
+                                                                     cache_dtype=cache_dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -324,7 +331,7 @@ def test_cpu_decode_kernel_builds_and_serves_decodes(threads, dtype, monkeypatch
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
 def test_start_up_builds_the_cpu_kernel_for_the_dtypes_it_reads(dtype, monkeypatch):
     """The runner's start-up (`ops.prepare`) builds the C kernels for each dtype they serve, so that no
     request's first step waits a second for the compiler; float16 attention never takes them."""
@@ -359,10 +366,10 @@ PREFILL_CASES = {
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype, cache_dtype", C_KERNEL_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_cpu_prefill_kernel_matches_sdpa(case, threads, dtype, monkeypatch):
+def test_cpu_prefill_kernel_matches_sdpa(case, threads, dtype, cache_dtype, monkeypatch):
     """Every prefill chunk of a step through the C kernel at once, against SDPA over each sequence's
     gathered keys (the path without the kernel), both in float32 from the same cache."""
     from inflight.ops import cpu_kernels
@@ -370,7 +377,7 @@ def test_cpu_prefill_kernel_matches_sdpa(case, threads, dtype, monkeypatch):
     assert cpu_kernels.prefill_attention() is not None, "CI machines have a C compiler: the kernel must build"
     seqs, block_size, kv_heads, group, head_dim, window = PREFILL_CASES[case]
     query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
-                                                                     dtype)
+                                                                     dtype, cache_dtype=cache_dtype)
     scale = head_dim ** -0.5
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -23,7 +23,7 @@ def resolve_impl(impl: str | None, device_type: str) -> str:
 
 def prepare(impl: str, device_type: str, cache_dtype) -> None:
     """Build now, at start-up rather than in a request's first step, what the implementation compiles
-    for this device and KV cache dtype: on a CPU with a float32 or bfloat16 cache, the C attention
+    for this device and KV cache dtype: on a CPU with a float32, bfloat16 or fp8 cache, the C attention
     kernels (a second or two each)."""
     if impl == "torch" and device_type == "cpu" and cache_dtype in cpu_kernels.CACHE_DTYPES:
         cpu_kernels.decode_attention()

@@ -18,10 +18,13 @@ float expf(float);
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* Element d of a cache row, widened to float32; `bf16` is a constant at every call site, so each
-   caller compiles to one of the two loads. */
-ALWAYS_INLINE float element(const void *row, int64_t d, const int bf16) {
-    if (!bf16) return ((const float *)row)[d];
+/* Element d of a cache row, widened to float32. `bytes`, the element's size, is a constant at every call
+   site of the decode kernel, so each compiles to one of the three loads: a float32; a bfloat16 (the top
+   half of a float32); an fp8 byte (e4m3 or e5m2: kv_cache_dtype) looked up in `table`, its 256 values as
+   float32 (NULL for the others). */
+ALWAYS_INLINE float element(const void *row, int64_t d, const int bytes, const float *table) {
+    if (bytes == 4) return ((const float *)row)[d];
+    if (bytes == 1) return table[((const uint8_t *)row)[d]];
     const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
     float value;
     memcpy(&value, &bits, sizeof value);

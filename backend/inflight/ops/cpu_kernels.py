@@ -128,7 +128,8 @@ def decode_attention():
     return _attention_function(
         _ATTENTION_SOURCE, "decode attention kernel", "paged_decode_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
-         _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int])
+         _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int,
+         _POINTER])
 
 
 @cache
@@ -136,11 +137,12 @@ def prefill_attention():
     return _attention_function(
         _PREFILL_SOURCE, "prefill attention kernel", "paged_prefill_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
-         _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int])
+         _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int,
+         _POINTER])
 
 
-# The caches' dtypes the kernels read.
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# The caches' dtypes the kernels read: an fp8 one through a table of its 256 values.
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 # The longest head the prefill kernel takes (Gemma's 256; rows padded to a power of two from 16).
 PREFILL_MAX_HEAD_DIM = 256
 
@@ -152,8 +154,21 @@ def _check_attention_inputs(what: str, query, key_cache, value_cache, out, block
             and key_cache.is_contiguous() and value_cache.is_contiguous()
             and block_tables.dtype == torch.int64 and block_tables.stride(-1) == 1
             and all(t.dtype == torch.int64 and t.is_contiguous() for t in indices)):
-        raise ValueError(f"CPU {what} attention: contiguous float32 or bfloat16 caches, an output of the query's "
-                         "dtype, int64 indices expected")
+        raise ValueError(f"CPU {what} attention: contiguous float32, bfloat16 or fp8 caches, an output of the "
+                         "query's dtype, int64 indices expected")
+
+
+@cache
+def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    """The 256 values of an fp8 dtype as float32, indexed by their bits: the kernels' table for it."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
+
+
+def _cache_arguments(cache: torch.Tensor) -> tuple[int, int | None]:
+    """The kernels' `cache_bytes` and `fp8_table` for a cache."""
+    if cache.element_size() == 1:
+        return 1, _fp8_values(cache.dtype).data_ptr()
+    return cache.element_size(), None
 
 
 def _sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
@@ -180,8 +195,8 @@ def _finish(status: int, what: str, out: torch.Tensor, target: torch.Tensor, row
 def run_decode_attention(function, query, token_rows, key_cache, value_cache, block_tables, table_rows, starts,
                          ends, max_len: int, scale: float, softcap: float | None, sinks: torch.Tensor | None,
                          out) -> None:
-    """query, out: [T, Hq, D] of one floating dtype; caches [blocks, block_size, Hkv, D] contiguous, float32
-    or bfloat16 (the query's dtype or not: kv_cache_dtype); block_tables [S, W] int64 with unit column
+    """query, out: [T, Hq, D] of one floating dtype; caches [blocks, block_size, Hkv, D] contiguous, float32,
+    bfloat16 or fp8 (the query's dtype or not: kv_cache_dtype); block_tables [S, W] int64 with unit column
     stride; token_rows, table_rows, starts, ends: [n] int64; softcap: None or above 0; sinks: None or [Hq].
     The kernel computes in float32: a 16-bit query is widened, its output rounded back."""
     _check_attention_inputs("decode", query, key_cache, value_cache, out, block_tables,
@@ -193,7 +208,7 @@ def run_decode_attention(function, query, token_rows, key_cache, value_cache, bl
                       block_tables.data_ptr(), block_tables.stride(0), table_rows.data_ptr(), starts.data_ptr(),
                       ends.data_ptr(), len(token_rows), num_heads, num_kv_heads, head_dim, block_size, max_len, scale,
                       softcap or 0.0, None if sinks is None else sinks.data_ptr(), target.data_ptr(),
-                      torch.get_num_threads(), int(key_cache.dtype == torch.bfloat16))
+                      torch.get_num_threads(), *_cache_arguments(key_cache))
     _finish(status, "decode", out, target, token_rows)
 
 
@@ -214,8 +229,7 @@ def run_prefill_attention(function, query, key_cache, value_cache, block_tables,
                       block_tables.stride(0), table_rows.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(),
                       seq_lens.data_ptr(), len(q_lens), num_heads, num_kv_heads, head_dim, block_size,
                       sliding_window or 0, scale, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
-                      target.data_ptr(), torch.get_num_threads(),
-                      int(key_cache.dtype == torch.bfloat16))
+                      target.data_ptr(), torch.get_num_threads(), *_cache_arguments(key_cache))
     _finish(status, "prefill", out, target, token_rows)
 
 

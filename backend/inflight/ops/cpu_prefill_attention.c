@@ -1,6 +1,7 @@
 /* Prefill attention on a CPU, straight from the paged cache: every prefill chunk of a step (causal over
    its own tokens, after the context already cached; optionally a sliding window) in one call. The query,
-   the output and all arithmetic are float32; the cache is float32 or bfloat16 (widened as it is packed).
+   the output and all arithmetic are float32; the cache is float32, bfloat16 or fp8 (widened as it is
+   packed).
 
    torch's fused CPU attention reached 60-120 GFLOP/s on the default model's shapes (head_dim 64, 9 query
    heads on 3 KV heads; 2 cores, AVX-512) where its matrix products reach ~300; this kernel, a flash
@@ -133,9 +134,8 @@ static inline float *value_tile(const struct prefill *f, int64_t h, int64_t tile
 /* Phase 1, one tile of keys and values of KV head h of prefill `f`. */
 static void pack_tile(const struct prefill *f, const int64_t *table, const void *key_cache, const void *value_cache,
                       int64_t h, int64_t tile, int64_t num_kv_heads, int64_t head_dim, int64_t dp, int64_t block_size,
-                      int bf16) {
+                      int bytes, const float *fp8_table) {
     float *kt = key_tile(f, h, tile, dp), *v = value_tile(f, h, tile, dp);
-    const int64_t element_bytes = bf16 ? 2 : 4;
     for (int64_t j = 0; j < KEYS; j++) {
         const int64_t position = f->first_key + tile * KEYS + j;
         if (position >= f->seq_len) {
@@ -143,11 +143,11 @@ static void pack_tile(const struct prefill *f, const int64_t *table, const void 
             continue;
         }
         const int64_t slot = table[position / block_size] * block_size + position % block_size;
-        const int64_t offset = (slot * num_kv_heads + h) * head_dim * element_bytes;
+        const int64_t offset = (slot * num_kv_heads + h) * head_dim * bytes;
         const void *k_row = (const char *)key_cache + offset, *v_row = (const char *)value_cache + offset;
         for (int64_t d = 0; d < head_dim; d++) {
-            kt[d * KEYS + j] = element(k_row, d, bf16);
-            v[j * dp + d] = element(v_row, d, bf16);
+            kt[d * KEYS + j] = element(k_row, d, bytes, fp8_table);
+            v[j * dp + d] = element(v_row, d, bytes, fp8_table);
         }
         for (int64_t d = head_dim; d < dp; d++) kt[d * KEYS + j] = v[j * dp + d] = 0.0f;
     }
@@ -226,7 +226,8 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
 }
 
 /* query, out: [tokens, num_heads, head_dim] float32 contiguous; caches [slots, num_kv_heads, head_dim]
-   contiguous, float32 or (cache_bf16) bfloat16; block_tables rows `table_stride` apart. Prefill i: query
+   contiguous, of `cache_bytes` an element: float32 (4), bfloat16 (2) or fp8 (1, its values in `fp8_table`);
+   block_tables rows `table_stride` apart. Prefill i: query
    rows [q_starts[i], q_starts[i] + q_lens[i]), the last q_lens[i] of seq_lens[i] positions, its table row
    table_rows[i]. window: keys a query sees, itself included (0: all before it). head_dim at most 256.
    softcap: 0 for none; sinks: [num_heads] float32, or NULL.
@@ -236,7 +237,7 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens, int64_t prefills,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             int64_t window, float scale, float softcap, const float *sinks, float *out,
-                            int num_threads, int cache_bf16) {
+                            int num_threads, int cache_bytes, const float *fp8_table) {
     if (prefills <= 0) return 0;
     const int64_t group = num_heads / num_kv_heads, q_stride = num_heads * head_dim;
     const int64_t dp = head_dim <= 16 ? 16 : head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
@@ -274,7 +275,7 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
             while (pack_starts[i + 1] <= t) i++;
             const int64_t h = (t - pack_starts[i]) / f[i].tiles, tile = (t - pack_starts[i]) % f[i].tiles;
             pack_tile(&f[i], block_tables + table_rows[i] * table_stride, key_cache, value_cache, h, tile,
-                      num_kv_heads, head_dim, dp, block_size, cache_bf16);
+                      num_kv_heads, head_dim, dp, block_size, cache_bytes, fp8_table);
         }
         /* Items numbered from the end of each chunk: its last query tiles see the most keys. */
 #pragma omp for schedule(dynamic, 1)

@@ -12,11 +12,11 @@ Two options of some models' attention: `softcap` (Gemma 2) bounds each scaled sc
 softcap) by softcap * tanh(score / softcap); `sinks` (gpt-oss), one logit per query head, take a share of
 each softmax's denominator as a key whose value is zero would.
 
-One-token queries (decodes) are computed together: on a CPU with a float32 or bfloat16 cache all at
+One-token queries (decodes) are computed together: on a CPU with a float32, bfloat16 or fp8 cache all at
 once straight from the cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read
 once), elsewhere (a float16 cache, CUDA tensors, no C compiler) in groups of similar context length
 whose keys and values are gathered first.
-Longer queries (prefill chunks): on a CPU with a float32 or bfloat16 cache (head_dim up to 256) all at
+Longer queries (prefill chunks): on a CPU with a float32, bfloat16 or fp8 cache (head_dim up to 256) all at
 once by the C prefill kernel, elsewhere one sequence at a time through SDPA. Which cache rows each of
 them reads is planned once per step: every layer gets the same metadata tensors, so the plan is reused
 until they change.
