@@ -69,9 +69,11 @@ CASES = {
 # never a wider one: model_runner.kv_cache_dtype); the interpreter computes float32 and float16 only. fp8
 # caches: on a GPU a float32 query over them is rounded to bfloat16 (its tolerance), and e4m3 needs sm_89.
 FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
-MIXED_DTYPES = [(torch.float32, torch.float16), (torch.float32, torch.float8_e5m2), (torch.float32, torch.float8_e4m3fn)]
+MIXED_DTYPES = [(torch.float32, torch.float16), (torch.float32, torch.float8_e5m2),
+                (torch.float32, torch.float8_e4m3fn)]
 if DEVICE == "cuda":
-    MIXED_DTYPES += [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16), (torch.bfloat16, torch.float8_e5m2)]
+    MIXED_DTYPES += [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
+                     (torch.bfloat16, torch.float8_e5m2)]
     if torch.cuda.get_device_capability() < (8, 9):
         MIXED_DTYPES = [pair for pair in MIXED_DTYPES if pair[1] != torch.float8_e4m3fn]
 
