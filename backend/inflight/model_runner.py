@@ -93,8 +93,10 @@ class ModelRunner:
         ops.prepare(self.attention_impl, self.device.type, self.kv_dtype)
         self.num_blocks = self._pool_size()
         # One tensor for the whole pool: [layer, key/value, block, slot, kv head, head dim].
-        self.kv_cache = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.kv_dtype, device=self.device)
+        # (fp8 through bytes: torch's fills and indexed copies do not take every fp8 dtype on every device)
+        self._kv_bytes = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                                     self.head_dim * self.kv_dtype.itemsize, dtype=torch.uint8, device=self.device)
+        self.kv_cache = self._kv_bytes.view(self.kv_dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         self.max_model_len = self._max_model_len()
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
@@ -271,7 +273,7 @@ class ModelRunner:
         """Copy the KV of each (source, destination) block pair, in every layer."""
         if pairs:
             src, dst = (to_device(ids, self.device) for ids in zip(*pairs))
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            self._kv_bytes[:, :, dst] = self._kv_bytes[:, :, src]
 
     def prepare(self, batch: ScheduledBatch, logits_at: list[int],
                 block_copies: list[tuple[int, int]] | None = None) -> StepInputs:
