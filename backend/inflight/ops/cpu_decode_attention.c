@@ -112,10 +112,10 @@ ALWAYS_INLINE void attend_item(const float *q, const int64_t *table, const void 
 }
 
 /* query, out: [tokens, Hq, D] float32 contiguous; caches: [slots, Hkv, D] contiguous, of `cache_bytes` an
-   element: float32 (4), bfloat16 (2) or fp8 (1, its values in `fp8_table`); block_tables: rows `table_stride`
-   apart. For decode i: its query row token_rows[i], its table
-   row table_rows[i], its visible positions [starts[i], ends[i]), at least one. softcap: 0 for none; sinks:
-   [Hq] float32, or NULL. Returns 0, or -1 when memory for the scores ran out. */
+   element: float32 (4), bfloat16 (2) or fp8 (1, its values in `fp8_table`); block_tables: rows
+   `table_stride` apart. For decode i: its query row token_rows[i], its table row table_rows[i], its
+   visible positions [starts[i], ends[i]), at least one. softcap: 0 for none; sinks: [Hq] float32, or
+   NULL. Returns 0, or -1 when memory for the scores ran out. */
 int paged_decode_attention(const float *query, const int64_t *token_rows, const void *key_cache,
                            const void *value_cache, const int64_t *block_tables, int64_t table_stride,
                            const int64_t *table_rows, const int64_t *starts, const int64_t *ends, int64_t decodes,
