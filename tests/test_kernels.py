@@ -333,6 +333,34 @@ def test_cpu_decode_kernel_builds_and_serves_decodes(threads, dtype, cache_dtype
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+def test_cpu_kernels_widen_every_fp8_value(cache_dtype):
+    """The C kernels widen an fp8 byte by moving its bits into a float32's: every finite value of both
+    formats (subnormals and negative zero included) must come out exactly as torch's conversion. A
+    sequence of one token attends to it alone, so its output is that token's value row: 4 KV heads of 64
+    hold all 256 bytes (those of NaN and infinity, which a cache never holds, as zeros)."""
+    from inflight.ops import cpu_kernels
+
+    assert cpu_kernels.decode_attention() is not None and cpu_kernels.prefill_attention() is not None
+    bits = torch.arange(256, dtype=torch.uint8)
+    values = torch.where(bits.view(cache_dtype).float().isfinite(), bits, 0).view(cache_dtype)
+    value_cache = values.view(1, 1, 4, 64).expand(1, 8, 4, 64).contiguous()
+    key_cache = torch.zeros_like(value_cache)
+    query = torch.randn(1, 4, 64)
+    tables = torch.zeros(1, 1, dtype=torch.int64)
+    for cu, seq_lens in ((torch.tensor([0, 1]), torch.tensor([1])),):  # a decode: the decode kernel
+        out = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125)
+        assert torch_ops._last_plan.kernel_decodes is not None
+        assert torch.equal(out.view(-1), values.float()), "a value widened wrongly by the decode kernel"
+    query2 = torch.randn(2, 4, 64)  # a prefill chunk of two tokens over the same row, then its own
+    value_cache[0, 1] = value_cache[0, 0]
+    out = torch_ops.paged_attention(query2, key_cache, value_cache, torch.tensor([0, 2]), torch.tensor([2]), tables,
+                                    0.125)
+    assert torch_ops._last_plan.kernel_prefills is not None
+    assert torch.equal(out[0].view(-1), values.float()), "a value widened wrongly by the prefill kernel"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
 def test_start_up_builds_the_cpu_kernel_for_the_dtypes_it_reads(dtype, monkeypatch):
     """The runner's start-up (`ops.prepare`) builds the C kernels for each dtype they serve, so that no

@@ -20,11 +20,18 @@ float expf(float);
 
 /* Element d of a cache row, widened to float32. `bytes`, the element's size, is a constant at every call
    site of the decode kernel, so each compiles to one of the three loads: a float32; a bfloat16 (the top
-   half of a float32); an fp8 byte (e4m3 or e5m2: kv_cache_dtype) looked up in `table`, its 256 values as
-   float32 (NULL for the others). */
-ALWAYS_INLINE float element(const void *row, int64_t d, const int bytes, const float *table) {
+   half of a float32); an fp8 byte (kv_cache_dtype; `fp8_shift` 20 for e4m3, 21 for e5m2): its exponent and
+   mantissa shifted into a float32's bits make its value times 2^(bias - 127), a normal or a subnormal
+   float as the byte is (no table, no branch: vector code), which one multiply scales back. */
+ALWAYS_INLINE float element(const void *row, int64_t d, const int bytes, const int fp8_shift) {
     if (bytes == 4) return ((const float *)row)[d];
-    if (bytes == 1) return table[((const uint8_t *)row)[d]];
+    if (bytes == 1) {
+        const uint32_t byte = ((const uint8_t *)row)[d];
+        const uint32_t bits = (byte & 0x80u) << 24 | (byte & 0x7Fu) << fp8_shift;
+        float value;
+        memcpy(&value, &bits, sizeof value);
+        return value * (fp8_shift == 20 ? 0x1p120f : 0x1p112f);
+    }
     const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
     float value;
     memcpy(&value, &bits, sizeof value);

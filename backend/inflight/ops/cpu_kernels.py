@@ -129,7 +129,7 @@ def decode_attention():
         _ATTENTION_SOURCE, "decode attention kernel", "paged_decode_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
          _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int,
-         _POINTER])
+         ctypes.c_int])
 
 
 @cache
@@ -138,11 +138,12 @@ def prefill_attention():
         _PREFILL_SOURCE, "prefill attention kernel", "paged_prefill_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
          _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int,
-         _POINTER])
+         ctypes.c_int])
 
 
-# The caches' dtypes the kernels read: an fp8 one through a table of its 256 values.
+# The caches' dtypes the kernels read, and where an fp8 byte's exponent goes in a float32's bits.
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_SHIFTS = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
 # The longest head the prefill kernel takes (Gemma's 256; rows padded to a power of two from 16).
 PREFILL_MAX_HEAD_DIM = 256
 
@@ -158,17 +159,9 @@ def _check_attention_inputs(what: str, query, key_cache, value_cache, out, block
                          "query's dtype, int64 indices expected")
 
 
-@cache
-def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
-    """The 256 values of an fp8 dtype as float32, indexed by their bits: the kernels' table for it."""
-    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
-
-
-def _cache_arguments(cache: torch.Tensor) -> tuple[int, int | None]:
-    """The kernels' `cache_bytes` and `fp8_table` for a cache."""
-    if cache.element_size() == 1:
-        return 1, _fp8_values(cache.dtype).data_ptr()
-    return cache.element_size(), None
+def _cache_arguments(cache: torch.Tensor) -> tuple[int, int]:
+    """The kernels' `cache_bytes` and `fp8_shift` for a cache."""
+    return cache.element_size(), _FP8_SHIFTS.get(cache.dtype, 0)
 
 
 def _sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:

@@ -134,7 +134,7 @@ static inline float *value_tile(const struct prefill *f, int64_t h, int64_t tile
 /* Phase 1, one tile of keys and values of KV head h of prefill `f`. */
 static void pack_tile(const struct prefill *f, const int64_t *table, const void *key_cache, const void *value_cache,
                       int64_t h, int64_t tile, int64_t num_kv_heads, int64_t head_dim, int64_t dp, int64_t block_size,
-                      int bytes, const float *fp8_table) {
+                      int bytes, const int fp8_shift) {
     float *kt = key_tile(f, h, tile, dp), *v = value_tile(f, h, tile, dp);
     for (int64_t j = 0; j < KEYS; j++) {
         const int64_t position = f->first_key + tile * KEYS + j;
@@ -146,8 +146,8 @@ static void pack_tile(const struct prefill *f, const int64_t *table, const void 
         const int64_t offset = (slot * num_kv_heads + h) * head_dim * bytes;
         const void *k_row = (const char *)key_cache + offset, *v_row = (const char *)value_cache + offset;
         for (int64_t d = 0; d < head_dim; d++) {
-            kt[d * KEYS + j] = element(k_row, d, bytes, fp8_table);
-            v[j * dp + d] = element(v_row, d, bytes, fp8_table);
+            kt[d * KEYS + j] = element(k_row, d, bytes, fp8_shift);
+            v[j * dp + d] = element(v_row, d, bytes, fp8_shift);
         }
         for (int64_t d = head_dim; d < dp; d++) kt[d * KEYS + j] = v[j * dp + d] = 0.0f;
     }
@@ -226,7 +226,7 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
 }
 
 /* query, out: [tokens, num_heads, head_dim] float32 contiguous; caches [slots, num_kv_heads, head_dim]
-   contiguous, of `cache_bytes` an element: float32 (4), bfloat16 (2) or fp8 (1, its values in `fp8_table`);
+   contiguous, of `cache_bytes` an element: float32 (4), bfloat16 (2) or fp8 (1, `fp8_shift` 20 for e4m3, 21 for e5m2);
    block_tables rows `table_stride` apart. Prefill i: query
    rows [q_starts[i], q_starts[i] + q_lens[i]), the last q_lens[i] of seq_lens[i] positions, its table row
    table_rows[i]. window: keys a query sees, itself included (0: all before it). head_dim at most 256.
@@ -237,7 +237,7 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens, int64_t prefills,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             int64_t window, float scale, float softcap, const float *sinks, float *out,
-                            int num_threads, int cache_bytes, const float *fp8_table) {
+                            int num_threads, int cache_bytes, int fp8_shift) {
     if (prefills <= 0) return 0;
     const int64_t group = num_heads / num_kv_heads, q_stride = num_heads * head_dim;
     const int64_t dp = head_dim <= 16 ? 16 : head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
@@ -275,7 +275,7 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
             while (pack_starts[i + 1] <= t) i++;
             const int64_t h = (t - pack_starts[i]) / f[i].tiles, tile = (t - pack_starts[i]) % f[i].tiles;
             pack_tile(&f[i], block_tables + table_rows[i] * table_stride, key_cache, value_cache, h, tile,
-                      num_kv_heads, head_dim, dp, block_size, cache_bytes, fp8_table);
+                      num_kv_heads, head_dim, dp, block_size, cache_bytes, fp8_shift);
         }
         /* Items numbered from the end of each chunk: its last query tiles see the most keys. */
 #pragma omp for schedule(dynamic, 1)
