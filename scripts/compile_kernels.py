@@ -166,9 +166,11 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
             continue
         for shape in [shape for shape in ("smollm2", "llama3-8b") if shape in shapes]:  # (in order: by index)
             heads, kv_heads, head_dim, window, _ = SHAPES[shape]
-            for phase, (tokens, seqs) in {"decode": (64, 64), "prefill": (2048, 4)}.items():
+            phases = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
+            for phase, (tokens, seqs, splits) in phases.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         query_dtype, window, cache_dtype=cache_dtype)
+                                                         query_dtype, window, num_splits=splits,
+                                                         cache_dtype=cache_dtype)
                 yield (f"paged_attention {shape} {phase}", attention, constants, (query_dtype, cache_dtype, out_dtype),
                        multiples_of_16(attention, heads, head_dim))
     for cache_dtype in FP8_CACHES:  # new keys and values converted to the cache's dtype before the launch

@@ -313,6 +313,11 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     block_m = max(block_m or (16 if decode else 32 if wide else 64), group_pad, 16)
     block_q = block_m // group_pad
     default_tile_n = 16 if wide and (head_dim > 128 or not decode and head_dim > 64) else 32
+    if decode and cache_dtype in FP8_DTYPES and head_dim <= 64:
+        # Tiles of 16 fp8 keys for the default model's heads: with 32 or 64 (at 4 warps) triton 3.6 spilled
+        # 8 bytes on sm_90, with 8 warps triton 3.8 spilled 4 (compile_kernels.py under each); a GPU sweep
+        # should choose among the clean ones.
+        default_tile_n = 16
     constants = dict(
         SLIDING_WINDOW=sliding_window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
