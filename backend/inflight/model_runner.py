@@ -23,7 +23,7 @@ from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
 from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill, to_device
 from .kernel_warmup import compile_attention_kernels
 from .lora import LoRAAdapters
-from .model_support import UnsupportedModel, attention_chunk, check_attention_calls
+from .model_support import UnsupportedModel, attention_chunk, check_attention_calls, refuse
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
 
@@ -77,9 +77,8 @@ class ModelRunner:
         except KeyError as e:  # modeling code that picks attention classes by name has none for ours
             if e.args != (attn_implementation,):
                 raise
-            raise UnsupportedModel(f"inflight cannot run model type {hf_config.model_type!r}: its modeling code "
-                                   "does not use transformers' attention interface (AttentionInterface), where "
-                                   "inflight's paged attention plugs in") from e
+            raise refuse(hf_config.model_type, "its modeling code does not use transformers' attention interface "
+                                               "(AttentionInterface), where inflight's paged attention plugs in") from e
         self.hf_config = hf_config
         self.num_layers = hf_config.num_hidden_layers
         # This rank's KV heads: the attention layers see 1/N of them under tensor parallelism.
@@ -132,8 +131,8 @@ class ModelRunner:
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # the modeling code broke on what our attention returns or is given
-            raise UnsupportedModel(f"inflight cannot run model type {self.hf_config.model_type!r}: its first forward "
-                                   f"pass through inflight's attention failed: {type(e).__name__}: {e}") from e
+            raise refuse(self.hf_config.model_type, "its first forward pass through inflight's attention failed: "
+                                                    f"{type(e).__name__}: {e}") from e
         check_attention_calls(calls, self.hf_config.model_type, self.num_layers, self.num_kv_heads, self.head_dim,
                               self.world_size)
 
@@ -143,9 +142,9 @@ class ModelRunner:
         graphs = DecodeGraphs(self._forward, self.buffers, self.config.max_num_seqs, lora=self.lora is not None)
         try:
             graphs.capture()
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
             logger.warning("CUDA graphs could not be captured for model type %s, so decode steps run eagerly: %s",
                            self.hf_config.model_type, e)
             return None
@@ -238,8 +237,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     def _pool_size(self) -> int:
         cfg = self.config

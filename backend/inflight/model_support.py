@@ -31,7 +31,7 @@ class UnsupportedModel(ValueError):
     pass
 
 
-def _refuse(model_type: str, why: str) -> UnsupportedModel:
+def refuse(model_type: str, why: str) -> UnsupportedModel:
     return UnsupportedModel(f"inflight cannot run model type {model_type!r}: {why}")
 
 
@@ -42,13 +42,13 @@ def attention_chunk(hf_config) -> int | None:
     layer_types, _ = get_layer_types_and_kwargs(hf_config)
     stateful = sorted(set(layer_types) - ATTENTION_LAYER_TYPES - {"chunked_attention"})
     if stateful:
-        raise _refuse(model_type, f"it has layers of type {', '.join(stateful)}, which keep a state per sequence "
+        raise refuse(model_type, f"it has layers of type {', '.join(stateful)}, which keep a state per sequence "
                                   "that the engine does not page (only attention layers are supported)")
     if getattr(hf_config, "num_kv_shared_layers", None):
-        raise _refuse(model_type, f"{hf_config.num_kv_shared_layers} of its layers read another layer's keys "
+        raise refuse(model_type, f"{hf_config.num_kv_shared_layers} of its layers read another layer's keys "
                                   "and values")
     if getattr(hf_config, "use_bidirectional_attention", None):
-        raise _refuse(model_type, "its attention is bidirectional (use_bidirectional_attention)")
+        raise refuse(model_type, "its attention is bidirectional (use_bidirectional_attention)")
     return hf_config.attention_chunk_size if "chunked_attention" in layer_types else None
 
 
@@ -58,29 +58,29 @@ def check_attention_calls(calls: list[AttentionCall], model_type: str, num_layer
     the sizes the KV cache was made for (under tensor parallelism, this rank's share) and no argument the
     kernels would ignore."""
     if not calls:
-        raise _refuse(model_type, "its attention does not go through transformers' attention interface "
+        raise refuse(model_type, "its attention does not go through transformers' attention interface "
                                   "(AttentionInterface), where inflight's paged attention plugs in")
     layers = sorted(call.layer_idx for call in calls if call.layer_idx is not None)
     if layers != list(range(num_layers)):
-        raise _refuse(model_type, f"one forward pass called attention in layers {layers}, where each of its "
+        raise refuse(model_type, f"one forward pass called attention in layers {layers}, where each of its "
                                   f"{num_layers} layers was expected once")
     for call in calls:
         where = f"layer {call.layer_idx}"
         sizes = {call.query_shape[3], call.key_shape[3], call.value_shape[3]}
         if len(sizes) > 1:
-            raise _refuse(model_type, f"{where} has query, key and value heads of sizes {call.query_shape[3]}, "
+            raise refuse(model_type, f"{where} has query, key and value heads of sizes {call.query_shape[3]}, "
                                       f"{call.key_shape[3]} and {call.value_shape[3]} (the kernels take one size)")
         if tensor_parallel_size > 1 and call.key_shape[1] == num_kv_heads * tensor_parallel_size:
-            raise _refuse(model_type, f"transformers' tensor-parallel plan for it does not shard its attention "
+            raise refuse(model_type, f"transformers' tensor-parallel plan for it does not shard its attention "
                                       f"heads ({where} has all {call.key_shape[1]} KV heads on each rank): run it "
                                       "with tensor_parallel_size 1")
         if (call.key_shape[1], call.query_shape[3]) != (num_kv_heads, head_dim):
-            raise _refuse(model_type, f"{where} has {call.key_shape[1]} KV heads of size {call.query_shape[3]} where "
+            raise refuse(model_type, f"{where} has {call.key_shape[1]} KV heads of size {call.query_shape[3]} where "
                                       f"its config says {num_kv_heads} of size {head_dim}")
         arguments = dict(call.arguments)
         if arguments.pop("is_causal", True) is not True:
-            raise _refuse(model_type, f"{where}'s attention is not causal")
+            raise refuse(model_type, f"{where}'s attention is not causal")
         ignored = sorted(set(arguments) - HONOURED_ARGUMENTS - ARGUMENTS_WITHOUT_BEARING)
         if ignored:
-            raise _refuse(model_type, f"{where} passes {', '.join(ignored)} to attention, which inflight's kernels "
+            raise refuse(model_type, f"{where} passes {', '.join(ignored)} to attention, which inflight's kernels "
                                       "do not take")

@@ -310,10 +310,11 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     # which the tests run, fails on one).
     wide = dtype == torch.float32 and not _INTERPRETED
     decode = num_tokens == num_seqs
+    fp8_cache = cache_dtype in FP8_DTYPES
     block_m = max(block_m or (16 if decode else 32 if wide else 64), group_pad, 16)
     block_q = block_m // group_pad
     default_tile_n = 16 if wide and (head_dim > 128 or not decode and head_dim > 64) else 32
-    if decode and cache_dtype in FP8_DTYPES and head_dim <= 64:
+    if decode and fp8_cache and head_dim <= 64:
         # Tiles of 16 fp8 keys for the default model's heads: with 32 or 64 (at 4 warps) triton 3.6 spilled
         # 8 bytes on sm_90, with 8 warps triton 3.8 spilled 4 (compile_kernels.py under each); a GPU sweep
         # should choose among the clean ones.
@@ -324,7 +325,7 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
         NUM_SPLITS=num_splits, DOT_FP32=dtype == torch.float32 or _INTERPRETED, SOFTCAP=(softcap or 0.0) * LOG2_E,
         HAS_SINKS=sinks,
-        num_warps=num_warps or _default_warps(decode, head_dim, wide, cache_dtype in FP8_DTYPES),
+        num_warps=num_warps or _default_warps(decode, head_dim, wide, fp8_cache),
     )
     if num_stages is not None:
         constants["num_stages"] = num_stages
