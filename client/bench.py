@@ -238,6 +238,61 @@ def bench_kv_cache_dtype(model_dir: str, work: Workload, repeats: int, budget: i
             "tokens_per_gib": tokens_per_gib, "same": same, "leading": leading, "requests": len(outputs["auto"])}
 
 
+def bench_sliding_window(model_dir: str, repeats: int, budget: int, seed: int, window: int = 512,
+                         requests: int = 12) -> dict:
+    """Long prompts (1,536-2,048 tokens, 64 out) on a model whose layers all share a sliding window: the
+    default model's shape with random weights as model type mistral (Mistral 7B v0.1's kind), a window of
+    512, in a pool of twice the longest sequence. Its blocks behind the window given back (the engine's
+    way) against kept (the block manager told of no window, as before it gave any back): output tok/s
+    (medians of alternating runs), the most sequences running at once, preemptions, equal outputs."""
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MistralConfig
+
+    shape = AutoConfig.from_pretrained(model_dir).to_dict()
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+    config = MistralConfig(**{k: shape[k] for k in keys if k in shape}, sliding_window=window,
+                           max_position_embeddings=8192, head_dim=shape["hidden_size"] // shape["num_attention_heads"])
+    work = make_workload(requests, seed, prompt_range=(1536, 2048), output_range=(64, 64))
+    longest = max(map(len, work.prompts)) + 64
+    blocks = 2 * -(-longest // 16)
+    outputs, peaks, preemptions = {}, {}, {}
+    with tempfile.TemporaryDirectory() as out:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+
+        def run(given_back: bool) -> float:
+            from inflight import SamplingParams
+
+            llm = make_llm(out, num_kv_blocks=blocks, block_size=16, max_num_batched_tokens=budget)
+            assert llm.block_manager.sliding_window == window
+            if not given_back:
+                llm.block_manager.sliding_window = None
+            peak, schedule = [0], llm.scheduler.schedule
+
+            def counted():
+                batch = schedule()
+                peak[0] = max(peak[0], len(llm.scheduler.running))
+                return batch
+
+            llm.scheduler.schedule = counted
+            params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+            start = time.perf_counter()
+            outs = llm.generate(work.prompts, params)
+            elapsed = time.perf_counter() - start
+            llm.block_manager.check_all_free()
+            outputs[given_back], peaks[given_back] = [o.token_ids for o in outs], peak[0]
+            preemptions[given_back] = llm.stats()["num_preemptions"]
+            return elapsed
+
+        seconds = alternating({given_back: lambda g=given_back: run(g) for given_back in (True, False)}, repeats)
+    return {"rates": {g: work.output_tokens / statistics.median(t) for g, t in seconds.items()}, "peaks": peaks,
+            "preemptions": preemptions, "same": outputs[True] == outputs[False], "blocks": blocks,
+            "requests": requests, "window": window}
+
+
 def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[str, float]:
     """A quarter of the workload's prompts with n=4 completions each, against the same prompts sent as
     four separate requests each (sampled, seeded, EOS ignored: the same tokens to make); output tok/s,
@@ -593,14 +648,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers",
                         default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,beams,spec,tp,"
-                                "detok,sampling,attention,kv-dtype",
+                                "detok,sampling,attention,kv-dtype,window",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
                              "lora (the cost of serving two LoRA adapters), beams (beam search against HF "
                              "generate's), spec (n-gram speculative decoding against HF's prompt lookup), tp "
                              "(tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), sampling "
                              "(the sampler's cost for 128 streams), attention (the CPU attention kernels against "
                              "the torch paths, bench_cpu_attention.py), kv-dtype (bfloat16 and fp8 KV caches against "
-                             "the model's float32 one)")
+                             "the model's float32 one), window (long prompts on a model whose layers share a "
+                             "sliding window: blocks behind it given back or kept)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -696,6 +752,15 @@ def main() -> None:
             print(f"| {kv} | {rate:.1f} ({rate / plain - 1:+.1%}) | {r['tokens_per_gib'][kv]:,} | "
                   f"{r['same'][kv]} of {r['requests']} (on average the first {r['leading'][kv]:.0%} of a "
                   "request's tokens) |")
+    if "window" in peers:
+        r = bench_sliding_window(args.model, args.repeats, args.max_num_batched_tokens, args.seed)
+        print(f"\n| {r['requests']} prompts of 1,536-2,048 tokens, 64 out, a window of {r['window']} in every layer, "
+              f"{r['blocks']} blocks of 16, median of {args.repeats} | output tok/s | most sequences at once | "
+              "preemptions |\n|---|---:|---:|---:|")
+        for given_back, label in ((False, "blocks behind the window kept"), (True, "given back (the engine's way)")):
+            print(f"| {label} | {r['rates'][given_back]:.1f} | {r['peaks'][given_back]} | "
+                  f"{r['preemptions'][given_back]} |")
+        print(f"\ngreedy outputs identical both ways: {r['same']}")
     if "n" in peers:
         r = bench_n_completions(args.model, work, args.repeats)
         print(f"\n| {len(work.prompts) // 4} prompts x 4 completions, median of {args.repeats} | output tok/s |\n"

@@ -6,6 +6,10 @@ parent is the sequence's LoRA adapter, whose KV differs from the base model's. A
 user is gone keeps its contents and its hash in the free pool, so a later prompt with the same prefix
 can take it back; when a fresh block is needed, blocks with no cached contents go first, then cached
 ones in least-recently-freed order.
+
+When every layer attends within one sliding window, a sequence gives back each block once all its
+tokens are behind the window of the next token it computes (`release_behind_window`): a long sequence
+holds the window's blocks, not its whole length's.
 """
 
 from collections import OrderedDict, deque
@@ -25,10 +29,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 sliding_window: int | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's, when they share one (model_support.py)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_empty: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
@@ -80,9 +86,10 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (a shared block is copied when first written)."""
-        for block_id in parent.block_table:
+        for block_id in parent.block_table[parent.num_released_blocks:]:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
+        child.num_released_blocks = parent.num_released_blocks
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -99,18 +106,39 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`. Tail blocks are freed first, so they are evicted before the
         shared prefix blocks that precede them."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.hash is None:
-                    self._free_empty.append(block_id)
-                else:
-                    self._free_cached[block_id] = None
+        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._release(block_id)
         seq.block_table.clear()
+        seq.num_released_blocks = 0
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Give back the blocks of `seq` whose every token is behind the sliding window of its next token
+        to compute (position num_computed_tokens, which sees keys after num_computed_tokens - window). The
+        sequence's steps already launched read them before any later step can write them (one stream).
+        Under prefix caching, only blocks already offered to the cache (cache_full_blocks): under async
+        scheduling a step's blocks are registered after the next step is scheduled, and a block given back
+        before may be another sequence's by then."""
+        if self.sliding_window is None:
+            return
+        behind = (seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        behind = min(max(behind, 0), len(seq.block_table))
+        if self.enable_prefix_caching:
+            behind = min(behind, len(seq.block_hashes))
+        for block_id in seq.block_table[seq.num_released_blocks:behind]:
+            self._release(block_id)
+        seq.num_released_blocks = max(seq.num_released_blocks, behind)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            if block.hash is None:
+                self._free_empty.append(block_id)
+            else:
+                self._free_cached[block_id] = None
 
     # -- prefix caching ------------------------------------------------------------------------
     @staticmethod
@@ -148,6 +176,7 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent_hash, parent_id = h, block_id
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        self.release_behind_window(seq)
         return seq.num_computed_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:

@@ -103,7 +103,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(model)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching, self.runner.sliding_window)
         self._grammars: StructuredOutputs | None = None  # built with the first constrained request
         self._grammars_lock = threading.Lock()
         spec = self.config.speculative_config

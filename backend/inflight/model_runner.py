@@ -23,7 +23,7 @@ from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
 from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill, to_device
 from .kernel_warmup import compile_attention_kernels
 from .lora import LoRAAdapters
-from .model_support import UnsupportedModel, attention_chunk, check_attention_calls, refuse
+from .model_support import UnsupportedModel, attention_chunk, check_attention_calls, common_sliding_window, refuse
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
 
@@ -97,13 +97,13 @@ class ModelRunner:
                                      self.head_dim * self.kv_dtype.itemsize, dtype=torch.uint8, device=self.device)
         self.kv_cache = self._kv_bytes.view(self.kv_dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
-        self.max_model_len = self._max_model_len()
-        self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                                    -(-self.max_model_len // self.block_size), self.device)
         self._model_call = self.model
         # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
         self.lora = LoRAAdapters(self.model, config.lora_modules, dtype, self.device) if config.lora_modules else None
-        self._check_attention_calls()
+        self.sliding_window = self._check_attention_calls()  # every layer's, when they share one; else None
+        self.max_model_len = self._max_model_len()
+        self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                                    -(-self.max_model_len // self.block_size), self.device)
         if self._use_packed_weights():
             # A step samples one row a sequence: the output head needs no more rows, prompt logprobs aside.
             pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens,
@@ -122,10 +122,12 @@ class ModelRunner:
         self.graphs = self._capture_graphs() if self._use_cuda_graphs() else None
 
     @torch.inference_mode()
-    def _check_attention_calls(self) -> None:
-        """One forward pass of two tokens that records what each attention layer asks (model_support.py)."""
+    def _check_attention_calls(self) -> int | None:
+        """One forward pass of two tokens that records what each attention layer asks (model_support.py).
+        Returns the sliding window all layers share, if they do."""
         calls = []
-        step = self.buffers.load(empty_prefill(min(2, self.config.max_num_batched_tokens), self.block_size))
+        probe = empty_prefill(min(2, self.config.max_num_batched_tokens), self.block_size)
+        step = InputBuffers(len(probe.input_ids), 1, 1, self.device).load(probe)
         try:
             self._forward(step, calls=calls)
         except torch.OutOfMemoryError:
@@ -135,6 +137,7 @@ class ModelRunner:
                                                     f"{type(e).__name__}: {e}") from e
         check_attention_calls(calls, self.hf_config.model_type, self.num_layers, self.num_kv_heads, self.head_dim,
                               self.world_size)
+        return common_sliding_window(calls)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         """The decode steps' graphs; None, with a warning, where the model cannot be captured (modeling code
@@ -180,10 +183,18 @@ class ModelRunner:
         self.fused_layers = fused
 
     def _max_model_len(self) -> int:
-        """Prompt plus output of one sequence: the setting, or the model's limit capped by the pool."""
-        capacity = self.num_blocks * self.block_size
+        """Prompt plus output of one sequence: the setting, or the model's limit capped by the pool (not
+        by the pool when its layers share a sliding window: a sequence holds only the window's blocks)."""
+        pool_tokens = self.num_blocks * self.block_size
+        capacity = None if self._pool_holds_window() else pool_tokens
         if self.config.max_model_len is None:
-            limit = min(getattr(self.hf_config, "max_position_embeddings", None) or capacity, capacity)
+            limit = getattr(self.hf_config, "max_position_embeddings", None) or pool_tokens
+            if capacity is not None:
+                limit = min(limit, capacity)
+            elif limit > pool_tokens:
+                logger.info("max_model_len %d, beyond the KV pool's %d tokens: every layer attends within a "
+                            "window of %d, and a sequence gives back the blocks behind it", limit, pool_tokens,
+                            self.sliding_window)
             if self.attention_chunk is not None and limit > self.attention_chunk:
                 logger.info("max_model_len %d: its attention is chunked, which is exact for contexts of up to "
                             "one chunk", self.attention_chunk)
@@ -193,10 +204,17 @@ class ModelRunner:
             raise UnsupportedModel(f"max_model_len ({self.config.max_model_len}) exceeds this model's attention "
                                    f"chunk ({self.attention_chunk}): inflight runs chunked attention over contexts "
                                    "of up to one chunk")
-        if self.config.max_model_len > capacity:
+        if capacity is not None and self.config.max_model_len > capacity:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the KV pool's "
                              f"{capacity} tokens; raise num_kv_blocks or kv_cache_memory")
         return self.config.max_model_len
+
+    def _pool_holds_window(self) -> bool:
+        """Whether the layers share a sliding window and the pool holds a sequence's blocks within it plus
+        the one its next token may start: then a sequence alone always goes on, however long."""
+        if self.sliding_window is None:
+            return False
+        return self.num_blocks >= -(-(self.sliding_window - 1) // self.block_size) + 2
 
     def _use_packed_weights(self) -> bool:
         cfg = self.config

@@ -84,3 +84,11 @@ def check_attention_calls(calls: list[AttentionCall], model_type: str, num_layer
         if ignored:
             raise refuse(model_type, f"{where} passes {', '.join(ignored)} to attention, which inflight's kernels "
                                       "do not take")
+
+
+def common_sliding_window(calls: list[AttentionCall]) -> int | None:
+    """The sliding window every layer attends within, when they all share one (Mistral 7B v0.1, Phi-3
+    mini, StarCoder2): then no layer reads a key older than that, and the KV blocks behind it can go back
+    to the pool. None when a layer attends over its whole context (Gemma 2 and 3, gpt-oss alternate)."""
+    windows = {call.arguments.get("sliding_window") for call in calls}
+    return windows.pop() if len(windows) == 1 else None

@@ -11,6 +11,8 @@ whose next tokens are measured waits, computing nothing, for the other beams of 
 beams are all that hold the pool, they make room. Under speculative decoding a decoding sequence also
 gets the drafts proposed for it, within what the budget leaves for the other decodes and without taking
 a block that another decode may need; a request's own drafts ride with the chunk that ends its prompt.
+When every layer attends within one sliding window, each step begins with the running sequences giving
+back the blocks behind it (block_manager.py).
 """
 
 import bisect
@@ -86,6 +88,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        if self.block_manager.sliding_window is not None:  # (drafts are judged before this: no count goes back)
+            for seq in self.running:
+                self.block_manager.release_behind_window(seq)
 
         # 1. Decodes: one token for every running sequence whose prompt is fully computed (under async
         #    scheduling, not for one whose token still on the GPU is its last), and its drafts under

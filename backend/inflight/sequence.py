@@ -49,6 +49,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
 
     block_table: list[int] = field(default_factory=list)
+    # Leading entries of block_table given back to the pool: behind every layer's sliding window, never
+    # read again (their stale ids stay, for positions; the kernels skip or mask what is out of the window).
+    num_released_blocks: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks cached so far
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     # Under async scheduling: output tokens sampled on the GPU whose values the host has not read yet.

@@ -1,0 +1,140 @@
+"""Models whose layers all attend within one sliding window (Mistral 7B v0.1, Phi-3 mini, StarCoder2) keep
+only the window's KV blocks of a sequence: the blocks behind it go back to the pool (block_manager.py), so
+sequences longer than the whole pool run, token for token as HF's."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+from inflight.block_manager import BlockManager
+from inflight.sequence import Sequence
+
+WINDOW = 48  # the tiny Mistral's (conftest.TINY_FAMILIES)
+BLOCK = 8
+# The fewest blocks that hold a sequence's window and the block its next token may start.
+FEWEST_BLOCKS = -(-(WINDOW - 1) // BLOCK) + 2
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def window_checked(llm: LLM) -> LLM:
+    """`llm`, each of whose steps asserts, as scheduled, that every sequence in it holds the blocks of every
+    key its new tokens see (none given back too early, which the outputs show only once a block is reused)."""
+    schedule = llm.scheduler.schedule
+
+    def checked():
+        batch = schedule()
+        for seq in batch.seqs:
+            first = max(0, seq.num_computed_tokens - WINDOW + 1) // BLOCK
+            assert seq.num_released_blocks <= first, f"a block in the window of position {seq.num_computed_tokens}"
+            assert all(llm.block_manager.blocks[b].ref_count > 0 for b in seq.block_table[first:])
+        return batch
+
+    llm.scheduler.schedule = checked
+    return llm
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "prefix-caching"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["steps", "async"])
+@pytest.mark.parametrize("budget", [40, 512])
+def test_sequences_longer_than_the_pool_equal_hf(tiny_models, hf_reference, budget, async_scheduling, caching):
+    """A pool of the fewest blocks that hold one window (64 tokens) runs prompts of up to 400 tokens and
+    their outputs, in chunks shorter and longer than the window, several sequences at once (preempting
+    each other) and, under prefix caching, the same prompts again from what the cache still holds."""
+    model = tiny_models["mistral"]
+    llm = window_checked(LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=FEWEST_BLOCKS,
+                             max_num_seqs=4, max_num_batched_tokens=budget, enable_prefix_caching=caching,
+                             async_scheduling=async_scheduling))
+    assert llm.block_manager.sliding_window == WINDOW
+    assert llm.max_model_len == 1024, "the model's own limit, not the pool's 64 tokens"
+    prompts = random_prompts(6, 1, 400, vocab=512, seed=19)
+    if caching:
+        prompts += prompts[:3]
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert out.token_ids == hf_reference(model, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
+    llm.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["steps", "async"])
+def test_speculative_decoding_takes_back_drafts_within_the_window(tiny_models, hf_reference, async_scheduling):
+    """n-gram drafts computed and then rejected take back the sequence's computed tokens: blocks are given
+    back only after the drafts are judged, never by a count that then goes back."""
+    model = tiny_models["mistral"]
+    llm = window_checked(LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=FEWEST_BLOCKS + 2,
+                             max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False,
+                             async_scheduling=async_scheduling, speculative_config={"num_speculative_tokens": 4}))
+    pieces = random_prompts(4, 5, 9, vocab=512, seed=31)
+    prompts = [piece * (150 // len(piece)) for piece in pieces]  # repeated: the n-gram proposer drafts
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert out.token_ids == hf_reference(model, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
+    assert llm.num_draft_tokens > llm.num_accepted_draft_tokens > 0, "drafts were meant to be kept and rejected"
+    llm.block_manager.check_all_free()
+
+
+def test_cached_blocks_behind_the_window_serve_the_same_prompt_again(tiny_models, hf_reference):
+    """Blocks given back behind the window keep their contents in the prefix cache: the same long prompt
+    later reuses them, under async scheduling too (where a step's blocks are offered to the cache after
+    the next step is scheduled: one given back before that could be another sequence's by then)."""
+    model = tiny_models["mistral"]
+    llm = LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=128, max_num_seqs=4,
+              max_num_batched_tokens=128, enable_prefix_caching=True, async_scheduling=True)
+    prompt, other = random_prompts(2, 300, 300, vocab=512, seed=23)
+    expected = hf_reference(model, prompt, GREEDY.max_tokens)
+    assert [out.token_ids for out in llm.generate([prompt, other], GREEDY)][0] == expected
+    before = llm.stats()["prefix_cache_hit_tokens"]
+    assert llm.generate([prompt], GREEDY)[0].token_ids == expected
+    assert llm.stats()["prefix_cache_hit_tokens"] - before >= 256, "the prompt's blocks were meant to be reused"
+    llm.block_manager.check_all_free()
+
+
+def test_n_completions_and_beams_share_blocks_behind_the_window(tiny_models):
+    """Completions forked from one prompt share its blocks, those given back behind the window
+    included: each returns only what it holds, and the pool ends whole."""
+    model = tiny_models["mistral"]
+    llm = LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=32, max_num_seqs=8,
+              max_num_batched_tokens=64, enable_prefix_caching=True)
+    prompt = random_prompts(1, 200, 200, vocab=512, seed=29)[0]
+    alone = llm.generate([prompt], GREEDY)[0].token_ids
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    assert [c.token_ids for c in out.outputs] == [alone] * 3
+    beams = llm.generate([prompt], SamplingParams(beam_width=2, n=2, max_tokens=24, ignore_eos=True))[0]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=2,
+                               num_return_sequences=2, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    assert [c.token_ids for c in beams.outputs] == expected[:, len(prompt):].tolist()
+    llm.block_manager.check_all_free()
+
+
+def test_models_with_full_attention_layers_keep_every_block(more_tiny_models, tiny_models):
+    """Gemma 2 and 3 alternate windowed and full layers: the full ones read every key, so nothing is given
+    back and the pool bounds a sequence; Llama has no window."""
+    for model in (more_tiny_models("gemma2"), more_tiny_models("gemma3_text"), tiny_models["llama"]):
+        llm = LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=FEWEST_BLOCKS)
+        assert llm.block_manager.sliding_window is None
+        assert llm.max_model_len == FEWEST_BLOCKS * BLOCK
+    with pytest.raises(ValueError, match="exceeds the KV pool's 64 tokens"):
+        LLM(tiny_models["llama"], device="cpu", block_size=BLOCK, num_kv_blocks=FEWEST_BLOCKS, max_model_len=65)
+    # one block fewer than a window needs: the pool bounds a sequence again
+    llm = LLM(tiny_models["mistral"], device="cpu", block_size=BLOCK, num_kv_blocks=FEWEST_BLOCKS - 1)
+    assert llm.max_model_len == (FEWEST_BLOCKS - 1) * BLOCK
+
+
+def test_blocks_go_back_once_every_token_is_behind_the_window():
+    """The next token at position p sees keys p - 47 .. p: a block goes back once its last key is before
+    p - 47, never earlier; preemption and a finish return the rest, each block once."""
+    manager = BlockManager(num_blocks=20, block_size=BLOCK, enable_prefix_caching=False, sliding_window=WINDOW)
+    seq = Sequence("a", list(range(3, 103)), GREEDY, detokenizer=None)
+    assert manager.allocate(seq, 100)
+    for computed, given_back in [(0, 0), (54, 0), (55, 1), (62, 1), (63, 2), (100, 6)]:
+        seq.num_computed_tokens = computed
+        manager.release_behind_window(seq)
+        assert seq.num_released_blocks == given_back, f"{computed} tokens computed"
+        assert manager.num_free_blocks == 20 - 13 + given_back
+        first_seen = computed - WINDOW + 1
+        assert all((i + 1) * BLOCK - 1 < first_seen for i in range(given_back))
+    manager.free(seq)
+    manager.check_all_free()
+    assert seq.num_released_blocks == 0 and not seq.block_table
