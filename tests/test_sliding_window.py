@@ -72,6 +72,20 @@ def test_speculative_decoding_takes_back_drafts_within_the_window(tiny_models, h
     llm.block_manager.check_all_free()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_sequences_longer_than_the_pool_on_a_gpu(tiny_models, hf_reference):
+    """The same on the GPU's path: the Triton kernels (whose first tile may start before the window, on a
+    block given back: masked), decode steps replaying CUDA graphs, async scheduling."""
+    model = tiny_models["mistral"]
+    llm = window_checked(LLM(model, device="cuda", dtype="float32", block_size=BLOCK, num_kv_blocks=FEWEST_BLOCKS,
+                             max_num_seqs=4, max_num_batched_tokens=64))
+    prompts = random_prompts(6, 1, 400, vocab=512, seed=19)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert out.token_ids == hf_reference(model, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
+    assert llm.runner.graphs.replays > 0 and llm.num_pipelined_steps > 0
+    llm.block_manager.check_all_free()
+
+
 def test_cached_blocks_behind_the_window_serve_the_same_prompt_again(tiny_models, hf_reference):
     """Blocks given back behind the window keep their contents in the prefix cache: the same long prompt
     later reuses them, under async scheduling too (where a step's blocks are offered to the cache after
