@@ -194,7 +194,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             parent_id = seq.block_table[i - 1] if i else None
             # Only extend a chain whose parent is itself the cached block for the parent hash, so that
-            # a match (which checks parent ids) proves the whole prefix is identical.
+            # a match (which checks parent ids) proves the whole prefix is identical. (A parent given back
+            # behind a sliding window qualifies while the cache still holds it: its hash says so.)
             parent_cached = parent_id is None or self.blocks[parent_id].hash == parent_hash
             if parent_cached and h not in self._cached and block.hash is None:
                 block.hash, block.token_ids, block.parent_id, block.lora_id = h, chunk, parent_id, seq.lora_id
