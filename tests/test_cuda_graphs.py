@@ -9,6 +9,7 @@ from conftest import random_prompts
 from inflight import LLM, SamplingParams
 from inflight.cuda_graphs import bucket_sizes
 from inflight.input_buffers import InputBuffers, StepInputs
+from inflight.sequence import BlockTable
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -31,7 +32,7 @@ def reference_inputs(batch, block_size, logits_at) -> StepInputs:
         cu.append(cu[-1] + n)
         lens.append(seq.num_computed_tokens + n)
     width = max(len(s.block_table) for s in batch.seqs)
-    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+    tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in batch.seqs]
     return StepInputs(*(np.asarray(x, dtype=np.int64) for x in (ids, positions, slots, cu, lens, tables, logits_at)))
 
 
@@ -56,6 +57,30 @@ def test_step_inputs_equal_a_token_by_token_build(tiny_models):
     assert True in checked and False in checked, "the run was meant to have decode and prefill steps"
     assert llm.stats()["num_preemptions"] > 0
     llm.block_manager.check_all_free()
+
+
+def test_block_table_reads_and_writes_as_a_list():
+    """A sequence's block table keeps its ids in an array (copied into a step's inputs with one memcpy a
+    row) and behaves as the list it replaced, past its first growth too."""
+    table, mirror = BlockTable(), []
+    for block_id in range(40):
+        table.append(block_id * 7)
+        mirror.append(block_id * 7)
+    table[3] = mirror[3] = 999
+    table[-1] = mirror[-1] = 5
+    assert len(table) == 40 and list(table) == mirror and table[:] == mirror and table[5:9] == mirror[5:9]
+    assert table[-2] == mirror[-2] and isinstance(table[0], int) and all(isinstance(i, int) for i in table)
+    np.testing.assert_array_equal(table.ids, mirror)
+    copy = table.copy()
+    copy.append(1)
+    copy[0] = 2
+    assert list(table) == mirror and len(copy) == 41
+    with pytest.raises(IndexError):
+        table[40]
+    with pytest.raises(IndexError):
+        table[40] = 1
+    table.clear()
+    assert not table and list(table) == [] and len(BlockTable([3, 4])) == 2
 
 
 def decode_step(seq_lens: list[int], tables: list[list[int]]) -> StepInputs:

@@ -88,7 +88,7 @@ class BlockManager:
         """`child` shares every block of `parent` (a shared block is copied when first written)."""
         for block_id in parent.block_table[parent.num_released_blocks:]:
             self.blocks[block_id].ref_count += 1
-        child.block_table = list(parent.block_table)
+        child.block_table = parent.block_table.copy()
         child.num_released_blocks = parent.num_released_blocks
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens

@@ -66,7 +66,7 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[in
                                 np.int64, len(positions))
     tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int64)
     for row, seq in enumerate(seqs):
-        tables[row, :len(seq.block_table)] = seq.block_table
+        tables[row, :len(seq.block_table)] = seq.block_table.ids
     token_rows = np.repeat(np.arange(len(seqs)), counts)
     slot_mapping = tables[token_rows, positions // block_size] * block_size + positions % block_size
     adapters = np.fromiter((s.lora_id for s in seqs), np.int64, len(seqs))

@@ -26,6 +26,58 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class BlockTable:
+    """A sequence's block ids, one per KV block of its positions, kept in an int64 array that grows by
+    doubling: a step copies each row with one memcpy (input_buffers.py), where a list of Python ints
+    took about 3 ms a step for 128 sequences of 32k tokens to convert. Reads and writes as a list does."""
+
+    __slots__ = ("_ids", "_len")
+
+    def __init__(self, ids=()):
+        ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
+        self._ids = np.empty(max(16, len(ids)), dtype=np.int64)
+        self._ids[:len(ids)] = ids
+        self._len = len(ids)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The ids as an array (a view: valid until the table changes)."""
+        return self._ids[:self._len]
+
+    def append(self, block_id: int) -> None:
+        if self._len == len(self._ids):
+            self._ids = np.concatenate([self._ids, np.empty(len(self._ids), dtype=np.int64)])
+        self._ids[self._len] = block_id
+        self._len += 1
+
+    def clear(self) -> None:
+        self._len = 0
+
+    def copy(self) -> "BlockTable":
+        return BlockTable(self.ids)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.ids[index].tolist()
+        if not -self._len <= index < self._len:
+            raise IndexError("block table index out of range")
+        return int(self.ids[index])
+
+    def __setitem__(self, index: int, block_id: int) -> None:
+        if not -self._len <= index < self._len:
+            raise IndexError("block table index out of range")
+        self.ids[index] = block_id
+
+    def __iter__(self):
+        return iter(self.ids.tolist())
+
+    def __repr__(self) -> str:
+        return f"BlockTable({self.ids.tolist()})"
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -48,7 +100,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
 
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     # Leading entries of block_table given back to the pool: behind every layer's sliding window, never
     # read again (their stale ids stay, for positions; the kernels skip or mask what is out of the window).
     num_released_blocks: int = 0
