@@ -102,6 +102,23 @@ def test_cached_blocks_behind_the_window_serve_the_same_prompt_again(tiny_models
     llm.block_manager.check_all_free()
 
 
+def test_a_finished_prompt_keeps_its_first_blocks_longest(tiny_models, hf_reference):
+    """A finished sequence's blocks leave the prefix cache tail first, those given back behind the window
+    included (they went to the cache first): other prompts' demand for blocks then evicts the end of a
+    long prompt, and the prompt again still finds its beginning."""
+    model = tiny_models["mistral"]
+    llm = LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=64, max_num_seqs=4,
+              max_num_batched_tokens=64, enable_prefix_caching=True)
+    prompt, other = random_prompts(2, 300, 300, vocab=512, seed=37)
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([prompt], once)  # 38 blocks cached, 26 never used
+    llm.generate([other], once)  # 38 more: the 26 unused ones, then 12 of the cache's
+    before = llm.stats()["prefix_cache_hit_tokens"]
+    assert llm.generate([prompt], GREEDY)[0].token_ids == hf_reference(model, prompt, GREEDY.max_tokens)
+    assert llm.stats()["prefix_cache_hit_tokens"] - before == (38 - 12) * BLOCK
+    llm.block_manager.check_all_free()
+
+
 def test_n_completions_and_beams_share_blocks_behind_the_window(tiny_models):
     """Completions forked from one prompt share its blocks, those given back behind the window
     included: each returns only what it holds, and the pool ends whole."""

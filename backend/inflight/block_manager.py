@@ -105,9 +105,14 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`. Tail blocks are freed first, so they are evicted before the
-        shared prefix blocks that precede them."""
+        shared prefix blocks that precede them; blocks it gave back behind a sliding window, which the
+        cache still holds for it, move behind its tail too (a prefix is found from its first block on)."""
         for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
             self._release(block_id)
+        for i in reversed(range(min(seq.num_released_blocks, len(seq.block_hashes)))):
+            block_id = seq.block_table[i]
+            if block_id in self._free_cached and self.blocks[block_id].hash == seq.block_hashes[i]:
+                self._free_cached.move_to_end(block_id)
         seq.block_table.clear()
         seq.num_released_blocks = 0
         seq.block_hashes.clear()
