@@ -5,7 +5,8 @@ embeddings or with drafts of their own, some constrained to a regex, a choice or
 Whatever ran beside a request, its output must be the one it gets alone, every refusal the same, every
 block back. One step at a time and pipelined, with and without speculative decoding, and with LoRA
 adapters; three seeds each; Llama, and Mistral (blocks given back behind its sliding window). With
-faults injected at random steps: only the requests of those steps may fail. And over two ranks (tensor parallelism), with and without faults.
+faults injected at random steps: only the requests of those steps may fail. And over two ranks (tensor
+parallelism), with and without faults.
 
 Mixes like these found that a prompt's end which drafted stranded the second of n completions (never
 scheduled again, so its request never finished) and dropped the last row of context logits, while
