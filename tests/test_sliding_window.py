@@ -40,8 +40,9 @@ def window_checked(llm: LLM) -> LLM:
 @pytest.mark.parametrize("budget", [40, 512])
 def test_sequences_longer_than_the_pool_equal_hf(tiny_models, hf_reference, budget, async_scheduling, caching):
     """A pool of the fewest blocks that hold one window (64 tokens) runs prompts of up to 400 tokens and
-    their outputs, in chunks shorter and longer than the window, several sequences at once (preempting
-    each other) and, under prefix caching, the same prompts again from what the cache still holds."""
+    their outputs, in chunks shorter and longer than the window, several sequences at once (with chunks of
+    40, preempting each other) and, under prefix caching, the same prompts again from what the cache still
+    holds."""
     model = tiny_models["mistral"]
     llm = window_checked(LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=FEWEST_BLOCKS,
                              max_num_seqs=4, max_num_batched_tokens=budget, enable_prefix_caching=caching,
@@ -53,6 +54,7 @@ def test_sequences_longer_than_the_pool_equal_hf(tiny_models, hf_reference, budg
         prompts += prompts[:3]
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
         assert out.token_ids == hf_reference(model, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
+    assert budget > 40 or llm.stats()["num_preemptions"] > 0
     llm.block_manager.check_all_free()
 
 
