@@ -142,6 +142,10 @@ def resource_usage(ptx: str) -> dict[str, int]:
             "spills": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
 
 
+# phase: (tokens, sequences, KV splits) of the launch compiled
+PHASES = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
+
+
 def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_size: int = 16):
     """(name, kernel, constants, dtype, integer arguments hinted as multiples of 16) for every kernel
     variant worth compiling."""
@@ -150,8 +154,7 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
     for dtype in dtypes:
         for shape in shapes:
             heads, kv_heads, head_dim, window, options = SHAPES[shape]
-            phases = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
-            for phase, (tokens, seqs, splits) in phases.items():
+            for phase, (tokens, seqs, splits) in PHASES.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
                                                          dtype, window, num_splits=splits, **options)
                 yield (f"paged_attention {shape} {phase}", attention, constants, dtype,
@@ -161,20 +164,20 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
                 yield f"write_kv_cache {shape}", write, constants, dtype, multiples_of_16(write, heads, head_dim)
                 constants = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim))
                 yield f"merge_splits {shape}", merge, constants, dtype, multiples_of_16(merge, heads, head_dim)
+    cache_dtype_shapes = [shape for shape in ("smollm2", "llama3-8b") if shape in shapes]  # (in order: by index)
     for query_dtype, cache_dtype, out_dtype in MIXED_DTYPES + FP8_DTYPES:
         if out_dtype not in dtypes:
             continue
-        for shape in [shape for shape in ("smollm2", "llama3-8b") if shape in shapes]:  # (in order: by index)
+        for shape in cache_dtype_shapes:
             heads, kv_heads, head_dim, window, _ = SHAPES[shape]
-            phases = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
-            for phase, (tokens, seqs, splits) in phases.items():
+            for phase, (tokens, seqs, splits) in PHASES.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
                                                          query_dtype, window, num_splits=splits,
                                                          cache_dtype=cache_dtype)
                 yield (f"paged_attention {shape} {phase}", attention, constants, (query_dtype, cache_dtype, out_dtype),
                        multiples_of_16(attention, heads, head_dim))
     for cache_dtype in FP8_CACHES:  # new keys and values converted to the cache's dtype before the launch
-        for shape in [shape for shape in ("smollm2", "llama3-8b") if shape in shapes]:
+        for shape in cache_dtype_shapes:
             heads, kv_heads, head_dim, _, _ = SHAPES[shape]
             _, constants = triton_ops.kv_write_meta(64, kv_heads, head_dim, block_size)
             yield f"write_kv_cache {shape}", write, constants, cache_dtype, multiples_of_16(write, heads, head_dim)

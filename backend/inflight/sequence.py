@@ -34,7 +34,7 @@ class BlockTable:
     __slots__ = ("_ids", "_len")
 
     def __init__(self, ids=()):
-        ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
+        ids = np.asarray(ids, dtype=np.int64)
         self._ids = np.empty(max(16, len(ids)), dtype=np.int64)
         self._ids[:len(ids)] = ids
         self._len = len(ids)
