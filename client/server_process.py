@@ -67,12 +67,12 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+                raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
             if self.model_ready():
                 return self
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"tritonserver was not ready in {timeout} s:\n{self.log()[-4000:]}")
+        raise RuntimeError(f"tritonserver was not ready in {timeout} s:\n{self.log_tail()}")
 
     def model_ready(self) -> bool:
         try:
@@ -100,6 +100,12 @@ class TritonServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, chars: int = 6000) -> str:
+        """The log's end without tritonserver's tables (of options and models), which would push a load
+        error's own lines out of the tail."""
+        lines = [line for line in self.log().splitlines() if not line.startswith(("|", "+"))]
+        return "\n".join(lines)[-chars:]
 
     def _metrics_text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:

@@ -28,7 +28,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 want() { [[ " ${PARTS:-tests-engine bench-gpu bench-kernels tests-kernels} " == *" $1 "* ]]; }
 # (-m "not slow": those run the default model, whose weights the device does not have.)
-want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -m "not slow" \
+# (-v: a run cut by its time limit still names what passed and what was running.)
+want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -v --durations=15 -p no:cacheprovider -m "not slow" \
   tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py tests/test_engine_behaviour.py \
   tests/test_async_scheduling.py tests/test_lora.py tests/test_beam_search.py tests/test_speculative.py \
   tests/test_prompt_embeds.py tests/test_sliding_window.py \

@@ -147,3 +147,45 @@ def test_bench_served_stops_waiting_when_a_client_process_dies():
     assert sorted(r["index"] for r in collect_records(results, 4, workers)) == [0, 0, 1, 1]
     with pytest.raises(RuntimeError, match="ended after 0 of 1 requests"):
         collect_records(results, 1, workers)
+
+
+# Imitations of the lent H200 image's scipy (built for numpy 2: its import fails under numpy 1 at
+# `numpy.long`, as scipy 1.18's does) and scikit-learn, by module and (METADATA, files).
+PACKAGES_NEEDING_NUMPY_2 = {
+    "scipy": ("Name: scipy\nVersion: 1.18.1\nRequires-Dist: numpy<2.7,>=2.0.0\n",
+              {"__init__.py": "import numpy\n\nnumpy.long\n"}),
+    "sklearn": ("Name: scikit-learn\nVersion: 1.9.1\nRequires-Dist: numpy>=1.24.1\nRequires-Dist: scipy>=1.10.0\n",
+                {"__init__.py": "import scipy\n", "metrics.py": "def roc_curve(*args, **kwargs):\n    pass\n"}),
+}
+
+
+@pytest.mark.server
+def test_the_model_loads_beside_packages_needing_a_newer_numpy(tmp_path, reference):
+    """The bundled stub runs on numpy 1.26 (its C++ side reads arrays with the numpy 1 ABI), and on the
+    lent H200's image the model failed to load: transformers imports scikit-learn whenever it is
+    installed, and that image's scipy needs numpy 2. With packages like those on the stub's path (not
+    the engine process's, whose numpy is the environment's own), the model loads (its stub hides them,
+    and says so) and serves."""
+    import os
+    import sys
+
+    sys.path.insert(0, str(ROOT / "client"))
+    from conftest import PROMPTS, assert_all_blocks_free, greedy
+    from grpc_stream import generate
+    from server_process import TritonServer, server_command
+
+    site = tmp_path / "site"
+    for module, (metadata, files) in PACKAGES_NEEDING_NUMPY_2.items():
+        (site / module).mkdir(parents=True)
+        for name, text in files.items():
+            (site / module / name).write_text(text)
+        distribution = metadata.split("\n")[0].removeprefix("Name: ").replace("-", "_")
+        info = site / f"{distribution}-{metadata.split()[3]}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\n" + metadata)
+    stub_path = server_command(ROOT / "model_repository", 0, 0, 0)[1]["INFLIGHT_SITE_PACKAGES"] + os.pathsep + str(site)
+    with TritonServer(env={"INFLIGHT_SITE_PACKAGES": stub_path}, device="cpu", num_kv_blocks=128,
+                      kv_cache_memory=None, max_num_seqs=4) as server:
+        assert "sklearn, scipy hidden from the Triton stub" in server.log()
+        assert generate(server.grpc_url, PROMPTS[4], **greedy(8)).text == reference(PROMPTS[4:5], 8)[0]
+        assert_all_blocks_free(server)

@@ -28,6 +28,52 @@ def _project_root() -> str:
     return root
 
 
+# Packages that transformers imports whenever they are installed (scikit-learn, for assisted generation's
+# roc_curve, and scipy with it), by module and distribution name.
+OPTIONAL_FOR_TRANSFORMERS = {"sklearn": "scikit-learn", "scipy": "scipy"}
+
+
+def _hide_packages_needing_newer_numpy() -> None:
+    """The bundled stub reads arrays with the numpy 1 ABI, so numpy 1.26 comes first on its path
+    (scripts/serve.py), whatever numpy the environment has. Where the environment's scikit-learn or scipy
+    needs a newer numpy (the lent H200's image: scipy needs numpy 2), transformers' import of them failed
+    and the model with it ("Could not import module 'AutoTokenizer'"). Nothing here uses them: they are
+    hidden from this process (a module mapped to None in sys.modules is not found, and its import fails
+    at once). The engine process has the environment's own numpy and keeps them."""
+    from importlib import metadata
+
+    import numpy
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    def needs_newer_numpy(distribution: str, seen: set) -> bool:
+        if distribution in seen:
+            return False
+        seen.add(distribution)
+        try:
+            requirements = [Requirement(text) for text in metadata.requires(distribution) or []]
+        except metadata.PackageNotFoundError:
+            return False
+        for requirement in requirements:
+            if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+                continue
+            name = canonicalize_name(requirement.name)
+            if name == "numpy":
+                if not requirement.specifier.contains(numpy.__version__, prereleases=True):
+                    return True
+            elif needs_newer_numpy(name, seen):
+                return True
+        return False
+
+    hidden = [module for module, distribution in OPTIONAL_FOR_TRANSFORMERS.items()
+              if needs_newer_numpy(distribution, set())]
+    for module in hidden:
+        sys.modules[module] = None
+    if hidden:
+        print(f"inflight: {', '.join(hidden)} hidden from the Triton stub: they need a newer numpy than its "
+              f"{numpy.__version__}", file=sys.stderr)
+
+
 def _utf8_text_files() -> None:
     """The stub's embedded Python leaves the process in the C locale, so files open as ASCII unless a
     reader names the encoding; torch.compile (fused layers, torch_compile), when the engine runs on a
@@ -84,6 +130,7 @@ def _start_engine_process_early():
 
 
 ROOT = _project_root()
+_hide_packages_needing_newer_numpy()
 _utf8_text_files()
 _short_openmp_spin()
 _early_engine_process = _start_engine_process_early()
