@@ -57,7 +57,11 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     # How long each measurement took, on stderr: what fits a GPU session is planned from them.
     assert "] offline, HF static batching: " in result.stderr and "] decode step, tiny (smoke), " in result.stderr
     text = out.read_text()
-    assert "| tiny (smoke), float32 | 12/12 (first 24.0 tokens agree) |" in text  # greedy agreement with HF
+    # Greedy agreement with HF: float32 exact; bfloat16 close (rounding swaps near-equal logits: at a
+    # first difference each token is among the other's 5 likeliest), as HF's own two dtypes are.
+    assert "| tiny (smoke), float32 | 12/12 (first 24.0 tokens agree; equal or close: 12/12) |" in text
+    assert re.search(r"\| tiny \(smoke\), bfloat16 \| \d+/12 \(first [\d.]+ tokens agree; equal or close: 12/12\) \|", text)
+    assert "| HF bfloat16 against HF float32 (rounding alone) | " in text
     modes = ("CUDA graphs, async scheduling", "CUDA graphs, async, transformers' own layers",
              "CUDA graphs, one step at a time", "eager, one step at a time")
     rows = [f"| tiny (smoke), {mode} |" for mode in modes]
@@ -86,6 +90,23 @@ def test_bench_gpu_runs_the_issues_set_unless_asked_for_all():
     assert selected_modes(True, set()) == list(MODES) and list(MODES)[0] == "graphs"
     assert selected_modes(True, {"compile", "eager"}) == ["graphs", "unfused", "sync"]
     assert selected_modes(True, {"graphs"})[0] == "compile"
+
+
+def test_greedy_agreement_tells_close_runs_from_different_ones():
+    """bench-gpu's 16-bit greedy check: two runs are close when, at their first difference, each one's
+    token is among the other's likeliest there (both ways), as vLLM's tests judge."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "client"))
+    from bench_gpu import Greedy, greedy_agreement
+
+    reference = Greedy([[1, 2, 3]], [[{1, 9}, {2, 8}, {3}]])
+    assert greedy_agreement(reference, reference) == "1/1 (first 3.0 tokens agree; equal or close: 1/1)"
+    swapped = Greedy([[1, 8, 5]], [[{1}, {8, 2}, {5}]])
+    assert greedy_agreement(swapped, reference) == "0/1 (first 1.0 tokens agree; equal or close: 1/1)"
+    for ours in (Greedy([[1, 6, 5]], [[{1}, {6, 2}, {5}]]),  # its token not among the reference's likeliest
+                 Greedy([[1, 8, 5]], [[{1}, {8}, {5}]])):  # the reference's not among its own
+        assert greedy_agreement(ours, reference) == "0/1 (first 1.0 tokens agree; equal or close: 0/1)"
 
 
 @pytest.mark.server
