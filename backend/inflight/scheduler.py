@@ -97,13 +97,18 @@ class Scheduler:
         #    speculative decoding where budget and free blocks allow.
         decoding = self._decoding()
         speculate = self._speculates(decoding)
+        bm = self.block_manager
         for i, seq in enumerate(decoding):
-            if seq.status is SequenceStatus.RUNNING and self._make_room(batch, seq, 1):  # (or preempted for one before)
-                self.block_manager.allocate(seq, 1)
-                left = len(decoding) - i - 1
-                n = 1 + (self._fit_drafts(seq, 1, budget - 1 - left, left) if speculate else 0)
-                batch.add(seq, n)
-                budget -= n
+            if seq.status is not SequenceStatus.RUNNING:  # (preempted for one before)
+                continue
+            if bm.blocks_needed(seq, 1):  # (most decodes write into a block they hold: nothing to take)
+                if not self._make_room(batch, seq, 1):
+                    continue
+                bm.allocate(seq, 1)
+            left = len(decoding) - i - 1
+            n = 1 + (self._fit_drafts(seq, 1, budget - 1 - left, left) if speculate else 0)
+            batch.add(seq, n)
+            budget -= n
 
         # 2. Prefill chunks of running sequences whose prompts are not finished yet. They too may
         #    preempt newer sequences, so that two half-prefilled prompts can never block each other.
@@ -171,6 +176,8 @@ class Scheduler:
         passed over) while there is budget, room and memory: memory beyond a reserve of one block for
         each running sequence that will need one (a watermark), so that a newly admitted (or
         re-admitted) sequence is not preempted again by the next step's growth. Returns the budget left."""
+        if not self.waiting:
+            return budget
         reserve = self._reserved_blocks()
         seats = self._seats_taken()
         while budget > 0:
