@@ -60,7 +60,8 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     # Greedy agreement with HF: float32 exact; bfloat16 close (rounding swaps near-equal logits: at a
     # first difference each token is among the other's 5 likeliest), as HF's own two dtypes are.
     assert "| tiny (smoke), float32 | 12/12 (first 24.0 tokens agree; equal or close: 12/12) |" in text
-    assert re.search(r"\| tiny \(smoke\), bfloat16 \| \d+/12 \(first [\d.]+ tokens agree; equal or close: 12/12\) \|", text)
+    assert re.search(r"\| tiny \(smoke\), bfloat16 \| \d+/12 \(first [\d.]+ tokens agree; "
+                     r"equal or close: 12/12\) \|", text)
     assert "| HF bfloat16 against HF float32 (rounding alone) | " in text
     modes = ("CUDA graphs, async scheduling", "CUDA graphs, async, transformers' own layers",
              "CUDA graphs, one step at a time", "eager, one step at a time")
