@@ -282,17 +282,19 @@ def run_engine(model_dir: str, device: str, dtype: str, work: Workload, mode: st
             f"mean {1000 * seconds / steps:.2f} ms)"), work.output_tokens / seconds
 
 
-def host_profile(model_dir: str, sequences: int, steps: int) -> str:
-    """Where the host's time goes in decode steps of `sequences` (cProfile, by cumulative time)."""
+def host_profile(model_dir: str, device: str, sequences: int, steps: int, sampling: dict | None = None) -> str:
+    """Where the host's time goes in decode steps of `sequences` sampling at temperature 1 (or with
+    `sampling`'s parameters): cProfile, by cumulative time, then by each function's own."""
     import cProfile
     import io
     import pstats
 
     from inflight import SamplingParams
 
-    llm = engine(model_dir, "cuda", "bfloat16", max_num_seqs=sequences, max_num_batched_tokens=4096)
+    llm = engine(model_dir, device, "bfloat16" if device == "cuda" else "float32", max_num_seqs=sequences,
+                 max_num_batched_tokens=4096)
     for i, prompt in enumerate(make_workload(sequences, 5, (128, 128)).prompts):
-        llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True, **(sampling or {})))
     for _ in range(5):
         llm.step()
     profiler = cProfile.Profile()
@@ -302,10 +304,16 @@ def host_profile(model_dir: str, sequences: int, steps: int) -> str:
     sync()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(20)
     del llm
     release()
     return text.getvalue()
+
+
+def sampled_words() -> str:
+    return "sampling with " + ", ".join(f"{k} {v}" for k, v in SAMPLED.items())
 
 
 def decode_table(report: "Report", keys: list[str], built: dict[str, str], device: str, sequences: int,
@@ -322,7 +330,7 @@ def decode_table(report: "Report", keys: list[str], built: dict[str, str], devic
     for key, (name, model_dir), sampling in runs:
         mode, settings = MODES[key]
         if sampling:
-            mode += ", sampling with " + ", ".join(f"{k} {v}" for k, v in sampling.items())
+            mode += ", " + sampled_words()
         try:
             r = decode_step(model_dir, device, sequences, steps, sampling, **settings)
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
@@ -448,10 +456,11 @@ def main() -> None:
         report.add("", "| target (the GPU engine issue, on an H200) | measured | met |",
                    "|---|---:|---|", *(f"| {what} | {value} | {'yes' if met else 'no'} |"
                                        for what, value, met in targets))
-        if args.host_profile and device == "cuda":
-            report.add("", f"host profile, {name}, decode steps of {sequences} sequences:", "```",
-                       host_profile(model_dir, sequences, 20), "```")
-            report.took("host profile")
+        if args.host_profile:
+            for sampling, what in ((None, ""), (SAMPLED, f", {sampled_words()}")):
+                report.add("", f"host profile, {name}, decode steps of {sequences} sequences{what}:", "```",
+                           host_profile(model_dir, device, sequences, steps, sampling), "```")
+                report.took(f"host profile{what}")
     report.add("", f"(bench-gpu took {time.perf_counter() - report.started:.0f} s)")
 
 

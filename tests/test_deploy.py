@@ -52,7 +52,8 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     # Every mode but torch_compile's (half the run's time on a CI host; its engine is tested elsewhere),
     # which --skip leaves out like any part.
     result = subprocess.run([sys.executable, str(ROOT / "client" / "bench_gpu.py"), "--smoke", "--all", "--skip",
-                             "compile", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                             "compile", "--host-profile", "--out", str(out)], capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     # How long each measurement took, on stderr: what fits a GPU session is planned from them.
     assert "] offline, HF static batching: " in result.stderr and "] decode step, tiny (smoke), " in result.stderr
@@ -71,6 +72,10 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     for row in rows:
         assert row in text, text
     assert "torch_compile" not in text, text
+    # The host's profile of decode steps, at temperature 1 and with the sampled rows' parameters.
+    headings = re.findall(r"^host profile, tiny \(smoke\), decode steps of 8 sequences([^\n]*):$", text, re.M)
+    assert headings == ["", ", sampling with temperature 0.7, top_p 0.9, repetition_penalty 1.1"], text
+    assert len(re.findall(r"engine\.py:\d+\(step\)", text)) >= 2 and text.count("Ordered by: internal time") == 2
     assert "failed:" not in text, text  # a failing measurement is reported in its row, and the run goes on
     # The issue's targets, checked on the defaults (and with torch_compile, left out here): both shapes'
     # decode step (one here), output tok/s and the ratio to HF continuous batching, each with its verdict.
