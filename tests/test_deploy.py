@@ -181,7 +181,8 @@ def test_bench_served_stops_waiting_when_a_client_process_dies():
 PACKAGES_NEEDING_NUMPY_2 = {
     "scipy": ("Name: scipy\nVersion: 1.18.1\nRequires-Dist: numpy<2.7,>=2.0.0\n",
               {"__init__.py": "import numpy\n\nnumpy.long\n"}),
-    "sklearn": ("Name: scikit-learn\nVersion: 1.9.1\nRequires-Dist: numpy>=1.24.1\nRequires-Dist: scipy>=1.10.0\n",
+    "sklearn": ("Name: scikit-learn\nVersion: 1.9.1\nRequires-Dist: numpy>=1.24.1\nRequires-Dist: ???\n"
+                "Requires-Dist: scipy>=1.10.0\n",  # (with a malformed line, which must not stop the load)
                 {"__init__.py": "import scipy\n", "metrics.py": "def roc_curve(*args, **kwargs):\n    pass\n"}),
 }
 

@@ -43,15 +43,24 @@ def _hide_packages_needing_newer_numpy() -> None:
     from importlib import metadata
 
     import numpy
-    from packaging.requirements import Requirement
+    from packaging.requirements import InvalidRequirement, Requirement
     from packaging.utils import canonicalize_name
+
+    def parsed(texts: list[str]) -> list[Requirement]:
+        requirements = []
+        for text in texts:
+            try:
+                requirements.append(Requirement(text))
+            except InvalidRequirement:  # (a package's malformed metadata must not stop the model's load)
+                pass
+        return requirements
 
     def needs_newer_numpy(distribution: str, seen: set) -> bool:
         if distribution in seen:
             return False
         seen.add(distribution)
         try:
-            requirements = [Requirement(text) for text in metadata.requires(distribution) or []]
+            requirements = parsed(metadata.requires(distribution) or [])
         except metadata.PackageNotFoundError:
             return False
         for requirement in requirements:
