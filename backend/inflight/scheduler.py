@@ -95,7 +95,7 @@ class Scheduler:
         # 1. Decodes: one token for every running sequence whose prompt is fully computed (under async
         #    scheduling, not for one whose token still on the GPU is its last), and its drafts under
         #    speculative decoding where budget and free blocks allow.
-        decoding = self._decoding()
+        decoding, prefilling = self._decoding_and_prefilling()
         speculate = self._speculates(decoding)
         bm = self.block_manager
         for i, seq in enumerate(decoding):
@@ -112,10 +112,10 @@ class Scheduler:
 
         # 2. Prefill chunks of running sequences whose prompts are not finished yet. They too may
         #    preempt newer sequences, so that two half-prefilled prompts can never block each other.
-        for seq in list(self.running):
+        for seq in prefilling:
             if budget == 0:
                 break
-            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 1:
+            if seq.status is SequenceStatus.RUNNING:  # (not preempted for one before)
                 if self._make_room(batch, seq, 1):
                     budget -= self._schedule_chunk(batch, seq, budget)
 
@@ -131,8 +131,19 @@ class Scheduler:
         return batch
 
     def _decoding(self) -> list[Sequence]:
-        return [seq for seq in self.running if seq.num_uncomputed_tokens == 1
-                and not seq.is_last_token_pending(self.max_model_len)]
+        return self._decoding_and_prefilling()[0]
+
+    def _decoding_and_prefilling(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences that decode (one token left to compute, unless under async scheduling
+        their token still on the GPU is their last), and those whose prompts are not computed yet."""
+        decoding, prefilling = [], []
+        for seq in self.running:
+            left = seq.num_uncomputed_tokens
+            if left > 1:
+                prefilling.append(seq)
+            elif left == 1 and not seq.is_last_token_pending(self.max_model_len):
+                decoding.append(seq)
+        return decoding, prefilling
 
     def _speculates(self, decoding: list[Sequence]) -> bool:
         """Whether decodes get n-gram drafts this step: under speculative decoding, with fewer decoding
