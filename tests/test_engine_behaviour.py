@@ -607,6 +607,26 @@ def test_admission_keeps_headroom_so_preempted_sequences_do_not_thrash(tiny_mode
     llm.block_manager.check_all_free()
 
 
+def test_prompts_end_in_chunks_of_every_length(tiny_models, hf_reference):
+    """With a budget of 8 tokens shared with the decodes, prompts of 9 to 20 tokens end in chunks of every
+    length from 1 to 8: each runs to its end, equal to HF, in a bounded number of steps (a scheduler
+    that passed over a prompt with two tokens left stalled the engine for good)."""
+    model = tiny_models["llama"]
+    prompts = [p[:n] for p, n in zip(random_prompts(12, 20, 20, vocab=512, seed=5), range(9, 21))]
+    llm = LLM(model, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=8)
+    for i, prompt in enumerate(prompts):
+        llm.add_request(str(i), prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    tokens = {str(i): [] for i in range(len(prompts))}
+    for _ in range(200):
+        if not llm.has_unfinished():
+            break
+        for delta in llm.step():
+            tokens[delta.request_id] += delta.new_token_ids
+    assert not llm.has_unfinished()
+    assert [tokens[str(i)] for i in range(len(prompts))] == [hf_reference(model, p, 6) for p in prompts]
+    llm.block_manager.check_all_free()
+
+
 def test_sampling_benchmark_runs(default_model):
     """`client/bench.py --peers sampling` (the README's sampling table) times every case on real logits."""
     import sys
