@@ -59,17 +59,20 @@ class BlockTable:
     def __len__(self) -> int:
         return self._len
 
+    def _position(self, index: int) -> int:
+        """Where `index` (negative from the end, as a list's) is in the array (no view made: the
+        scheduler reads an entry of every decoding sequence's table each step)."""
+        if not -self._len <= index < self._len:
+            raise IndexError("block table index out of range")
+        return index + self._len if index < 0 else index
+
     def __getitem__(self, index):
         if isinstance(index, slice):
             return self.ids[index].tolist()
-        if not -self._len <= index < self._len:
-            raise IndexError("block table index out of range")
-        return int(self.ids[index])
+        return int(self._ids[self._position(index)])
 
     def __setitem__(self, index: int, block_id: int) -> None:
-        if not -self._len <= index < self._len:
-            raise IndexError("block table index out of range")
-        self.ids[index] = block_id
+        self._ids[self._position(index)] = block_id
 
     def __iter__(self):
         return iter(self.ids.tolist())
