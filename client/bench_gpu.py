@@ -88,6 +88,11 @@ def build_model(shape: dict, out: Path, dtype: torch.dtype, device: str) -> str:
     return str(out)
 
 
+def measured_dtype(device: str) -> str:
+    """The dtype the engine is measured in: bfloat16 on a GPU, float32 on the smoke run's CPU."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
 def release() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -167,7 +172,7 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int, samplin
     sampling at temperature 1 or with the `sampling` parameters."""
     from inflight import SamplingParams
 
-    llm = engine(model_dir, device, "bfloat16" if device == "cuda" else "float32", max_num_seqs=max(sequences, 8),
+    llm = engine(model_dir, device, measured_dtype(device), max_num_seqs=max(sequences, 8),
                  max_num_batched_tokens=max(4096, sequences), **settings)
     for i, prompt in enumerate(make_workload(sequences, 5, (128, 128)).prompts):
         llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True,
@@ -222,7 +227,7 @@ def offline(model_dir: str, device: str, work: Workload, static_batch: int, keys
     """(system, output tok/s or the error that stopped it) of each system on `work`, EOS ignored, as
     each finishes: the first graphed mode of `keys`, then the HF `peers` (hf-cb, hf-static), then the
     other graphed modes (a run cut short by its time limit keeps the comparison that matters)."""
-    dtype = "bfloat16" if device == "cuda" else "float32"
+    dtype = measured_dtype(device)
     keys = [key for key in keys if MODES[key][1]["cuda_graphs"]]
     for key in keys[:1]:
         yield attempt(f"inflight, {MODES[key][0]}", lambda: run_engine(model_dir, device, dtype, work, key))
@@ -291,8 +296,7 @@ def host_profile(model_dir: str, device: str, sequences: int, steps: int, sampli
 
     from inflight import SamplingParams
 
-    llm = engine(model_dir, device, "bfloat16" if device == "cuda" else "float32", max_num_seqs=sequences,
-                 max_num_batched_tokens=4096)
+    llm = engine(model_dir, device, measured_dtype(device), max_num_seqs=sequences, max_num_batched_tokens=4096)
     for i, prompt in enumerate(make_workload(sequences, 5, (128, 128)).prompts):
         llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True, **(sampling or {})))
     for _ in range(5):
@@ -416,8 +420,8 @@ def main() -> None:
     report = Report(args.out)
     report.add(f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory(prefix="inflight-bench-gpu-") as tmp:
-        built = {name: build_model(shape, Path(tmp) / f"m{i}", torch.bfloat16 if device == "cuda" else torch.float32,
-                                   device) for i, (name, shape) in enumerate(shapes.items())}
+        built = {name: build_model(shape, Path(tmp) / f"m{i}", getattr(torch, measured_dtype(device)), device)
+                 for i, (name, shape) in enumerate(shapes.items())}
         first = next(iter(built.values()))
         report.took("random-weight models built")
         dtypes = () if "greedy" in skip else ("float32", "bfloat16")
