@@ -13,7 +13,7 @@ import pytest
 
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
-from inflight.outputs import RequestDelta, coalesce
+from inflight.outputs import RequestDelta, coalesce, joined
 from inflight.engine import EngineDeadError
 from inflight.serving.engine_process import EngineProcess
 from inflight.serving.engine_thread import EngineThread
@@ -429,6 +429,25 @@ def test_coalesce_joins_each_completions_deltas_in_order():
         ("b", 0, [7, 8], "pq", False), ("a", 0, [1, 2, 3], "xyz", True), ("c", 0, [9], "r", False),
         ("d", 0, [5], "n", False), ("d", 1, [4, 6], "mo", True)]
     assert merged[1].finish_reason == "length" and steps[0][0].new_token_ids == [1]  # inputs untouched
+
+
+def test_joined_deltas_keep_logprobs_and_logits_once_each():
+    first = RequestDelta("a", [1], "x", False, None, 3, 1, new_logprobs=[{1: -0.5}], cumulative_logprob=-0.5,
+                         prompt_logprobs=[None, {7: -1.0}], context_logits=np.ones((3, 4)),
+                         new_generation_logits=[np.zeros(4)])
+    middle = RequestDelta("a", [], "", False, None, 3, 1, new_logprobs=[], cumulative_logprob=-0.5,
+                          new_generation_logits=[])
+    last = RequestDelta("a", [2, 3], "yz", True, "stop", 3, 3, new_logprobs=[{2: -0.25}, {3: -0.125}],
+                        cumulative_logprob=-0.875, new_generation_logits=[np.ones(4), np.full(4, 2.0)])
+    whole = joined([first, middle, last])
+    assert (whole.new_token_ids, whole.new_text, whole.finished, whole.finish_reason) == \
+        ([1, 2, 3], "xyz", True, "stop")
+    assert whole.new_logprobs == [{1: -0.5}, {2: -0.25}, {3: -0.125}] and whole.cumulative_logprob == -0.875
+    assert whole.prompt_logprobs == [None, {7: -1.0}] and whole.context_logits is first.context_logits
+    assert [row[0] for row in whole.new_generation_logits] == [0.0, 1.0, 2.0] and whole.num_output_tokens == 3
+    plain = joined([RequestDelta("b", [4], "p", False, None, 2, 1), RequestDelta("b", [5], "q", True, "length", 2, 2)])
+    assert plain.new_logprobs is None and plain.new_generation_logits is None and plain.context_logits is None
+    assert joined([first]) is first
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "step-then-send"])

@@ -8,7 +8,9 @@ text back while it ends in an incomplete character.
 Byte-level BPE vocabularies (GPT-2's scheme: Llama 3, Qwen, SmolLM2) have a faster way: the text of any
 token sequence is the UTF-8 decoding of the tokens' bytes joined, so each token's bytes are looked up
 in a table and fed to an incremental UTF-8 decoder; no tokenizer call per token. The table is used only
-for a tokenizer whose own decode it reproduces on a sample of sequences (TokenBytes.build).
+for a tokenizer whose own decode it reproduces on a sample of sequences (TokenBytes.build). Most tokens
+are whole characters: one of those after complete text is its text, looked up (a step of 128 sequences
+detokenizes 128 tokens on the engine's thread).
 """
 
 import codecs
@@ -43,6 +45,12 @@ class TokenBytes:
     def __init__(self, table: list[bytes], special_ids: set[int]):
         self.table = table
         self.special_ids = special_ids
+        # Each token's text where its bytes are whole UTF-8 characters, else None; specials skipped: "".
+        self.texts = [_whole_characters(piece) for piece in table]
+        self.texts_skipping_special = list(self.texts)
+        for token_id in special_ids:
+            if token_id < len(table):
+                self.texts_skipping_special[token_id] = ""
 
     def join(self, token_ids: list[int], skip_special_tokens: bool) -> bytes:
         """The tokens' bytes. An id past the tokenizer's vocabulary (a model's embedding padded beyond
@@ -95,11 +103,20 @@ class TokenBytes:
         return True
 
 
+def _whole_characters(piece: bytes) -> str | None:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, lock: threading.Lock,
                  token_bytes: TokenBytes | None = None):
         self._token_bytes = token_bytes  # the fast way, for byte-level vocabularies
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds back split characters
+        self._texts = None if token_bytes is None else \
+            token_bytes.texts_skipping_special if skip_special_tokens else token_bytes.texts
+        self._split_character = b""  # the bytes of a character not yet complete (the fast way)
         self._tokenizer = tokenizer
         self._lock = lock  # a HF fast tokenizer must not be used from two threads at once
         self._skip_special = skip_special_tokens
@@ -115,7 +132,15 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: list[int]) -> str:
         """Feed newly generated tokens; return the text they complete (possibly empty)."""
         if self._token_bytes is not None:
-            return self._utf8.decode(self._token_bytes.join(token_ids, self._skip_special))
+            if len(token_ids) == 1 and not self._split_character:
+                token_id = token_ids[0]
+                text = self._texts[token_id] if token_id < len(self._texts) else ""  # (past the vocabulary)
+                if text is not None:
+                    return text
+            data = self._split_character + self._token_bytes.join(token_ids, self._skip_special)
+            text, used = codecs.utf_8_decode(data, "replace", False)
+            self._split_character = data[used:]
+            return text
         self._ids.extend(token_ids)
         window = self._ids[self._prefix_offset:]
         before = self._decode(self._ids[self._prefix_offset:self._read_offset])
@@ -131,14 +156,14 @@ class IncrementalDetokenizer:
         """A copy that goes on from here on its own (beam search tries each continuation's text)."""
         other = copy.copy(self)
         other._ids = list(self._ids)
-        other._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        other._utf8.setstate(self._utf8.getstate())
         return other
 
     def flush(self) -> str:
         """At the end of a sequence, emit whatever was held back (an incomplete character stays as U+FFFD)."""
         if self._token_bytes is not None:
-            return self._utf8.decode(b"", final=True)
+            text = codecs.utf_8_decode(self._split_character, "replace", True)[0]
+            self._split_character = b""
+            return text
         if self._read_offset == len(self._ids):
             return ""
         before = self._decode(self._ids[self._prefix_offset:self._read_offset])

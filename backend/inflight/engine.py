@@ -756,8 +756,8 @@ class LLMEngine:
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        text_before = len(seq.output_text)
-        seq.output_text += self._detokenize(seq, [token])
+        text_before = len(seq.text_tail)
+        seq.text_tail += self._detokenize(seq, [token])
         num_out = len(seq.output_token_ids)
         reason = None
         if seq.matcher is not None and seq.matcher.is_terminated():
@@ -768,11 +768,11 @@ class LLMEngine:
         elif num_out >= p.max_tokens or seq.num_prompt_tokens + num_out >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            seq.output_text += seq.detokenizer.flush()  # text held back for an incomplete character
+            seq.text_tail += seq.detokenizer.flush()  # text held back for an incomplete character
         if p.stop and num_out >= p.min_tokens:
-            found = find_stop_string(seq.output_text, p.stop, text_before)
+            found = find_stop_string(seq.text_tail, p.stop, text_before)
             if found is not None:  # all after the stop string goes, and the string too unless asked for
-                seq.output_text = seq.output_text[:found[1] if p.include_stop_str_in_output else found[0]]
+                seq.text_tail = seq.text_tail[:found[1] if p.include_stop_str_in_output else found[0]]
                 reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -782,19 +782,19 @@ class LLMEngine:
         stop string is held back."""
         request_finished, metrics = False, None
         if seq.is_finished:
-            text_end = len(seq.output_text)
+            text_end = len(seq.text_tail)
             seqs = self._requests.get(seq.request_id, [seq])
             request_finished = all(s.is_finished and not s.forks_left for s in seqs)
             if request_finished:
                 self._requests.pop(seq.request_id, None)
                 metrics = next((s.metrics for s in seqs if s.index == 0), seq.metrics)
         else:
-            text_end = max(seq.num_text_sent, len(seq.output_text) - seq.params.stop_hold_back)
+            text_end = max(seq.num_text_sent, len(seq.text_tail) - seq.params.stop_hold_back)
         p = seq.params
         delta = RequestDelta(
             request_id=seq.request_id,
             new_token_ids=seq.output_token_ids[seq.num_tokens_sent:],
-            new_text=seq.output_text[seq.num_text_sent:text_end],
+            new_text=seq.text_tail[seq.num_text_sent:text_end],
             finished=request_finished,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -813,6 +813,10 @@ class LLMEngine:
             delta.new_generation_logits = seq.generation_logits[seq.num_tokens_sent:]
         seq.num_tokens_sent = len(seq.output_token_ids)
         seq.num_text_sent = text_end
+        behind = text_end - p.stop_reach_back  # sent characters no stop string can start at any more
+        if behind > 0:
+            seq.text_tail = seq.text_tail[behind:]
+            seq.num_text_sent -= behind
         return delta
 
     # -- introspection ---------------------------------------------------------------------------

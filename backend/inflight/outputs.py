@@ -46,7 +46,7 @@ class RequestMetrics:
             self.first_token_time_ns = self.last_token_time_ns
 
 
-@dataclass
+@dataclass(slots=True)  # (one a sequence a step)
 class RequestDelta:
     """What one step added to one completion of a request. The concatenation of a completion's deltas
     is its output."""
@@ -72,28 +72,34 @@ class RequestDelta:
     context_logits: "np.ndarray | None" = None
     new_generation_logits: list | None = None
 
-    def followed_by(self, later: "RequestDelta") -> "RequestDelta":
-        """This delta and a later one of the same request, as one."""
-        logprobs = None if self.new_logprobs is None else self.new_logprobs + (later.new_logprobs or [])
-        generation = None if self.new_generation_logits is None else \
-            self.new_generation_logits + (later.new_generation_logits or [])
-        context = self.context_logits if self.context_logits is not None else later.context_logits
-        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
-                       new_text=self.new_text + later.new_text, new_logprobs=logprobs,
-                       prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
-                       context_logits=context, new_generation_logits=generation)
+
+def joined(deltas: list[RequestDelta]) -> RequestDelta:
+    """Successive deltas of one completion as one: the last, with what each brought joined in one go (a
+    pair at a time, a long output's deltas took time quadratic in its length)."""
+    first, last = deltas[0], deltas[-1]
+    if len(deltas) == 1:
+        return first
+    logprobs = None if first.new_logprobs is None else [e for d in deltas for e in d.new_logprobs or ()]
+    generation = None if first.new_generation_logits is None else \
+        [row for d in deltas for row in d.new_generation_logits or ()]
+    return replace(last, new_token_ids=[t for d in deltas for t in d.new_token_ids],
+                   new_text="".join(d.new_text for d in deltas), new_logprobs=logprobs,
+                   prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), last.prompt_logprobs),
+                   context_logits=next((d.context_logits for d in deltas if d.context_logits is not None), None),
+                   new_generation_logits=generation)
 
 
 def coalesce(steps: list[list[RequestDelta]]) -> list[RequestDelta]:
     """Several steps' deltas as one delta per completion, in the order of each one's last delta (so a
     request's final delta stays after its other completions')."""
-    merged: dict[tuple[str, int], RequestDelta] = {}
+    by_completion: dict[tuple[str, int], list[RequestDelta]] = {}
     for deltas in steps:
         for delta in deltas:
             key = (delta.request_id, delta.index)
-            earlier = merged.pop(key, None)
-            merged[key] = delta if earlier is None else earlier.followed_by(delta)
-    return list(merged.values())
+            parts = by_completion.pop(key, [])
+            parts.append(delta)
+            by_completion[key] = parts
+    return [joined(parts) for parts in by_completion.values()]
 
 
 @dataclass

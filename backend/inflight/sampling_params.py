@@ -286,9 +286,14 @@ class SamplingParams:
         """Characters of a running sequence's text kept from its stream: those that could be the start
         of a stop string, which would be cut. Nothing when the stop string is kept: a match then cuts only
         what follows it, which has not been sent."""
-        if self.include_stop_str_in_output:
+        if self.include_stop_str_in_output or not self.stop:  # (read for every token: no generator when none)
             return 0
-        return max((len(s) - 1 for s in self.stop), default=0)
+        return self.stop_reach_back
+
+    @property
+    def stop_reach_back(self) -> int:
+        """Characters before a new piece of text that a stop string ending in it can start at."""
+        return max(len(s) for s in self.stop) - 1 if self.stop else 0
 
     def _check_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)

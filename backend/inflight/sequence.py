@@ -124,8 +124,11 @@ class Sequence:
     context_logits: list = field(default_factory=list)  # raw logits rows per prompt position, when asked for
     generation_logits: list = field(default_factory=list)  # raw logits rows per output token, when asked for
 
-    output_text: str = ""  # text decoded so far, stop strings cut
-    num_text_sent: int = 0  # characters of output_text already handed out as deltas
+    # The end of the text decoded so far (stop strings cut): what no delta has handed out yet, and before
+    # it the characters handed out that a stop string could still start at. (Not the whole text: adding
+    # to a string copies it, and the text of a long output grew by copies of itself at every token.)
+    text_tail: str = ""
+    num_text_sent: int = 0  # characters at the start of text_tail already handed out as deltas
     num_tokens_sent: int = 0  # output tokens already handed out as deltas
     # The known tokens again, in an array with room to grow, built when first read (penalties and bad
     # words read them every step: a Python list of thousands of ints took milliseconds to convert).

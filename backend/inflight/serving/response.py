@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from ..outputs import RequestDelta, RequestMetrics, TokenLogprobs
+from ..outputs import RequestDelta, RequestMetrics, TokenLogprobs, joined
 from .request import ParsedRequest
 
 
@@ -45,28 +45,28 @@ class RequestResponses:
         self._requested = requested_outputs or None
         self._n = parsed.params.n
         self._all_completions = self._n > 1 and not parsed.per_completion_responses
-        self._pending: dict[int, RequestDelta] = {}  # by completion index
+        self._pending: dict[int, list[RequestDelta]] = {}  # deltas not sent yet, by completion index
         self._last: dict[int, RequestDelta] = {}  # each completion's last delta sent
         self._wants_tokens = isinstance(parsed.prompt, list) or parsed.params.logprobs is not None
 
     def add(self, delta: RequestDelta) -> dict[str, np.ndarray] | None:
         """The outputs of the response this delta completes, or None when nothing is to be sent yet."""
-        earlier = self._pending.pop(delta.index, None)
-        pending = delta if earlier is None else earlier.followed_by(delta)
+        self._pending.setdefault(delta.index, []).append(delta)
+        # (Judged by the new delta alone: had an earlier one been ready, it would have been sent.)
         if self.parsed.params.beam_search and self._all_completions:
-            ready = pending.finished  # a search's beams all come in its last step: one response for them
+            ready = delta.finished  # a search's beams all come in its last step: one response for them
         elif self.parsed.stream:
-            ready = (pending.finished or pending.new_text or pending.finish_reason is not None
-                     or (self._wants_tokens and pending.new_token_ids))
+            ready = (delta.finished or delta.new_text or delta.finish_reason is not None
+                     or (self._wants_tokens and delta.new_token_ids))
         else:
-            ready = pending.finished or (pending.finish_reason is not None and not self._all_completions)
-        self._pending[delta.index] = pending
+            ready = delta.finished or (delta.finish_reason is not None and not self._all_completions)
         if not ready:
             return None
         if self._all_completions:
-            parts = [self._pending.pop(i, None) or self._nothing(pending, i) for i in range(self._n)]
+            parts = [joined(self._pending.pop(i)) if i in self._pending else self._nothing(delta, i)
+                     for i in range(self._n)]
         else:
-            parts = [self._pending.pop(delta.index)]
+            parts = [joined(self._pending.pop(delta.index))]
         self._last.update((d.index, d) for d in parts)
         return self._outputs(parts)
 
