@@ -29,6 +29,7 @@ have (scripts/compile_kernels.py); over an fp8 cache, to bfloat16. fp8 keys and 
 the query's dtype as they load (stored saturated, unscaled: torch_ops.stored).
 """
 
+import functools
 import os
 
 import torch
@@ -297,7 +298,21 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
                    sinks: bool = False, cache_dtype: torch.dtype | None = None) -> tuple[tuple[int, int, int], dict]:
     """The launch grid and compile-time constants (with num_warps, and num_stages when given) of
     `_paged_attention_kernel` for one batch (`dtype`: the query's; `cache_dtype`: the KV cache's, where
-    another); the optional values override the defaults (bench sweeps)."""
+    another); the optional values override the defaults (bench sweeps). The constants are shared by the
+    batches of their kind: not to be changed."""
+    constants = _attention_constants(num_tokens == num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                     sliding_window, block_m, tile_n, num_splits, num_warps, num_stages, softcap,
+                                     sinks, cache_dtype)
+    return (num_tokens // constants["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits), constants
+
+
+# Worked out once per kind of batch (decode or not, and the model's shape): an eager step launches the
+# kernel in every layer, and this took 4 us a call of Python on the CI host.
+@functools.lru_cache(maxsize=256)
+def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                         dtype: torch.dtype, sliding_window: int | None, block_m: int | None, tile_n: int | None,
+                         num_splits: int, num_warps: int | None, num_stages: int | None, softcap: float | None,
+                         sinks: bool, cache_dtype: torch.dtype | None) -> dict:
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     if num_splits < 1 or num_splits & (num_splits - 1):
@@ -309,7 +324,6 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     # float32 decodes with head_dim 256 (Gemma 2) do (no spills on sm_80/sm_90: scripts/compile_kernels.py,
     # which the tests run, fails on one).
     wide = dtype == torch.float32 and not _INTERPRETED
-    decode = num_tokens == num_seqs
     fp8_cache = cache_dtype in FP8_DTYPES
     block_m = max(block_m or (16 if decode else 32 if wide else 64), group_pad, 16)
     block_q = block_m // group_pad
@@ -329,13 +343,18 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     )
     if num_stages is not None:
         constants["num_stages"] = num_stages
-    return (num_tokens // block_q + num_seqs, num_kv_heads, num_splits), constants
+    return constants
 
 
 def _default_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int) -> int:
     if query.device.type != "cuda" or query.shape[0] != num_seqs:  # split decode batches on a GPU only
         return 1
-    return decode_splits(num_seqs, num_kv_heads, torch.cuda.get_device_properties(query.device).multi_processor_count)
+    return decode_splits(num_seqs, num_kv_heads, _multiprocessors(query.device.index))
+
+
+@functools.cache
+def _multiprocessors(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
