@@ -77,20 +77,23 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 def _padded_ids(rows: list[np.ndarray], pending: list[int | None], in_flight: torch.Tensor | None, vocab: int,
                 device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """Each row's token ids below `vocab` [rows, longest], padded with its first one (0 for a row with
+    """Each row's token ids below `vocab` [rows, longest], padded with ids of its own (0 for a row with
     none: its penalties must then change nothing), and how many each row has. A row with a `pending`
     index has one more id after its own: that row of `in_flight`, copied on the device. Scattering back
-    a value computed from a token's logit writes the same value for each repeat and each pad."""
-    if any(len(ids) and ids.max() >= vocab for ids in rows):  # (a prompt's ids beyond the model's logits)
+    a value computed from a token's logit writes the same value for each repeat and each pad.
+    Laid out by a few whole-array operations: row by row, a step of 128 sequences of ~600 tokens took
+    0.47 ms of the CI host, most of it Python (on a GPU, the host's time is the step's)."""
+    flat = np.concatenate([_NO_ID, *rows])  # (after a 0 that rows without ids point to)
+    if flat.max() >= vocab:  # (a prompt's ids beyond the model's logits)
         rows = [ids[ids < vocab] for ids in rows]
-    lengths = np.array([len(ids) for ids in rows])
-    extra = np.array([row is not None for row in pending], dtype=np.int64)
-    padded = np.zeros((len(rows), max(int((lengths + extra).max()), 1)), dtype=np.int64)
-    for row, ids in enumerate(rows):  # a copy a row (indexing every id at once took 10x as long)
-        if len(ids):
-            padded[row, :len(ids)] = ids
-            padded[row, len(ids):] = ids[0]
-    padded = to_device(padded, device)
+        flat = np.concatenate([_NO_ID, *rows])
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    extra = np.fromiter((row is not None for row in pending), np.int64, len(rows))
+    width = max(int((lengths + extra).max()), 1)
+    starts = np.where(lengths > 0, np.cumsum(lengths) - lengths + 1, 0)
+    last = np.maximum(lengths - 1, 0)
+    # Position j of a row reads its id j, or its last one past its end.
+    padded = to_device(np.take(flat, starts[:, None] + np.minimum(np.arange(width), last[:, None])), device)
     if extra.any():  # sampled tokens: always within the vocabulary
         with_pending = np.flatnonzero(extra)
         latest = in_flight[to_device([pending[i] for i in with_pending], device)]
@@ -99,6 +102,9 @@ def _padded_ids(rows: list[np.ndarray], pending: list[int | None], in_flight: to
         if len(alone):
             padded[to_device(with_pending[alone], device)] = latest[to_device(alone, device), None]
     return padded, (lengths + extra).tolist()
+
+
+_NO_ID = np.zeros(1, dtype=np.int64)
 
 
 def suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
