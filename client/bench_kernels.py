@@ -12,7 +12,7 @@ overwritten before each: `kernel_seconds`); the last column is our kernel launch
 host's launch cost included, as an eager step runs it. Decode rows report achieved bandwidth, KV bytes
 read per second against the measured device-copy bandwidth; prefill rows report TFLOP/s (causal pairs
 only). With --sweep, each mix also tries the launch parameters below and prints the fastest, for the
-tuned table in triton_ops.
+tuned table in triton_ops. Then the sampler's top-p kernel against sorting every row.
 """
 
 import argparse
@@ -234,6 +234,33 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         print(row, flush=True)
 
 
+TOP_P_VOCABS = {"default model": 49152, "Llama 3 (the 1.2B shape's)": 128256}
+
+
+def bench_top_p(rows: int = 128) -> None:
+    """Top-p's cuts for a decode step of `rows` sequences: the sampler's kernel against sorting every row
+    (the sampler's way on a GPU before it), on logits as peaked as a model's (scaled normal noise)."""
+    from inflight import sampler
+    from inflight.ops.triton_top_p import top_p_cuts
+
+    print(f"\ntop-p cuts, {rows} rows (top_p 0.9), kernel time in a CUDA graph\n")
+    print("| vocabulary | top-p kernel (ms) | sort every row (ms) | equal cuts |\n|---|---:|---:|---|")
+    for name, vocab in TOP_P_VOCABS.items():
+        logits = torch.randn(rows, vocab, device="cuda") * 4.0
+        top_p = torch.full((rows, 1), 0.9, device="cuda")
+
+        def kernel():
+            return top_p_cuts(logits, top_p)
+
+        def by_sorting():
+            log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+            return sampler._cuts_within(torch.sort(logits, dim=-1, descending=True).values, log_total, top_p)[0]
+
+        equal = torch.equal(kernel(), by_sorting())
+        print(f"| {name}, {vocab:,} | {kernel_seconds(kernel) * 1e3:.3f} | {kernel_seconds(by_sorting) * 1e3:.3f} "
+              f"| {'yes' if equal else 'NO'} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
@@ -255,6 +282,8 @@ def main() -> None:
           f"device copy {bandwidth / 1e12:.2f} TB/s")
     for shape in args.shapes.split(","):
         bench_shape(shape, dtype, args.block_size, bandwidth, args.sweep, mixes)
+    if not args.sweep:
+        bench_top_p()
 
 
 if __name__ == "__main__":

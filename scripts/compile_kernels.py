@@ -36,7 +36,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from inflight.ops import triton_ops  # noqa: E402
+from inflight.ops import triton_ops, triton_top_p  # noqa: E402
 
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e5m2: "fp8e5",
                 torch.float8_e4m3fn: "fp8e4nv"}
@@ -181,6 +181,8 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
             heads, kv_heads, head_dim, _, _ = SHAPES[shape]
             _, constants = triton_ops.kv_write_meta(64, kv_heads, head_dim, block_size)
             yield f"write_kv_cache {shape}", write, constants, cache_dtype, multiples_of_16(write, heads, head_dim)
+    if torch.float32 in dtypes:  # the sampler's, over float32 logits whatever the model's dtype
+        yield "top_p_cut", triton_top_p._top_p_cut_kernel, triton_top_p.LAUNCH, torch.float32, set()
 
 
 def report(job: tuple[int, list[str], list[str], int]) -> tuple[str, bool]:

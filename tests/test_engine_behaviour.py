@@ -89,18 +89,18 @@ ON_A_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU
 
 @pytest.mark.parametrize("candidates, device", [((256, 1024), "cpu"), ((256,), "cpu"), ((), "cpu"), (None, "cpu"),
                                                 pytest.param(None, "cuda", marks=ON_A_GPU)],
-                         ids=["likeliest-first", "one-width", "sorted-whole", "as-on-a-gpu", "on-a-gpu"])
+                         ids=["likeliest-first", "one-width", "sorted-whole", "kernel", "on-a-gpu"])
 def test_sampling_filters_equal_their_definitions(monkeypatch, candidates, device):
     """Temperature, top-k, top-p and min-p over a batch equal the filters applied one row at a time over
     the sorted vocabulary: on a CPU top-p looks for each row's cut among its likeliest tokens, then
     among more, and sorts only rows whose cut lies beyond them (peaked rows and flat ones below); a GPU
-    sorts every row."""
+    finds every row's cut with a Triton kernel (here also under the interpreter)."""
     from types import SimpleNamespace
 
     from inflight import sampler
 
     if candidates is None:
-        monkeypatch.setattr(sampler, "_chooses_rows", lambda device: False)
+        monkeypatch.setattr(sampler, "_cuts_by_kernel", lambda device: True)
     else:
         monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
     torch.manual_seed(0)
@@ -120,6 +120,32 @@ def test_sampling_filters_equal_their_definitions(monkeypatch, candidates, devic
     kept = (probs > 0).sum(-1)
     # Cuts within the first width (row 0), within the second (row 5) and past both (rows 1, 11).
     assert kept[0] <= 256 < kept[5] <= 1024 < min(kept[1], kept[11]) and kept[12] == 1, kept
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
+def test_top_p_kernel_cuts_where_sorting_does(monkeypatch, device):
+    """The top-p kernel's cut equals the sorted definition's on rows that stress a search over the
+    logits' order: many exact ties at the cut, tokens of no probability (-inf, as top-k leaves them),
+    negative and positive logits, one token holding all the mass, a flat row, a vocabulary not a
+    multiple of the kernel's block (on a CPU under the Triton interpreter)."""
+    from inflight import sampler
+    from inflight.ops.triton_top_p import top_p_cuts
+
+    torch.manual_seed(1)
+    vocab = 3001
+    logits = torch.randint(-6, 6, (8, vocab)).float()  # ties everywhere
+    logits[1, ::3] = float("-inf")
+    logits[2] = torch.randn(vocab) * 0.01  # nearly flat
+    logits[3] = torch.randn(vocab) * 20.0  # one token holds nearly all
+    logits[4, :] = -50.0
+    logits[4, 7] = 50.0  # one token holds all
+    logits[5] = torch.randn(vocab) - 3.0  # every logit negative
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.3, 0.9, 0.999, 1e-6, 1.0])[:, None]
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", ())  # the CPU path: every row sorted
+    expected = sampler._top_p_cuts(logits, top_p)
+    cuts = top_p_cuts(logits.to(device), top_p.to(device)).cpu()
+    assert torch.equal(cuts, expected), (cuts, expected)
+    assert cuts[7, 0] == float("-inf") and cuts[4, 0] == 50.0
 
 
 @pytest.mark.parametrize("pending", [False, True], ids=["all-known", "latest-in-flight"])

@@ -35,7 +35,7 @@ from .outputs import RequestDelta, TokenLogprobs
 from .parallel import RanksFailedError, TensorParallelRunner
 from .prompt_embeds import PromptEmbeddings
 from .prompt_logprobs import MeasuredPrompts
-from .sampler import sample
+from .sampler import compile_kernels as compile_sampling_kernels, sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -101,6 +101,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.config) if self.config.tensor_parallel_size == 1 else \
             TensorParallelRunner(self.config)
         self.eos_token_ids = self._eos_token_ids(model)
+        compile_sampling_kernels(self.runner.device, self.runner.hf_config.vocab_size)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.sliding_window)

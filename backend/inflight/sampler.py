@@ -155,7 +155,8 @@ def _ban(logits: torch.Tensor, cells: list[tuple[int, int]]) -> None:
 
 # On a CPU, top-p looks for its cut among each row's likeliest tokens first, then among more: sorting
 # 128 rows of a 49,152-token vocabulary took 207 ms on 2 threads, their top 256 11 ms, their top 4,096
-# 39 ms. Only rows whose 4,096 likeliest hold less than top_p of the mass are sorted whole.
+# 39 ms. Only rows whose 4,096 likeliest hold less than top_p of the mass are sorted whole. A GPU finds
+# every row's cut with a kernel (ops/triton_top_p.py).
 TOP_P_CANDIDATES = (256, 4096)
 
 
@@ -187,10 +188,11 @@ def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Each row's smallest logit that top-p keeps [rows, 1]: a token is dropped when the tokens ranked
     above it already hold top_p of the mass; -inf for rows with top_p 1, which drop nothing (their
     cumulative sums can round past 1.0 in the tail)."""
+    if _cuts_by_kernel(logits.device):
+        from .ops.triton_top_p import top_p_cuts  # (triton only where its kernel runs)
+
+        return top_p_cuts(logits, top_p)
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
-    if not _chooses_rows(logits.device):
-        cuts = _cuts_within(torch.sort(logits, dim=-1, descending=True).values, log_total, top_p)[0]
-        return cuts.masked_fill(top_p >= 1.0, float("-inf"))
     cuts = torch.full_like(top_p, float("-inf"))
     rows = (top_p[:, 0] < 1.0).nonzero()[:, 0]
     for width in TOP_P_CANDIDATES:
@@ -205,10 +207,16 @@ def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return cuts
 
 
-def _chooses_rows(device: torch.device) -> bool:
-    """Whether top-p looks at each row's likeliest tokens first; on a GPU, choosing the rows to sort
-    whole would wait for the device: it sorts every row."""
-    return device.type == "cpu"
+def compile_kernels(device: torch.device, vocab: int) -> None:
+    """Compile the sampler's Triton kernel now, where it has one, not in the first request using top-p."""
+    if _cuts_by_kernel(device):
+        _top_p_cuts(torch.zeros(1, vocab, device=device), torch.full((1, 1), 0.5, device=device))
+
+
+def _cuts_by_kernel(device: torch.device) -> bool:
+    """Whether top-p's cuts come from the Triton kernel: on a GPU, where choosing rows to sort would wait
+    for the device, and sorting every row cost more than the rest of sampling."""
+    return device.type == "cuda"
 
 
 def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,
