@@ -237,15 +237,16 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
 TOP_P_VOCABS = {"default model": 49152, "Llama 3 (the 1.2B shape's)": 128256}
 
 
-def bench_top_p(rows: int = 128) -> None:
-    """Top-p's cuts for a decode step of `rows` sequences: the sampler's kernel against sorting every row
-    (the sampler's way on a GPU before it), on logits as peaked as a model's (scaled normal noise)."""
+def bench_top_p() -> None:
+    """Top-p's cuts for a decode step's rows: the sampler's kernel against sorting every row (its way on
+    a GPU for batches under sampler.TOP_P_KERNEL_MIN_ROWS, which these rows are to set), on logits
+    spread as a model's (scaled normal noise)."""
     from inflight import sampler
     from inflight.ops.triton_top_p import top_p_cuts
 
-    print(f"\ntop-p cuts, {rows} rows (top_p 0.9), kernel time in a CUDA graph\n")
-    print("| vocabulary | top-p kernel (ms) | sort every row (ms) | equal cuts |\n|---|---:|---:|---|")
-    for name, vocab in TOP_P_VOCABS.items():
+    print("\ntop-p cuts (top_p 0.9), kernel time in a CUDA graph\n")
+    print("| vocabulary | rows | top-p kernel (ms) | sort every row (ms) | equal cuts |\n|---|---:|---:|---:|---|")
+    for (name, vocab), rows in itertools.product(TOP_P_VOCABS.items(), (8, 32, 128)):
         logits = torch.randn(rows, vocab, device="cuda") * 4.0
         top_p = torch.full((rows, 1), 0.9, device="cuda")
 
@@ -257,8 +258,8 @@ def bench_top_p(rows: int = 128) -> None:
             return sampler._cuts_within(torch.sort(logits, dim=-1, descending=True).values, log_total, top_p)[0]
 
         equal = torch.equal(kernel(), by_sorting())
-        print(f"| {name}, {vocab:,} | {kernel_seconds(kernel) * 1e3:.3f} | {kernel_seconds(by_sorting) * 1e3:.3f} "
-              f"| {'yes' if equal else 'NO'} |", flush=True)
+        print(f"| {name}, {vocab:,} | {rows} | {kernel_seconds(kernel) * 1e3:.3f} | "
+              f"{kernel_seconds(by_sorting) * 1e3:.3f} | {'yes' if equal else 'NO'} |", flush=True)
 
 
 def main() -> None:

@@ -87,21 +87,22 @@ def _filtered_one_row_at_a_time(logits: torch.Tensor, params: list[SamplingParam
 ON_A_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-@pytest.mark.parametrize("candidates, device", [((256, 1024), "cpu"), ((256,), "cpu"), ((), "cpu"), (None, "cpu"),
-                                                pytest.param(None, "cuda", marks=ON_A_GPU)],
-                         ids=["likeliest-first", "one-width", "sorted-whole", "kernel", "on-a-gpu"])
+@pytest.mark.parametrize("candidates, device", [((256, 1024), "cpu"), ((256,), "cpu"), ((), "cpu"), ("kernel", "cpu"),
+                                                ("sort", "cpu"), pytest.param(None, "cuda", marks=ON_A_GPU)],
+                         ids=["likeliest-first", "one-width", "sorted-whole", "kernel", "as-on-a-gpu", "on-a-gpu"])
 def test_sampling_filters_equal_their_definitions(monkeypatch, candidates, device):
     """Temperature, top-k, top-p and min-p over a batch equal the filters applied one row at a time over
     the sorted vocabulary: on a CPU top-p looks for each row's cut among its likeliest tokens, then
     among more, and sorts only rows whose cut lies beyond them (peaked rows and flat ones below); a GPU
-    finds every row's cut with a Triton kernel (here also under the interpreter)."""
+    finds the cuts of a large batch with a Triton kernel (here also under the interpreter) and sorts a
+    small batch's rows."""
     from types import SimpleNamespace
 
     from inflight import sampler
 
-    if candidates is None:
-        monkeypatch.setattr(sampler, "_cuts_by_kernel", lambda device: True)
-    else:
+    if isinstance(candidates, str):
+        monkeypatch.setattr(sampler, "_top_p_way", lambda device, rows: candidates)
+    elif candidates is not None:
         monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
     torch.manual_seed(0)
     vocab = 4096

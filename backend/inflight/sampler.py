@@ -156,7 +156,7 @@ def _ban(logits: torch.Tensor, cells: list[tuple[int, int]]) -> None:
 # On a CPU, top-p looks for its cut among each row's likeliest tokens first, then among more: sorting
 # 128 rows of a 49,152-token vocabulary took 207 ms on 2 threads, their top 256 11 ms, their top 4,096
 # 39 ms. Only rows whose 4,096 likeliest hold less than top_p of the mass are sorted whole. A GPU finds
-# every row's cut with a kernel (ops/triton_top_p.py).
+# the cuts otherwise (_top_p_way).
 TOP_P_CANDIDATES = (256, 4096)
 
 
@@ -188,11 +188,15 @@ def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Each row's smallest logit that top-p keeps [rows, 1]: a token is dropped when the tokens ranked
     above it already hold top_p of the mass; -inf for rows with top_p 1, which drop nothing (their
     cumulative sums can round past 1.0 in the tail)."""
-    if _cuts_by_kernel(logits.device):
+    way = _top_p_way(logits.device, len(logits))
+    if way == "kernel":
         from .ops.triton_top_p import top_p_cuts  # (triton only where its kernel runs)
 
         return top_p_cuts(logits, top_p)
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    if way == "sort":
+        cuts = _cuts_within(torch.sort(logits, dim=-1, descending=True).values, log_total, top_p)[0]
+        return cuts.masked_fill(top_p >= 1.0, float("-inf"))
     cuts = torch.full_like(top_p, float("-inf"))
     rows = (top_p[:, 0] < 1.0).nonzero()[:, 0]
     for width in TOP_P_CANDIDATES:
@@ -209,14 +213,25 @@ def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def compile_kernels(device: torch.device, vocab: int) -> None:
     """Compile the sampler's Triton kernel now, where it has one, not in the first request using top-p."""
-    if _cuts_by_kernel(device):
-        _top_p_cuts(torch.zeros(1, vocab, device=device), torch.full((1, 1), 0.5, device=device))
+    if _top_p_way(device, TOP_P_KERNEL_MIN_ROWS) == "kernel":
+        from .ops.triton_top_p import top_p_cuts
+
+        top_p_cuts(torch.zeros(1, vocab, device=device), torch.full((1, 1), 0.5, device=device))
 
 
-def _cuts_by_kernel(device: torch.device) -> bool:
-    """Whether top-p's cuts come from the Triton kernel: on a GPU, where choosing rows to sort would wait
-    for the device, and sorting every row cost more than the rest of sampling."""
-    return device.type == "cuda"
+# On a GPU, batches of this many rows or more find top-p's cuts with the kernel, smaller ones sort their
+# rows: the kernel's program a row is alone on its SM, its time about that of one row's 8 passes
+# (estimated at ~0.2 ms for a 128k vocabulary), where sorting scales with the rows (1.6 ms for 128 on the
+# H200, two segmented sorts). To be set from bench-kernels' top-p rows on a GPU.
+TOP_P_KERNEL_MIN_ROWS = 32
+
+
+def _top_p_way(device: torch.device, rows: int) -> str:
+    """How top-p's cuts are found: "candidates" on a CPU (the likeliest tokens first, rows chosen to
+    sort), on a GPU "kernel" (ops/triton_top_p.py) or "sort" (every row; choosing rows would wait)."""
+    if device.type == "cpu":
+        return "candidates"
+    return "kernel" if rows >= TOP_P_KERNEL_MIN_ROWS else "sort"
 
 
 def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,

@@ -13,10 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Logits a program reads at once, the ways each pass splits the range of keys, and warps: the [BLOCK,
-# PIVOTS] running sums take 90 registers a thread on sm_80 and sm_90, no spills (compile_kernels.py;
-# 1,024 logits at once took 205 with 8 warps, and spilled with 4).
-LAUNCH = dict(BLOCK=512, PIVOTS=16, num_warps=8)
+# Logits a program reads at once, the ways each pass splits the range of keys, and warps: a logit a
+# thread, its 16 running sums in 64 registers on sm_80 and sm_90, no spills (scripts/compile_kernels.py,
+# triton 3.8; 8 warps over 512 or 1,024 logits spilled 12-16 bytes on sm_90). 16 warps, as the program
+# is alone on its SM at the batches it serves (a row each; more rows than SMs queue).
+LAUNCH = dict(BLOCK=512, PIVOTS=16, num_warps=16)
+
 
 @triton.jit
 def _keys(x):
@@ -49,11 +51,12 @@ def _top_p_cut_kernel(logits_ptr, top_p_ptr, cut_ptr, vocab, stride_row,
     ways = tl.arange(0, PIVOTS)
     while lo < hi:
         pivots = lo + ((hi - lo + 1) * ways) // PIVOTS  # pivots[0] == lo
+        pivot_keys = pivots.to(tl.int32)  # (keys compared in 32 bits: half the instructions of 64)
         partial = tl.zeros([BLOCK, PIVOTS], tl.float32)  # (summed across threads once a pass, not a chunk)
         for start in range(0, vocab, BLOCK):
             x = tl.load(logits + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
             p = tl.exp(x - log_total)
-            at_or_above = _keys(x).to(tl.int64)[:, None] >= pivots[None, :]
+            at_or_above = _keys(x)[:, None] >= pivot_keys[None, :]
             partial += tl.where(at_or_above, p[:, None], 0.0)
         mass = tl.sum(partial, 0)
         # The last pivot whose mass still reaches top_p (the first always does: it is lo).
