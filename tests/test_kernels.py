@@ -620,8 +620,10 @@ def test_kernels_compile_for_gpus():
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
     # 19 variants for each of 3 dtypes, 12 over a 16-bit cache of another dtype, each for 2 targets; over fp8
-    # e5m2 caches 18 and 2 KV writes for both, over e4m3 as many for sm_90 alone (sm_80 does not convert it)
-    assert len(rows) == 2 * (3 * 19 + 12) + 2 * (18 + 2) + (18 + 2) and not any("FAILED" in row for row in rows)
+    # e5m2 caches 18 and 2 KV writes for both, over e4m3 as many for sm_90 alone (sm_80 does not convert it);
+    # the sampler's top-p kernel for both
+    assert len(rows) == 2 * (3 * 19 + 12) + 2 * (18 + 2) + (18 + 2) + 2 and not any("FAILED" in row for row in rows)
+    assert sum("top_p_cut" in row for row in rows) == 2
 
 
 def test_kernel_strides_are_multiples_of_head_dim(tiny_models, monkeypatch):
