@@ -287,9 +287,50 @@ def run_engine(model_dir: str, device: str, dtype: str, work: Workload, mode: st
             f"mean {1000 * seconds / steps:.2f} ms)"), work.output_tokens / seconds
 
 
+# The host's parts of a step, timed by wrapping these methods: (label, object path from the engine, method).
+HOST_PHASES = (("schedule", "scheduler", "schedule"), ("inputs", "runner", "prepare"),
+               ("forward (with input copies, graph replay)", "runner", "run"), ("sample", "", "_sample"),
+               ("read the step before (stop checks, text, deltas)", "", "_complete"))
+
+
+def host_phases(llm, steps: int) -> str:
+    """Milliseconds of host time a step in each of HOST_PHASES, medians of `steps` (perf_counter around
+    each call, no profiler: cProfile's hooks tripled the Python parts' times), and the whole step's."""
+    times: dict[str, list[float]] = {label: [] for label, _, _ in HOST_PHASES}
+    wrapped = []
+    for label, path, name in HOST_PHASES:
+        owner = getattr(llm, path) if path else llm
+        method = getattr(owner, name)
+
+        def timed(*args, _method=method, _label=label, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                times[_label].append(time.perf_counter() - started)
+
+        setattr(owner, name, timed)
+        wrapped.append((owner, name))
+    step_times = []
+    try:
+        for _ in range(steps):
+            started = time.perf_counter()
+            llm.step()
+            step_times.append(time.perf_counter() - started)
+        sync()
+    finally:
+        for owner, name in wrapped:
+            delattr(owner, name)  # (the instance's wrapper goes: the class's method shows again)
+    per_step = {label: sum(values) / steps for label, values in times.items()}
+    rows = [f"| {label} | {1000 * seconds:.3f} |" for label, seconds in per_step.items()]
+    return "\n".join(["| host time a step (mean of %d) | ms |" % steps, "|---|---:|", *rows,
+                      f"| whole step (median) | {1000 * statistics.median(step_times):.3f} |"])
+
+
 def host_profile(model_dir: str, device: str, sequences: int, steps: int, sampling: dict | None = None) -> str:
     """Where the host's time goes in decode steps of `sequences` sampling at temperature 1 (or with
-    `sampling`'s parameters): cProfile, by cumulative time, then by each function's own."""
+    `sampling`'s parameters): each part timed (host_phases), then cProfile, by cumulative time and by
+    each function's own."""
     import cProfile
     import io
     import pstats
@@ -301,6 +342,7 @@ def host_profile(model_dir: str, device: str, sequences: int, steps: int, sampli
         llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True, **(sampling or {})))
     for _ in range(5):
         llm.step()
+    phases = host_phases(llm, steps)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
@@ -313,7 +355,7 @@ def host_profile(model_dir: str, device: str, sequences: int, steps: int, sampli
     stats.sort_stats("tottime").print_stats(20)
     del llm
     release()
-    return text.getvalue()
+    return phases + "\n\n" + text.getvalue()
 
 
 def sampled_words() -> str:

@@ -76,6 +76,11 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     headings = re.findall(r"^host profile, tiny \(smoke\), decode steps of 8 sequences([^\n]*):$", text, re.M)
     assert headings == ["", ", sampling with temperature 0.7, top_p 0.9, repetition_penalty 1.1"], text
     assert len(re.findall(r"engine\.py:\d+\(step\)", text)) >= 2 and text.count("Ordered by: internal time") == 2
+    # Each part of the host's step timed without the profiler, the parts within the whole.
+    for table in re.findall(r"\| host time a step .*?\| whole step \(median\) \| [\d.]+ \|", text, re.S):
+        parts = [float(ms) for ms in re.findall(r"^\| [^|]+ \| ([\d.]+) \|$", table, re.M)]
+        assert len(parts) == 6 and 0 < sum(parts[:-1]) < 1.5 * parts[-1], table
+    assert text.count("| host time a step (mean of") == 2, text
     assert "failed:" not in text, text  # a failing measurement is reported in its row, and the run goes on
     # The issue's targets, checked on the defaults (and with torch_compile, left out here): both shapes'
     # decode step (one here), output tok/s and the ratio to HF continuous batching, each with its verdict.
