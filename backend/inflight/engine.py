@@ -35,8 +35,8 @@ from .outputs import RequestDelta, TokenLogprobs
 from .parallel import RanksFailedError, TensorParallelRunner
 from .prompt_embeds import PromptEmbeddings
 from .prompt_logprobs import MeasuredPrompts
-from .sampler import compile_kernels as compile_sampling_kernels, sample
-from .sampling_params import SamplingParams
+from .sampler import compile_kernels as compile_sampling_kernels, needs_of, sample
+from .sampling_params import BAD_WORDS, LOGPROBS, NO_REPEAT_NGRAMS, RAW_LOGITS, STRUCTURED, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .speculative import NgramProposer, accepted_tokens, draft_distributions, verify
@@ -403,10 +403,13 @@ class LLMEngine:
                 sampling.append(child)
                 rows.append(row)
         logits = logits[to_device(rows, logits.device)] if len(rows) > len(logits) else logits
-        kept = [row for row, seq in enumerate(sampling) if raw_logits.wants_sampled_row(seq)]
+        needs = needs_of(sampling)
+        kept = [row for row, seq in enumerate(sampling) if raw_logits.wants_sampled_row(seq)] \
+            if needs & RAW_LOGITS else []
         sampled_logits = (kept, raw_logits.to_host(logits[to_device(kept, logits.device)])) if kept else None
-        if any((s.matcher is not None or s.bad_words_ids or s.params.no_repeat_ngram_size) and s.num_pending
-               for s in sampling):
+        if needs & (STRUCTURED | BAD_WORDS | NO_REPEAT_NGRAMS) and any(
+                (s.matcher is not None or s.bad_words_ids or s.params.no_repeat_ngram_size) and s.num_pending
+                for s in sampling):
             self._complete_in_flight(deltas)  # their masks follow from the tokens in flight
         tokens, logprobs = self._sample(logits, sampling,
                                         self._in_flight.tokens if self._in_flight is not None else None)
@@ -608,10 +611,11 @@ class LLMEngine:
                 ) -> tuple[torch.Tensor, MeasuredLogprobs | None]:
         """The next tokens, on the logits' device, and the logprobs of the sequences that asked for them
         (measured there, in their order); `in_flight`: the tokens of the step still running."""
-        wanting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        needs = needs_of(seqs)
+        wanting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None] if needs & LOGPROBS else []
         rows = to_device(wanting, logits.device) if wanting else None
         raw = logits[rows] if wanting else None  # a copy: sampling changes `logits` in place
-        constrained = self._grammars if any(s.matcher is not None for s in seqs) else None
+        constrained = self._grammars if needs & STRUCTURED else None
         tokens = sample(logits, seqs, self.eos_token_ids, constrained, in_flight)
         if not wanting:
             return tokens, None

@@ -11,7 +11,17 @@ import numpy as np
 import torch
 
 from .input_buffers import to_device
+from .sampling_params import (BAD_WORDS, GREEDY, MIN_P, MIN_TOKENS, NO_REPEAT_NGRAMS, PRESENCE_FREQUENCY_PENALTY,
+                              REPETITION_PENALTY, SEEDED, TEMPERATURE, TOKEN_CONTROLS, TOP_K, TOP_P)
 from .sequence import Sequence
+
+
+def needs_of(seqs: list[Sequence]) -> int:
+    """What the rows may ask of the sampler: their SamplingParams.needs bits, together."""
+    needs = 0
+    for seq in seqs:
+        needs |= seq.params.needs
+    return needs
 
 
 def apply_token_controls(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -43,23 +53,25 @@ def _cells(per_row: list[tuple[int, np.ndarray]], vocab: int,
     return to_device(rows, device), to_device(np.concatenate([ids for _, ids in per_row]), device)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None) -> None:
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None,
+                    needs: int | None = None) -> None:
     """Repetition penalty over prompt and output (as HF), presence and frequency over output (as vLLM),
     for the whole batch at once, on the logits of the tokens seen only (one row at a time, 128 rows took
     10-20 ms a step on a CPU, and as many launches on a GPU). `in_flight`: the sampled tokens of the step
     still on the GPU (async scheduling), where a sequence with a pending token finds it (`pending_row`):
     read there, it costs the host no wait."""
     vocab, device = logits.shape[-1], logits.device
+    needs = needs_of(seqs) if needs is None else needs
     params = [s.params for s in seqs]
     pending = [s.pending_row if s.num_pending and in_flight is not None else None for s in seqs]
-    if any(p.repetition_penalty != 1.0 for p in params):
+    if needs & REPETITION_PENALTY:
         on = [p.repetition_penalty != 1.0 for p in params]
         ids, lengths = _padded_ids([s.token_array if o else _NONE for s, o in zip(seqs, on)],
                                    [row if o else None for row, o in zip(pending, on)], in_flight, vocab, device)
         penalty = _per_row([p.repetition_penalty if n else 1.0 for p, n in zip(params, lengths)], device)
         values = logits.gather(1, ids)
         logits.scatter_(1, ids, torch.where(values > 0, values / penalty, values * penalty))
-    if any(p.presence_penalty or p.frequency_penalty for p in params):
+    if needs & PRESENCE_FREQUENCY_PENALTY:
         ids, lengths = _padded_ids([s.output_array for s in seqs], pending, in_flight, vocab, device)
         genuine = torch.arange(ids.shape[1], device=device) < to_device(lengths, device)[:, None]
         counts = torch.zeros(len(seqs), vocab, device=device).scatter_add_(1, ids, genuine.float()).gather(1, ids)
@@ -160,25 +172,27 @@ def _ban(logits: torch.Tensor, cells: list[tuple[int, int]]) -> None:
 TOP_P_CANDIDATES = (256, 4096)
 
 
-def filter_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def filter_probs(logits: torch.Tensor, seqs: list[Sequence], needs: int | None = None) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p for the rows that sample; returns probabilities. A filter
-    keeps every token whose logit equals its cut (ties are kept together)."""
+    keeps every token whose logit equals its cut (ties are kept together). `needs`: needs_of(seqs), or
+    of a batch they are rows of."""
     device = logits.device
-    if any(s.params.temperature != 1.0 for s in seqs):
+    needs = needs_of(seqs) if needs is None else needs
+    if needs & TEMPERATURE:
         logits = logits / _per_row([s.params.temperature for s in seqs], device)
     vocab = logits.shape[-1]
-    top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
+    top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs] if needs & TOP_K else [vocab]
     if min(top_k) < vocab:
         widest = max(k for k in top_k if k < vocab)
         kth = torch.topk(logits, widest, dim=-1).values.gather(
             1, to_device([min(k, widest) - 1 for k in top_k], device)[:, None])
         without = to_device([k == vocab for k in top_k], device, torch.bool)[:, None]
         logits = logits.masked_fill(logits < kth.masked_fill(without, float("-inf")), float("-inf"))
-    if any(s.params.top_p < 1.0 for s in seqs):  # decided on the host: no device sync in the step
+    if needs & TOP_P:  # decided on the host: no device sync in the step
         top_p = _per_row([s.params.top_p for s in seqs], device)
         logits = logits.masked_fill(logits < _top_p_cuts(logits, top_p), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if any(s.params.min_p > 0 for s in seqs):
+    if needs & MIN_P:
         min_p = _per_row([s.params.min_p for s in seqs], device)
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
@@ -244,18 +258,19 @@ def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,
     return ranked.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True), mass[:, -1:] >= top_p
 
 
-def apply_logits_processors(scores: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None) -> None:
+def apply_logits_processors(scores: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None,
+                            needs: int | None = None) -> None:
     """The request's token controls (allowed tokens, logit bias), penalties, repeated n-grams and bad
     words, in that order (HF's), for the rows that ask: on the logits before sampling, on the log
     probabilities under beam search (where HF applies its logits processors)."""
-    if any(s.params.allowed_token_ids is not None or s.params.logit_bias for s in seqs):
+    needs = needs_of(seqs) if needs is None else needs
+    if needs & TOKEN_CONTROLS:
         apply_token_controls(scores, seqs)
-    if any(s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
-           for s in seqs):
-        apply_penalties(scores, seqs, in_flight)
-    if any(s.params.no_repeat_ngram_size for s in seqs):
+    if needs & (REPETITION_PENALTY | PRESENCE_FREQUENCY_PENALTY):
+        apply_penalties(scores, seqs, in_flight, needs)
+    if needs & NO_REPEAT_NGRAMS:
         ban_repeated_ngrams(scores, seqs)
-    if any(s.bad_words_ids for s in seqs):
+    if needs & BAD_WORDS:
         ban_bad_words(scores, seqs)
 
 
@@ -266,30 +281,33 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
     logits' device: nothing here waits for the GPU. `grammars` (a StructuredOutputs) masks the rows of
     sequences that have a grammar matcher; `in_flight`: the tokens of the step still running, which
     hold the pending tokens (penalties count them)."""
-    apply_logits_processors(logits, seqs, in_flight)
-    if any(s.params.min_tokens for s in seqs):
+    needs = needs_of(seqs)
+    apply_logits_processors(logits, seqs, in_flight, needs)
+    if needs & MIN_TOKENS:
         suppress_stops(logits, seqs, eos_token_ids)
     if grammars is not None:  # (a sequence that ended since it was scheduled has a spent matcher: its row goes)
         grammars.apply(logits, [None if s.is_finished else s.matcher for s in seqs])
     # max's indices are argmax's (the first of equal values), computed 2-3x faster on a CPU (48 x 49,152: 0.6
     # against 1.5 ms). Greedy rows' tokens, and the likeliest of the rows that sample.
     tokens = logits.max(dim=-1).indices
-    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy] if needs & GREEDY else range(len(seqs))
     if len(rows) == len(seqs):  # every row samples: no copy of the rows (25 MB for 128 of 49,152)
-        return draw(filter_probs(logits, seqs), [s.generator for s in seqs], tokens)
+        return draw(filter_probs(logits, seqs, needs), [s.generator for s in seqs] if needs & SEEDED else None,
+                    tokens)
     if rows:
         at = to_device(rows, logits.device)  # (a list as an index would be copied to a GPU with a wait)
-        probs = filter_probs(logits[at], [seqs[i] for i in rows])
-        tokens[at] = draw(probs, [seqs[i].generator for i in rows], tokens[at])
+        probs = filter_probs(logits[at], [seqs[i] for i in rows], needs)
+        tokens[at] = draw(probs, [seqs[i].generator for i in rows] if needs & SEEDED else None, tokens[at])
     return tokens
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None], likeliest: torch.Tensor) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None] | None,
+         likeliest: torch.Tensor) -> torch.Tensor:
     """One token per row of `probs` [rows, vocab] (rows sum to 1 or less, none all zero), each row's
-    uniform number from its generator where it has one; `likeliest` [rows] is each row's most probable
-    token (the filters keep it), taken where rounding draws a token of no probability."""
+    uniform number from its generator where it has one (None: no row has one); `likeliest` [rows] is each
+    row's most probable token (the filters keep it), taken where rounding draws a token of no probability."""
     cdf = probs.cumsum(-1)  # float32: a tail token of probability under ~1e-7 is drawn only roughly so
-    uniform = uniforms(generators, probs.device)
+    uniform = uniforms(generators, probs.device, len(probs))
     tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
     # Rounding can land on a token of no probability at the very end: take the row's likeliest then
     # (given: an argmax of its own cost 8 ms a step for 128 rows of 49,152 on a CPU).
@@ -297,10 +315,12 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None], likelies
     return torch.where(drawn_nothing, likeliest[:, None], tokens)[:, 0]
 
 
-def uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """A uniform number in [0, 1) per row [rows, 1], each from its row's generator where it has one."""
-    uniform = torch.rand(len(generators), 1, device=device)
-    for row, generator in enumerate(generators):
+def uniforms(generators: list[torch.Generator | None] | None, device: torch.device,
+             rows: int | None = None) -> torch.Tensor:
+    """A uniform number in [0, 1) per row [rows, 1], each from its row's generator where it has one
+    (None: `rows` rows, none with a generator)."""
+    uniform = torch.rand(len(generators) if rows is None else rows, 1, device=device)
+    for row, generator in enumerate(generators or ()):
         if generator is not None:
             uniform[row] = torch.rand(1, device=device, generator=generator)
     return uniform
