@@ -36,7 +36,8 @@ from .parallel import RanksFailedError, TensorParallelRunner
 from .prompt_embeds import PromptEmbeddings
 from .prompt_logprobs import MeasuredPrompts
 from .sampler import compile_kernels as compile_sampling_kernels, needs_of, sample
-from .sampling_params import BAD_WORDS, LOGPROBS, NO_REPEAT_NGRAMS, RAW_LOGITS, STRUCTURED, SamplingParams
+from .sampling_params import (BAD_WORDS, LOGPROBS, NO_REPEAT_NGRAMS, PROMPT_LOGITS, RAW_LOGITS, STRUCTURED,
+                              SamplingParams)
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .speculative import NgramProposer, accepted_tokens, draft_distributions, verify
@@ -369,17 +370,17 @@ class LLMEngine:
         speculating, draft_rows_at = [], []  # sequences with drafts: a row at each draft and after the last
         start = 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            first = seq.num_computed_tokens
-            if seq.num_pending and first + n == seq.num_tokens:  # its last token is in the step in flight
+            reaches_end = seq.num_computed_tokens + n == seq.num_tokens  # its last scheduled token is its last
+            if seq.num_pending and reaches_end:  # its last token is in the step in flight
                 pending_at.append(start + n - 1)
                 pending_rows.append(seq.pending_row)
             if seq.drafts:
                 speculating.append(seq)
                 draft_rows_at += range(start + n - 1 - len(seq.drafts), start + n)
-            elif first + n == seq.num_tokens:
+            elif reaches_end:
                 sampling.append(seq)
                 logits_at.append(start + n - 1)
-            if seq.params.needs_prompt_logits and seq.index == 0:
+            if seq.params.needs & PROMPT_LOGITS and seq.index == 0:
                 prompt_positions += prompt_logprobs.positions(seq, n, start)
             start += n
         pending = (self._in_flight.tokens, pending_at, pending_rows) if pending_at else None

@@ -10,12 +10,14 @@ import numpy as np
 
 from .logprobs import MAX_LOGPROBS
 
-# What a request asks of the sampler beyond drawing at temperature 1, as the bits of SamplingParams.needs:
-# a step ORs its rows' bits once (sampler.needs_of) where it scanned its rows for each feature (a dozen
-# scans of 128 rows, ~0.1 ms of the CI host's Python a step, twice that on the H200's host). The bits
-# say what some row may need; the work itself still reads each row's values.
+# What a request asks of a step beyond drawing a token at temperature 1 (the sampler's filters and
+# processors, logprobs, raw logits, prompt logits), as the bits of SamplingParams.needs: a step ORs its
+# rows' bits once (sampler.needs_of) where it scanned its rows for each feature (a dozen scans of 128
+# rows, ~0.1 ms of the CI host's Python a step, twice that on the H200's host). The bits say what some
+# row may need; the work itself still reads each row's values.
 (GREEDY, TEMPERATURE, TOP_K, TOP_P, MIN_P, TOKEN_CONTROLS, REPETITION_PENALTY, PRESENCE_FREQUENCY_PENALTY,
- NO_REPEAT_NGRAMS, BAD_WORDS, MIN_TOKENS, LOGPROBS, STRUCTURED, SEEDED, RAW_LOGITS) = (1 << i for i in range(15))
+ NO_REPEAT_NGRAMS, BAD_WORDS, MIN_TOKENS, LOGPROBS, STRUCTURED, SEEDED, RAW_LOGITS, PROMPT_LOGITS) = \
+    (1 << i for i in range(16))
 
 
 @dataclass
@@ -290,8 +292,8 @@ class SamplingParams:
 
     @cached_property
     def needs(self) -> int:
-        """The sampler's work this request may ask for: bits of the constants above (the fields do not
-        change once validated)."""
+        """The work this request may ask of a step: bits of the constants above (the fields do not change
+        once validated)."""
         asked = ((self.greedy, GREEDY), (self.temperature not in (0.0, 1.0), TEMPERATURE), (self.top_k > 0, TOP_K),
                  (self.top_p < 1.0, TOP_P), (self.min_p > 0, MIN_P),
                  (self.allowed_token_ids is not None or bool(self.logit_bias), TOKEN_CONTROLS),
@@ -300,7 +302,8 @@ class SamplingParams:
                  (self.no_repeat_ngram_size > 0, NO_REPEAT_NGRAMS), (bool(self.bad_words), BAD_WORDS),
                  (self.min_tokens > 0, MIN_TOKENS), (self.logprobs is not None, LOGPROBS),
                  (self.structured_outputs is not None, STRUCTURED), (self.seed is not None, SEEDED),
-                 (self.return_generation_logits or self.return_context_logits, RAW_LOGITS))
+                 (self.return_generation_logits or self.return_context_logits, RAW_LOGITS),
+                 (self.needs_prompt_logits, PROMPT_LOGITS))
         return sum(bit for on, bit in asked if on)
 
     @property
