@@ -37,7 +37,7 @@ from .prompt_embeds import PromptEmbeddings
 from .prompt_logprobs import MeasuredPrompts
 from .sampler import compile_kernels as compile_sampling_kernels, needs_of, sample
 from .sampling_params import (BAD_WORDS, LOGPROBS, NO_REPEAT_NGRAMS, PROMPT_LOGITS, RAW_LOGITS, STRUCTURED,
-                              SamplingParams)
+                              TOKEN_CONTROLS, SamplingParams)
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .speculative import NgramProposer, accepted_tokens, draft_distributions, verify
@@ -483,15 +483,17 @@ class LLMEngine:
         tokens = step.host.tolist() if step.sampling else []
         logprobs = self._logprob_entries(step.sampling, tokens, step.logprobs)
         kept_rows = dict(zip(*step.sampled_logits)) if step.sampled_logits is not None else {}
+        constrained = needs_of(step.sampling) & (TOKEN_CONTROLS | STRUCTURED)  # (no call a row when none is)
         for row, (seq, token, entry) in enumerate(zip(step.sampling, tokens, logprobs)):
             seq.num_pending -= 1
             if seq.is_finished:  # ended while the step ran (aborted, or finished the step before)
                 continue
-            if not self._possible(seq, token):  # its constraints left no token: it alone ends, with an error
+            if constrained and not self._possible(seq, token):  # its constraints left no token: it alone ends
                 self._fail_constrained(seq, deltas)
                 continue
-            self._record_logprobs(seq, token, entry)
-            if row in kept_rows:
+            if entry is not None:
+                self._record_logprobs(seq, token, entry)
+            if kept_rows and row in kept_rows:
                 raw_logits.record_sampled(seq, kept_rows[row])
             seq.append_token(token)
             self.num_generated_tokens += 1
@@ -797,19 +799,13 @@ class LLMEngine:
         else:
             text_end = max(seq.num_text_sent, len(seq.text_tail) - seq.params.stop_hold_back)
         p = seq.params
-        delta = RequestDelta(
-            request_id=seq.request_id,
-            new_token_ids=seq.output_token_ids[seq.num_tokens_sent:],
-            new_text=seq.text_tail[seq.num_text_sent:text_end],
-            finished=request_finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(seq.output_token_ids),
-            new_logprobs=None if p.logprobs is None else seq.output_logprobs[seq.num_tokens_sent:],
-            cumulative_logprob=None if p.logprobs is None else seq.cumulative_logprob,
-            index=seq.index,
-            metrics=metrics,
-        )
+        # (The fields a delta always has, in their order: by keyword, a delta a sequence a step cost twice.)
+        delta = RequestDelta(seq.request_id, seq.output_token_ids[seq.num_tokens_sent:],
+                             seq.text_tail[seq.num_text_sent:text_end], request_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, len(seq.output_token_ids), index=seq.index, metrics=metrics)
+        if p.logprobs is not None:
+            delta.new_logprobs = seq.output_logprobs[seq.num_tokens_sent:]
+            delta.cumulative_logprob = seq.cumulative_logprob
         first = seq.index == 0 and seq.num_tokens_sent == 0 and seq.output_token_ids
         if p.prompt_logprobs is not None and first:
             delta.prompt_logprobs = seq.prompt_logprobs or [None]  # with the first generated token
