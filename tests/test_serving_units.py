@@ -431,6 +431,30 @@ def test_coalesce_joins_each_completions_deltas_in_order():
     assert merged[1].finish_reason == "length" and steps[0][0].new_token_ids == [1]  # inputs untouched
 
 
+def test_a_delta_pickles_whole_as_its_values():
+    """Deltas cross from the engine's process to the Triton model's pickled as their fields' values:
+    every field comes back, none left at its default (a field added later is in it too)."""
+    from dataclasses import fields
+
+    from inflight.outputs import Logprob, RequestMetrics
+
+    delta = RequestDelta("a", [1, 2], "xy", True, "stop", 3, 2, error="boom", error_kind="invalid",
+                         new_logprobs=[{1: Logprob(-0.5, 1, "x")}, {2: Logprob(-0.25, 2, "y")}],
+                         cumulative_logprob=-0.75, prompt_logprobs=[None, {7: Logprob(-1.0, 1, "p")}], index=1,
+                         metrics=RequestMetrics(5, first_token_time_ns=9), context_logits=np.ones((3, 4)),
+                         new_generation_logits=[np.zeros(4), np.full(4, 2.0)])
+    assert all(getattr(delta, f.name) != f.default for f in fields(RequestDelta) if f.name != "context_logits")
+    back = pickle.loads(pickle.dumps(delta))
+    for f in fields(RequestDelta):
+        mine, theirs = getattr(delta, f.name), getattr(back, f.name)
+        if f.name == "context_logits":
+            assert np.array_equal(mine, theirs)
+        elif f.name == "new_generation_logits":
+            assert [row.tolist() for row in mine] == [row.tolist() for row in theirs]
+        else:
+            assert mine == theirs, f.name
+
+
 def test_joined_deltas_keep_logprobs_and_logits_once_each():
     first = RequestDelta("a", [1], "x", False, None, 3, 1, new_logprobs=[{1: -0.5}], cumulative_logprob=-0.5,
                          prompt_logprobs=[None, {7: -1.0}], context_logits=np.ones((3, 4)),
