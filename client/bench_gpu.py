@@ -294,8 +294,8 @@ HOST_PHASES = (("schedule", "scheduler", "schedule"), ("inputs", "runner", "prep
 
 
 def host_phases(llm, steps: int) -> str:
-    """Milliseconds of host time a step in each of HOST_PHASES, medians of `steps` (perf_counter around
-    each call, no profiler: cProfile's hooks tripled the Python parts' times), and the whole step's."""
+    """Milliseconds of host time a step in each of HOST_PHASES, means over `steps` (perf_counter around
+    each call, no profiler: cProfile's hooks tripled the Python parts' times), and the whole step's median."""
     times: dict[str, list[float]] = {label: [] for label, _, _ in HOST_PHASES}
     wrapped = []
     for label, path, name in HOST_PHASES:

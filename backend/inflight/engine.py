@@ -71,6 +71,7 @@ class _InFlight:
     beam_rows: tuple | None = None  # beam_search.measure's (and the raw rows, where asked), copied like `host`
     sampled_logits: tuple[list[int], torch.Tensor] | None = None  # raw rows kept (raw_logits.py), copied like `host`
     speculated: "_Speculated | None" = None  # the sequences that judged drafts (speculative decoding)
+    needs: int = 0  # sampler.needs_of(sampling)
 
 
 @dataclass
@@ -423,7 +424,7 @@ class LLMEngine:
             host = self._token_buffers[self.num_steps % 2][:len(sampling)]
             host.copy_(tokens, non_blocking=True)
         return _InFlight(batch, sampling, tokens, host, self._copy_event(tokens), logprobs, measured_prompts,
-                         beams, beam_rows, sampled_logits, speculated)
+                         beams, beam_rows, sampled_logits, speculated, needs)
 
     @staticmethod
     def _copy_event(like: torch.Tensor) -> "torch.cuda.Event | None":
@@ -483,7 +484,7 @@ class LLMEngine:
         tokens = step.host.tolist() if step.sampling else []
         logprobs = self._logprob_entries(step.sampling, tokens, step.logprobs)
         kept_rows = dict(zip(*step.sampled_logits)) if step.sampled_logits is not None else {}
-        constrained = needs_of(step.sampling) & (TOKEN_CONTROLS | STRUCTURED)  # (no call a row when none is)
+        constrained = step.needs & (TOKEN_CONTROLS | STRUCTURED)  # (no call a row when none is)
         for row, (seq, token, entry) in enumerate(zip(step.sampling, tokens, logprobs)):
             seq.num_pending -= 1
             if seq.is_finished:  # ended while the step ran (aborted, or finished the step before)
@@ -619,7 +620,7 @@ class LLMEngine:
         rows = to_device(wanting, logits.device) if wanting else None
         raw = logits[rows] if wanting else None  # a copy: sampling changes `logits` in place
         constrained = self._grammars if needs & STRUCTURED else None
-        tokens = sample(logits, seqs, self.eos_token_ids, constrained, in_flight)
+        tokens = sample(logits, seqs, self.eos_token_ids, constrained, in_flight, needs)
         if not wanting:
             return tokens, None
         return tokens, measure(raw, tokens[rows], max(seqs[i].params.logprobs for i in wanting))

@@ -276,12 +276,12 @@ def apply_logits_processors(scores: torch.Tensor, seqs: list[Sequence], in_fligh
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], grammars=None,
-           in_flight: torch.Tensor | None = None) -> torch.Tensor:
+           in_flight: torch.Tensor | None = None, needs: int | None = None) -> torch.Tensor:
     """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place), on the
     logits' device: nothing here waits for the GPU. `grammars` (a StructuredOutputs) masks the rows of
     sequences that have a grammar matcher; `in_flight`: the tokens of the step still running, which
-    hold the pending tokens (penalties count them)."""
-    needs = needs_of(seqs)
+    hold the pending tokens (penalties count them); `needs`: needs_of(seqs), where the caller has it."""
+    needs = needs_of(seqs) if needs is None else needs
     apply_logits_processors(logits, seqs, in_flight, needs)
     if needs & MIN_TOKENS:
         suppress_stops(logits, seqs, eos_token_ids)
