@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -569,12 +570,13 @@ def bench_sampling(model_dir: str, rows: int = 128, calls: int = 10) -> dict[str
     `SAMPLING_CASES` (median of `calls`): the logits are the default model's own at `rows` positions of
     real text (the filters' cost depends on how peaked they are), each sequence having the 256 tokens
     before its position as prompt and 32 as output (a case's `seen`: that many tokens before it in all,
-    the text looping round)."""
+    the text looping round), kept as the engine keeps them for penalties (token_history.py)."""
     from transformers import AutoTokenizer
 
     from inflight import SamplingParams
     from inflight.sampler import sample
     from inflight.sequence import Sequence
+    from inflight.token_history import TokenHistory
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer.encode(Path(ROOT / "README.md").read_text(), add_special_tokens=False)[:1024]
@@ -590,14 +592,27 @@ def bench_sampling(model_dir: str, rows: int = 128, calls: int = 10) -> dict[str
         seen = settings.pop("seen", 288)
         params = SamplingParams(**settings)
         seqs = [Sequence(str(i), looped[end + p - seen:end + p - 32], params, None,
-                         output_token_ids=looped[end + p - 32:end + p]) for i, p in enumerate(positions)]
+                         output_token_ids=looped[end + p - 32:end + p], step_row=i) for i, p in enumerate(positions)]
+        history = _token_history(TokenHistory, seqs, logits.shape[-1])
         times = []
         for _ in range(calls):
             fresh = logits.clone()  # sampling changes its logits in place
-            times.append(timed(sample, fresh, seqs, [tokenizer.eos_token_id]))
+            times.append(timed(lambda *args: sample(*args, history=history), fresh, seqs, [tokenizer.eos_token_id]))
         result[name] = 1000 * statistics.median(times)
     print(f"  sampling: {result}", file=sys.stderr)
     return result
+
+
+def _token_history(history_class, seqs: list, vocab: int, block_size: int = 16):
+    """A step's record of `seqs`' tokens as a forward pass leaves it: each sequence in blocks of its own."""
+    per_seq = -(-max(len(s.token_ids) for s in seqs) // block_size)
+    history = history_class(len(seqs) * per_seq, block_size, vocab, torch.device("cpu"))
+    tables = torch.arange(len(seqs) * per_seq).view(len(seqs), per_seq)
+    for row, seq in enumerate(seqs):
+        slots = row * per_seq * block_size + torch.arange(len(seq.token_ids))
+        history.write(slots, torch.tensor(seq.token_ids))
+    history.step_ran(tables, np.array([len(s.token_ids) for s in seqs]))
+    return history
 
 
 def bench_tensor_parallel(model_dir: str, work: Workload, threads: int, repeats: int) -> list[tuple]:

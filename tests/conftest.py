@@ -131,6 +131,28 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def hf_penalized_greedy(model, prompt: list[int], max_new_tokens: int, repetition_penalty: float = 1.0,
+                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> list[int]:
+    """HF `generate`'s greedy continuation under its own repetition penalty (over prompt and output) and,
+    in a logits processor of ours after it, vLLM's presence and frequency penalties (over the output:
+    each token seen less presence, less frequency times its count), EOS ignored."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class OutputPenalties(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            output = input_ids[0, len(prompt):].tolist()
+            for token in set(output):
+                scores[0, token] -= output.count(token) * frequency_penalty + presence_penalty
+            return scores
+
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, repetition_penalty=repetition_penalty,
+                             logits_processor=LogitsProcessorList([OutputPenalties()]))
+    return out[0, len(prompt):].tolist()
+
+
 class HFReference:
     """Greedy continuations from HF `generate`, one request at a time, memoized per model; `attention`:
     transformers' attention implementation (its default where None)."""

@@ -178,14 +178,7 @@ def test_batched_penalties_equal_their_definitions(device, pending):
               SamplingParams(repetition_penalty=0.8), SamplingParams(frequency_penalty=-0.4),
               SamplingParams(presence_penalty=1.5), SamplingParams(), SamplingParams(repetition_penalty=2.0),
               SamplingParams(presence_penalty=0.75, frequency_penalty=0.5)]
-    expected = logits.clone()
-    for row, ((prompt, out), p) in enumerate(zip(histories, params)):
-        seen = sorted({t for t in prompt + out if t < vocab})
-        if p.repetition_penalty != 1.0 and seen:
-            values = expected[row, seen]
-            expected[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        for token in {t for t in out if t < vocab}:
-            expected[row, token] -= out.count(token) * p.frequency_penalty + p.presence_penalty
+    expected = _penalized_by_definition(logits, histories, params)
     # Rows 0, 3, 4 and 6 with their latest token in flight (row 6: its only output token), at rows 2, 0,
     # 3 and 1 of the in-flight step's tokens.
     in_flight_rows = {0: 2, 3: 0, 4: 3, 6: 1} if pending else {}
@@ -203,6 +196,74 @@ def test_batched_penalties_equal_their_definitions(device, pending):
     torch.testing.assert_close(batched, expected, rtol=0, atol=0)
     changed = (batched != logits).any(dim=1).tolist()
     assert torch.equal(batched[4], logits[4]) and changed == [True] * 4 + [False] * 2 + [True]
+
+
+def _penalized_by_definition(logits: torch.Tensor, histories: list[tuple[list[int], list[int]]],
+                             params: list[SamplingParams]) -> torch.Tensor:
+    """`logits` with each row's penalties applied one token at a time, by their definitions."""
+    expected, vocab = logits.clone(), logits.shape[-1]
+    for row, ((prompt, out), p) in enumerate(zip(histories, params)):
+        seen = sorted({t for t in prompt + out if t < vocab})
+        if p.repetition_penalty != 1.0 and seen:
+            values = expected[row, seen]
+            expected[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        for token in {t for t in out if t < vocab}:
+            expected[row, token] -= out.count(token) * p.frequency_penalty + p.presence_penalty
+    return expected
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
+def test_penalties_from_the_devices_token_history_equal_their_definitions(device):
+    """Penalties reading the step's tokens where its forward pass wrote them (token_history.py: by cache
+    slot, through each sequence's block table, blocks scattered over the pool and one shared by two
+    sequences) equal the definitions: a row's pads (past its length, up to the batch's widest) count
+    nothing, a prompt token does not count as output, rows without penalties stay as they were, and a
+    step's rows may be a subset of its sequences in any order."""
+    from types import SimpleNamespace
+
+    from inflight.input_buffers import to_device
+    from inflight.sampler import apply_penalties
+    from inflight.token_history import TokenHistory
+
+    torch.manual_seed(2)
+    vocab, block = 300, 4
+    histories = [([7, 5, 5, 299, 12, 13], [5, 9, 9, 9]), ([1, 2], []), ([3, 4, 4], [4, 4, 0, 250, 250]),
+                 ([8], [8, 8, 0]), ([10, 11, 12, 13, 14, 15, 16, 17, 18], [12]), ([7, 5, 5, 299, 6], [6])]
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(repetition_penalty=0.8), SamplingParams(frequency_penalty=-0.4),
+              SamplingParams(presence_penalty=1.5), SamplingParams(), SamplingParams(repetition_penalty=2.0)]
+    history = TokenHistory(num_blocks=32, block_size=block, vocab_size=vocab, device=torch.device(device))
+    history.write(torch.arange(32 * block, device=device), torch.full((32 * block,), 77, device=device))  # stale ids
+    free = iter(torch.randperm(32).tolist())
+    tables = []
+    for i, (prompt, out) in enumerate(histories):
+        tokens = prompt + out
+        # Sequence 5 shares sequence 0's first block (the same first four tokens).
+        table = [tables[0][0]] + [next(free) for _ in range(-(-len(tokens) // block) - 1)] if i == 5 else \
+            [next(free) for _ in range(-(-len(tokens) // block))]
+        slots = [table[pos // block] * block + pos % block for pos in range(len(tokens))]
+        history.write(torch.tensor(slots, device=device), torch.tensor(tokens, device=device))
+        tables.append(table)
+    width = max(map(len, tables))
+    history.step_ran(torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+                     np.array([len(p) + len(o) for p, o in histories]))
+    logits = torch.randn(len(histories), vocab) * 4
+    logits[0, 7] = float("-inf")  # a banned token stays banned
+    order = [5, 2, 0, 4, 3, 1]  # the sampled rows: the step's sequences in another order
+    seqs = [SimpleNamespace(params=params[i], step_row=i, num_prompt_tokens=len(histories[i][0]),
+                            num_released_blocks=0, prompt_embeds=None) for i in order]
+    batched = logits[order].to(device)
+    assert history.covers(seqs, vocab)
+    apply_penalties(batched, seqs, history=history)
+    expected = _penalized_by_definition(logits[order], [histories[i] for i in order], [params[i] for i in order])
+    torch.testing.assert_close(batched.cpu(), expected, rtol=0, atol=0)
+    assert torch.equal(batched[order.index(4)].cpu(), logits[4])
+    # Each row's tokens from its start, in the blocks from the one holding it (widths in blocks of 4).
+    for rows, starts, width in (([0, 3, 4], None, 12), ([0, 3, 4], [6, 1, 9], 8), ([2, 5], [3, 5], 8)):
+        ids, in_range = history.tokens(rows, to_device, starts)
+        assert ids.shape == in_range.shape == (len(rows), width)
+        for row, start, row_ids, row_in_range in zip(rows, starts or [0] * len(rows), ids.cpu(), in_range.cpu()):
+            assert row_ids[row_in_range].tolist() == (histories[row][0] + histories[row][1])[start:], (row, start)
 
 
 def test_the_token_array_follows_the_known_tokens():
@@ -272,10 +333,11 @@ def test_sampling_on_cuda_never_waits_for_the_gpu():
     """Under async scheduling the sampler runs while the step in flight does: with every option that
     pipelines (temperature, top-k, top-p, min-p, seeds, penalties counting in-flight tokens, min_tokens,
     bad words, allowed tokens and logit bias), no operation may wait for the device (a plain host-to-GPU
-    copy would)."""
+    copy would); penalties reading the tokens from the device's record of them (token_history.py) too."""
     from types import SimpleNamespace
 
     from inflight.sampler import sample
+    from inflight.token_history import TokenHistory
 
     device = torch.device("cuda")
     options = [dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, seed=3), dict(top_k=40, min_p=0.05),
@@ -284,16 +346,21 @@ def test_sampling_on_cuda_never_waits_for_the_gpu():
                dict(temperature=0.8, allowed_token_ids=[3, 9, 40]), dict(temperature=0.0, logit_bias={5: 30.0})]
     seqs = [SimpleNamespace(params=SamplingParams(**o), token_array=np.array([5, 6, 7]), output_array=np.array([7]),
                             num_output_tokens=2, num_pending=1, pending_row=i, matcher=None,
-                            bad_words_ids=[[7, 9]] if i == 5 else [],
+                            bad_words_ids=[[7, 9]] if i == 5 else [], step_row=i, num_prompt_tokens=2,
+                            num_released_blocks=0, prompt_embeds=None,
                             generator=torch.Generator(device=device).manual_seed(1) if "seed" in o else None)
             for i, o in enumerate(options)]
     logits = torch.randn(len(seqs), 4096, device=device)
     in_flight = torch.arange(len(seqs), device=device)
+    history = TokenHistory(num_blocks=len(seqs), block_size=4, vocab_size=4096, device=device)  # one block each
+    history.write(torch.arange(4 * len(seqs), device=device), torch.tensor([5, 6, 7, 0] * len(seqs), device=device))
+    history.step_ran(torch.arange(len(seqs), device=device)[:, None], np.full(len(seqs), 3))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(RuntimeError, match="synchroniz"):  # the mode catches what it is here for
             torch.tensor([1.0], device=device)
+        sample(logits.clone(), seqs, eos_token_ids=[2], in_flight=in_flight, history=history)
         tokens = sample(logits, seqs, eos_token_ids=[2], in_flight=in_flight)
     finally:
         torch.cuda.set_sync_debug_mode("default")

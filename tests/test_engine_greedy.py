@@ -109,8 +109,8 @@ def test_narrow_kv_cache_matches_hf_over_rounded_keys_and_values(tiny_models, de
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name).eval()
     prompts = random_prompts(8, 1, 200, vocab=512, seed=11)
     expected = [hf_greedy(model, prompt, MAX_TOKENS) for prompt in prompts]
-    # 40 blocks of 2 layers x K/V x 16 tokens x 2 KV heads x 16 dims x 2 or 1 bytes
-    memory = 40 * 2 * 2 * 16 * 2 * 16 * cache_dtype.itemsize
+    # 40 blocks of 16 tokens, each 2 layers x K/V x 2 KV heads x 16 dims x 2 or 1 bytes, and its id's 8 bytes
+    memory = 40 * 16 * (2 * 2 * 2 * 16 * cache_dtype.itemsize + 8)
     llm = LLM(model_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=memory, block_size=16,
               max_num_seqs=16, max_num_batched_tokens=128, enable_prefix_caching=False, **MODES[device])
     assert llm.runner.kv_cache.dtype == cache_dtype and llm.runner.num_blocks == 40

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import hf_penalized_greedy, random_prompts
 from inflight import LLM, SamplingParams
 
 
@@ -79,6 +79,40 @@ def test_prompt_logprobs_across_chunks_preemption_and_the_prefix_cache(model, hf
         llm.block_manager.check_all_free()
         assert (llm.num_pipelined_steps > 0) == async_scheduling
     assert tight.stats()["num_preemptions"] > 0
+
+
+# Each rewards what was seen (a tiny random model seldom repeats itself): the penalties decide the outputs.
+PENALTIES = [dict(repetition_penalty=0.5), dict(presence_penalty=-2.0), dict(frequency_penalty=-1.5),
+             dict(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=-0.5)]
+
+
+@PIPELINED
+def test_penalties_equal_hf_generate(model, hf_tiny_llama, async_scheduling):
+    """Repetition (HF's), presence and frequency (vLLM's) penalties, greedy: every output HF's token for
+    token, for requests batched together, whose tokens the penalties read from the device's record
+    (token_history.py), with a pool small enough to preempt and recompute, prompts sharing blocks through
+    the prefix cache (the same prompts again), and n completions forked from one prompt (their first
+    tokens drawn from its row)."""
+    prompts = random_prompts(6, 10, 70, vocab=512, seed=41)
+    requests = [(prompt, PENALTIES[i % len(PENALTIES)]) for i, prompt in enumerate(prompts)]
+    requests += [(prompts[0], PENALTIES[3]), (prompts[2], PENALTIES[1])]  # cached prompt blocks, other penalties
+    # n completions of a prompt ending in a block it shares with them until each writes there (copied), a
+    # strong reward for its tokens deciding theirs.
+    forked = len(requests)
+    requests.append((prompts[1][:29], dict(repetition_penalty=0.2)))
+    llm = LLM(model, num_kv_blocks=24, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+              async_scheduling=async_scheduling)
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, **p) for _, p in requests]
+    params[forked] = SamplingParams(n=3, max_tokens=20, temperature=0.0, ignore_eos=True, **requests[forked][1])
+    outs = llm.generate([prompt for prompt, _ in requests], params)
+    for (prompt, penalties), out in zip(requests, outs):
+        expected = hf_penalized_greedy(hf_tiny_llama, prompt, 20, **penalties)
+        assert [c.token_ids for c in out.outputs] == [expected] * len(out.outputs), penalties
+    assert hf_penalized_greedy(hf_tiny_llama, prompts[0], 20) != outs[0].token_ids, "the penalty was meant to matter"
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
+    assert (llm.num_pipelined_steps > 0) == async_scheduling
+    llm.block_manager.check_all_free()
 
 
 @PIPELINED

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import random_prompts
+from conftest import hf_penalized_greedy, random_prompts
 from inflight import LLM, SamplingParams
 from inflight.block_manager import BlockManager
 from inflight.sequence import Sequence
@@ -55,6 +55,24 @@ def test_sequences_longer_than_the_pool_equal_hf(tiny_models, hf_reference, budg
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
         assert out.token_ids == hf_reference(model, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
     assert budget > 40 or llm.stats()["num_preemptions"] > 0
+    llm.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["steps", "async"])
+def test_penalties_count_the_tokens_behind_the_window(tiny_models, async_scheduling):
+    """Penalties count every token of a sequence, those whose blocks went back to the pool too (the
+    device's record of them went with the blocks: their rows are laid out on the host): HF's outputs
+    under the same penalties, prompts of up to 300 tokens in a pool of one window."""
+    model = tiny_models["mistral"]
+    llm = window_checked(LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=FEWEST_BLOCKS,
+                             max_num_seqs=4, max_num_batched_tokens=40, async_scheduling=async_scheduling))
+    prompts = random_prompts(4, 100, 300, vocab=512, seed=37)
+    penalties = [dict(repetition_penalty=0.3), dict(repetition_penalty=0.5, frequency_penalty=-1.0),
+                 dict(presence_penalty=-2.0), dict(repetition_penalty=0.3)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **p) for p in penalties]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    for prompt, p, out in zip(prompts, penalties, llm.generate(prompts, params)):
+        assert out.token_ids == hf_penalized_greedy(hf, prompt, 24, **p), f"prompt of {len(prompt)} tokens, {p}"
     llm.block_manager.check_all_free()
 
 

@@ -31,16 +31,18 @@ from .sampler import apply_logits_processors
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
+from .token_history import TokenHistory
 
 
-def measure(logits: torch.Tensor, k: int, beams: list[Sequence], grammars=None) -> tuple[torch.Tensor, torch.Tensor]:
+def measure(logits: torch.Tensor, k: int, beams: list[Sequence], grammars=None,
+            history: TokenHistory | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each beam's row's k most likely tokens: (log probabilities, ids), most likely first, after the
     request's token controls, penalties and bans, and its grammar's mask (`grammars`, a
     StructuredOutputs, for beams with a matcher): as HF's beam search applies its logits processors, to
-    the log probabilities. Copied to the host without waiting for the device (read once the step's copy
-    event has passed)."""
+    the log probabilities (penalties find the beams' tokens in `history`, where it holds them). Copied
+    to the host without waiting for the device (read once the step's copy event has passed)."""
     scores = torch.log_softmax(logits.float(), dim=-1)
-    apply_logits_processors(scores, beams)
+    apply_logits_processors(scores, beams, history=history)
     if grammars is not None:
         grammars.apply(scores, [beam.matcher for beam in beams])
     values, ids = scores.topk(min(k, logits.shape[-1]), dim=-1)

@@ -370,7 +370,8 @@ class LLMEngine:
         sampling, logits_at, pending_at, pending_rows, prompt_positions = [], [], [], [], []
         speculating, draft_rows_at = [], []  # sequences with drafts: a row at each draft and after the last
         start = 0
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        for step_row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            seq.step_row = step_row
             reaches_end = seq.num_computed_tokens + n == seq.num_tokens  # its last scheduled token is its last
             if seq.num_pending and reaches_end:  # its last token is in the step in flight
                 pending_at.append(start + n - 1)
@@ -402,6 +403,7 @@ class LLMEngine:
         rows = list(range(len(sampling)))
         for row, seq in enumerate(list(sampling)):
             for child in self._fork(seq):
+                child.step_row = seq.step_row  # (its tokens are its parent's: the prompt)
                 sampling.append(child)
                 rows.append(row)
         logits = logits[to_device(rows, logits.device)] if len(rows) > len(logits) else logits
@@ -462,7 +464,8 @@ class LLMEngine:
         beams = [sampling[row] for row in beam_rows]
         rows = logits[to_device(beam_rows, logits.device)]
         grammars = self._grammars if any(seq.matcher is not None for seq in beams) else None
-        measured = beam_search.measure(rows, max(seq.beam.row_size for seq in beams), beams, grammars)
+        measured = beam_search.measure(rows, max(seq.beam.row_size for seq in beams), beams, grammars,
+                                       self.runner.token_history)
         if any(raw_logits.wants_sampled_row(seq) for seq in beams):  # (as the model gave them: measure works on a copy)
             measured = (*measured, raw_logits.to_host(rows))
         rest = [row for row, seq in enumerate(sampling) if seq.beam is None]
@@ -620,7 +623,7 @@ class LLMEngine:
         rows = to_device(wanting, logits.device) if wanting else None
         raw = logits[rows] if wanting else None  # a copy: sampling changes `logits` in place
         constrained = self._grammars if needs & STRUCTURED else None
-        tokens = sample(logits, seqs, self.eos_token_ids, constrained, in_flight, needs)
+        tokens = sample(logits, seqs, self.eos_token_ids, constrained, in_flight, needs, self.runner.token_history)
         if not wanting:
             return tokens, None
         return tokens, measure(raw, tokens[rows], max(seqs[i].params.logprobs for i in wanting))

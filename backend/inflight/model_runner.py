@@ -26,6 +26,7 @@ from .lora import LoRAAdapters
 from .model_support import UnsupportedModel, attention_chunk, check_attention_calls, common_sliding_window, refuse
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
+from .token_history import TokenHistory
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class ModelRunner:
                                      self.head_dim * self.kv_dtype.itemsize, dtype=torch.uint8, device=self.device)
         self.kv_cache = self._kv_bytes.view(self.kv_dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        self.token_history = TokenHistory(self.num_blocks, self.block_size, hf_config.vocab_size, self.device)
         self._model_call = self.model
         # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
         self.lora = LoRAAdapters(self.model, config.lora_modules, dtype, self.device) if config.lora_modules else None
@@ -255,7 +257,8 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+        """A block's keys and values in every layer, and its tokens' ids (token_history.py)."""
+        return self.block_size * (2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize + 8)
 
     def _pool_size(self) -> int:
         cfg = self.config
@@ -286,10 +289,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy the KV of each (source, destination) block pair, in every layer."""
+        """Copy the KV of each (source, destination) block pair, in every layer, and its tokens' ids."""
         if pairs:
             src, dst = (to_device(ids, self.device) for ids in zip(*pairs))
             self._kv_bytes[:, :, dst] = self._kv_bytes[:, :, src]
+            self.token_history.copy_blocks(src, dst)
 
     def prepare(self, batch: ScheduledBatch, logits_at: list[int],
                 block_copies: list[tuple[int, int]] | None = None) -> StepInputs:
@@ -313,6 +317,7 @@ class ModelRunner:
     def run(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(logits_at), vocab], float32; valid until the next step."""
         self.copy_blocks(inputs.block_copies)
+        self.token_history.step_ran(self.buffers.tables(self.buffers.device), inputs.seq_lens)
         if self.graphs is not None and self.graphs.covers(inputs):
             return self.graphs.replay(inputs, sampled)
         return self._forward(self.buffers.load(inputs, sampled=sampled))
@@ -320,6 +325,7 @@ class ModelRunner:
     def _forward(self, step: StepTensors, calls: list | None = None) -> torch.Tensor:
         if self.lora is not None:
             self.lora.begin_step(step.lora_ids)
+        self.token_history.write(step.slot_mapping, step.input_ids)
         context = AttentionContext(
             kv_caches=self.kv_caches,
             slot_mapping=step.slot_mapping,

@@ -12,8 +12,9 @@ import torch
 
 from .input_buffers import to_device
 from .sampling_params import (BAD_WORDS, GREEDY, MIN_P, MIN_TOKENS, NO_REPEAT_NGRAMS, PRESENCE_FREQUENCY_PENALTY,
-                              REPETITION_PENALTY, SEEDED, TEMPERATURE, TOKEN_CONTROLS, TOP_K, TOP_P)
+                              REPETITION_PENALTY, SEEDED, TEMPERATURE, TOKEN_CONTROLS, TOP_K, TOP_P, SamplingParams)
 from .sequence import Sequence
+from .token_history import TokenHistory
 
 
 def needs_of(seqs: list[Sequence]) -> int:
@@ -54,30 +55,71 @@ def _cells(per_row: list[tuple[int, np.ndarray]], vocab: int,
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None,
-                    needs: int | None = None) -> None:
+                    needs: int | None = None, history: TokenHistory | None = None) -> None:
     """Repetition penalty over prompt and output (as HF), presence and frequency over output (as vLLM),
     for the whole batch at once, on the logits of the tokens seen only (one row at a time, 128 rows took
-    10-20 ms a step on a CPU, and as many launches on a GPU). `in_flight`: the sampled tokens of the step
-    still on the GPU (async scheduling), where a sequence with a pending token finds it (`pending_row`):
-    read there, it costs the host no wait."""
+    10-20 ms a step on a CPU, and as many launches on a GPU). The tokens come from `history`, the
+    device's record of the step's sequences (token_history.py: the host sends row indices only), where
+    it holds them all; else they are laid out on the host, where `in_flight` holds the sampled tokens of
+    the step still on the GPU (async scheduling): a sequence with a pending token finds it there
+    (`pending_row`), at no wait."""
     vocab, device = logits.shape[-1], logits.device
     needs = needs_of(seqs) if needs is None else needs
     params = [s.params for s in seqs]
+    if history is not None and history.covers(seqs, vocab):
+        for kind in (REPETITION_PENALTY, PRESENCE_FREQUENCY_PENALTY):
+            if needs & kind:
+                _penalize_from_history(logits, seqs, history, kind)
+        return
     pending = [s.pending_row if s.num_pending and in_flight is not None else None for s in seqs]
     if needs & REPETITION_PENALTY:
         on = [p.repetition_penalty != 1.0 for p in params]
         ids, lengths = _padded_ids([s.token_array if o else _NONE for s, o in zip(seqs, on)],
                                    [row if o else None for row, o in zip(pending, on)], in_flight, vocab, device)
-        penalty = _per_row([p.repetition_penalty if n else 1.0 for p, n in zip(params, lengths)], device)
-        values = logits.gather(1, ids)
-        logits.scatter_(1, ids, torch.where(values > 0, values / penalty, values * penalty))
+        _penalize(logits, ids, None, [p if n else _NO_PENALTIES for p, n in zip(params, lengths)],
+                  REPETITION_PENALTY, device)
     if needs & PRESENCE_FREQUENCY_PENALTY:
         ids, lengths = _padded_ids([s.output_array for s in seqs], pending, in_flight, vocab, device)
         genuine = torch.arange(ids.shape[1], device=device) < to_device(lengths, device)[:, None]
-        counts = torch.zeros(len(seqs), vocab, device=device).scatter_add_(1, ids, genuine.float()).gather(1, ids)
-        frequency = _per_row([p.frequency_penalty if n else 0.0 for p, n in zip(params, lengths)], device)
-        presence = _per_row([p.presence_penalty if n else 0.0 for p, n in zip(params, lengths)], device)
-        logits.scatter_(1, ids, logits.gather(1, ids) - (counts * frequency + presence))
+        _penalize(logits, ids, genuine, params, PRESENCE_FREQUENCY_PENALTY, device)
+
+
+def _penalize_from_history(logits: torch.Tensor, seqs: list[Sequence], history: TokenHistory, kind: int) -> None:
+    """One kind of penalty on the rows whose requests ask for it, their tokens read from `history`: the
+    rows of a batch that only partly asks are taken out and put back (a row's tokens are gathered to the
+    batch's widest, which the others then need not decide)."""
+    rows = [row for row, seq in enumerate(seqs) if seq.params.needs & kind]
+    chosen = [seqs[row] for row in rows]
+    at = to_device(rows, logits.device) if len(rows) < len(seqs) else None
+    some = logits if at is None else logits[at]
+    starts = [seq.num_prompt_tokens for seq in chosen] if kind == PRESENCE_FREQUENCY_PENALTY else None
+    ids, in_range = history.tokens([seq.step_row for seq in chosen], to_device, starts)
+    if kind == REPETITION_PENALTY:  # every token seen, padded with the row's first
+        ids, in_range = torch.where(in_range, ids, ids[:, :1]), None
+    _penalize(some, ids, in_range, [seq.params for seq in chosen], kind, logits.device)
+    if at is not None:
+        logits[at] = some
+
+
+def _penalize(logits: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor | None, params: list[SamplingParams],
+              needs: int, device: torch.device) -> None:
+    """The penalties `needs` names, on the logits at `ids` [rows, width] (scattering back a value computed
+    from a token's logit writes the same value for each repeat of it). The repetition penalty's ids are a
+    row's tokens, padded with ids of its own; presence and frequency count the ids `counted` marks
+    [rows, width], the row's output tokens, and leave the logits of the others as they were."""
+    if needs & REPETITION_PENALTY:
+        penalty = _per_row([p.repetition_penalty for p in params], device)
+        values = logits.gather(1, ids)
+        logits.scatter_(1, ids, torch.where(values > 0, values / penalty, values * penalty))
+    if needs & PRESENCE_FREQUENCY_PENALTY:
+        counts = torch.zeros_like(logits).scatter_add_(1, ids, counted.float()).gather(1, ids)
+        frequency = _per_row([p.frequency_penalty for p in params], device)
+        presence = _per_row([p.presence_penalty for p in params], device)
+        # (an id seen but not counted, a prompt's, keeps its logit: less 0)
+        logits.scatter_(1, ids, logits.gather(1, ids) - (counts * frequency + presence * (counts > 0)))
+
+
+_NO_PENALTIES = SamplingParams()
 
 
 def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
@@ -259,15 +301,16 @@ def _cuts_within(ranked: torch.Tensor, log_total: torch.Tensor,
 
 
 def apply_logits_processors(scores: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None,
-                            needs: int | None = None) -> None:
+                            needs: int | None = None, history: TokenHistory | None = None) -> None:
     """The request's token controls (allowed tokens, logit bias), penalties, repeated n-grams and bad
     words, in that order (HF's), for the rows that ask: on the logits before sampling, on the log
-    probabilities under beam search (where HF applies its logits processors)."""
+    probabilities under beam search (where HF applies its logits processors). `in_flight`, `history`:
+    where penalties find the tokens (apply_penalties)."""
     needs = needs_of(seqs) if needs is None else needs
     if needs & TOKEN_CONTROLS:
         apply_token_controls(scores, seqs)
     if needs & (REPETITION_PENALTY | PRESENCE_FREQUENCY_PENALTY):
-        apply_penalties(scores, seqs, in_flight, needs)
+        apply_penalties(scores, seqs, in_flight, needs, history)
     if needs & NO_REPEAT_NGRAMS:
         ban_repeated_ngrams(scores, seqs)
     if needs & BAD_WORDS:
@@ -276,13 +319,15 @@ def apply_logits_processors(scores: torch.Tensor, seqs: list[Sequence], in_fligh
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int], grammars=None,
-           in_flight: torch.Tensor | None = None, needs: int | None = None) -> torch.Tensor:
+           in_flight: torch.Tensor | None = None, needs: int | None = None,
+           history: TokenHistory | None = None) -> torch.Tensor:
     """One next token per row of `logits` [len(seqs), vocab] (float32, modified in place), on the
     logits' device: nothing here waits for the GPU. `grammars` (a StructuredOutputs) masks the rows of
     sequences that have a grammar matcher; `in_flight`: the tokens of the step still running, which
-    hold the pending tokens (penalties count them); `needs`: needs_of(seqs), where the caller has it."""
+    hold the pending tokens, and `history`, the device's record of the step's tokens (penalties count
+    them: apply_penalties); `needs`: needs_of(seqs), where the caller has it."""
     needs = needs_of(seqs) if needs is None else needs
-    apply_logits_processors(logits, seqs, in_flight, needs)
+    apply_logits_processors(logits, seqs, in_flight, needs, history)
     if needs & MIN_TOKENS:
         suppress_stops(logits, seqs, eos_token_ids)
     if grammars is not None:  # (a sequence that ended since it was scheduled has a spent matcher: its row goes)

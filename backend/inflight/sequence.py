@@ -113,6 +113,7 @@ class Sequence:
     # They count in num_tokens (the scheduler plans with them) but not in output_token_ids.
     num_pending: int = 0
     pending_row: int = 0  # the row of the latest pending token in its step's sampled tokens
+    step_row: int = 0  # its row in the latest step launched with it (penalties find its tokens by it)
     # Speculative decoding: the drafts scheduled after its last token this step (speculative.py); they
     # are computed with it, and none is a token of the sequence until its step's verification keeps it.
     drafts: list[int] = field(default_factory=list)
