@@ -78,6 +78,40 @@ def test_each_request_reports_what_the_cache_held_and_when_it_passed_each_stage(
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["steps", "async"])
+def test_a_prompts_blocks_are_cached_chunk_by_chunk(tiny_models, async_scheduling):
+    """A long prompt's full blocks go into the cache as its chunks are computed (in steps where another
+    sequence decodes, too), not when it ends: the same prompt arriving while it is still being computed
+    finds the blocks done by then."""
+    llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=4,
+              async_scheduling=async_scheduling)
+    llm.add_request("decoding", [5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    llm.step()
+    prompt = random_prompts(1, 100, 100, vocab=512, seed=6)[0]
+    llm.add_request("first", prompt, GREEDY)
+    for _ in range(3):  # 31 tokens a step beside the decode
+        llm.step()
+    first = next(seq for seq in llm.scheduler.running if seq.request_id == "first")
+    assert first.num_computed_tokens == 93 and not first.output_token_ids
+    llm.add_request("second", prompt, GREEDY)
+    cached = {}
+    while llm.has_unfinished():
+        cached.update((d.request_id, d.metrics.num_cached_tokens) for d in llm.step() if d.metrics)
+    assert cached == {"decoding": 0, "first": 0, "second": 80}  # (5 blocks of 16 were full)
+    assert_no_leak(llm)
+
+
+def test_a_beam_searchs_blocks_are_cached(tiny_models):
+    """A beam search's prompt and its beams' full blocks go into the prefix cache as any sequence's do:
+    the same prompt again finds the prompt's blocks, and the best beam's text after it more."""
+    llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=64)
+    prompt = random_prompts(1, 70, 70, vocab=512, seed=8)[0]  # 4 full blocks and 6 tokens
+    best = llm.generate([prompt], SamplingParams(beam_width=2, max_tokens=30, ignore_eos=True))[0].token_ids
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 4 * BLOCK
+    assert llm.generate([prompt + best], GREEDY)[0].num_cached_tokens == 6 * BLOCK  # (of 100 tokens)
+    assert_no_leak(llm)
+
+
 def test_evicted_prefix_is_recomputed(tiny_models):
     model = tiny_models["mistral"]
     first_wave = shared_prefix_prompts(3 * BLOCK, 2, seed=21)

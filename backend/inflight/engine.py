@@ -72,6 +72,9 @@ class _InFlight:
     sampled_logits: tuple[list[int], torch.Tensor] | None = None  # raw rows kept (raw_logits.py), copied like `host`
     speculated: "_Speculated | None" = None  # the sequences that judged drafts (speculative decoding)
     needs: int = 0  # sampler.needs_of(sampling)
+    # Some sequence of the batch gets no token read here (a prompt's chunk short of its end, a beam): its
+    # full blocks are registered for the prefix cache apart.
+    unsampled: bool = True
 
 
 @dataclass
@@ -369,6 +372,7 @@ class LLMEngine:
         # for prompt logprobs also need logits at their prompt positions.
         sampling, logits_at, pending_at, pending_rows, prompt_positions = [], [], [], [], []
         speculating, draft_rows_at = [], []  # sequences with drafts: a row at each draft and after the last
+        chunks = False  # (a prompt's chunk short of its end)
         start = 0
         for step_row, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             seq.step_row = step_row
@@ -382,6 +386,8 @@ class LLMEngine:
             elif reaches_end:
                 sampling.append(seq)
                 logits_at.append(start + n - 1)
+            else:
+                chunks = True
             if seq.params.needs & PROMPT_LOGITS and seq.index == 0:
                 prompt_positions += prompt_logprobs.positions(seq, n, start)
             start += n
@@ -426,7 +432,7 @@ class LLMEngine:
             host = self._token_buffers[self.num_steps % 2][:len(sampling)]
             host.copy_(tokens, non_blocking=True)
         return _InFlight(batch, sampling, tokens, host, self._copy_event(tokens), logprobs, measured_prompts,
-                         beams, beam_rows, sampled_logits, speculated, needs)
+                         beams, beam_rows, sampled_logits, speculated, needs, chunks or bool(beams))
 
     @staticmethod
     def _copy_event(like: torch.Tensor) -> "torch.cuda.Event | None":
@@ -506,7 +512,7 @@ class LLMEngine:
             deltas.append(self._delta(seq))
         if step.speculated is not None:  # (first: their computed tokens count drafts until judged)
             self._accept_drafts(step.speculated, deltas)
-        for seq in step.batch.seqs:
+        for seq in step.batch.seqs if step.unsampled else ():
             if not seq.is_finished:
                 self.block_manager.cache_full_blocks(seq)  # (a chunk of a prompt, which did not sample)
         if step.beams:
