@@ -1,6 +1,7 @@
 """The Triton-free pieces of the serving layer: request parsing, the engine thread and process, the
 metrics and the serving profile."""
 
+import gc
 import json
 import os
 import pickle
@@ -504,7 +505,8 @@ def test_a_slow_responder_loses_nothing(tiny_models, overlap):
 
 def test_engine_process_serves_refuses_and_cancels(tiny_models):
     """The engine in a process of its own: greedy output as offline, a refused request ends with an
-    "invalid" error of its own, a cancelled one with "abort", and every block is free after."""
+    "invalid" error of its own, a cancelled one with "abort", and every block is free after. Its
+    start-up heap is frozen, out of the garbage collector's full passes (serving/heap.py)."""
     model = tiny_models["llama"]
     prompts = random_prompts(4, 5, 40, vocab=512, seed=2)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -515,7 +517,10 @@ def test_engine_process_serves_refuses_and_cancels(tiny_models):
     def poll():
         return [cancel.pop()] if cancel and seen_long.is_set() else []
 
+    processes = []
+
     def submit(thread):
+        processes.append(thread)
         for i, p in enumerate(prompts):
             thread.submit(str(i), p, params)
         thread.submit("bad", [10**6], params)  # no such token
@@ -532,6 +537,7 @@ def test_engine_process_serves_refuses_and_cancels(tiny_models):
     assert len(bad) == 1 and bad[0].error_kind == "invalid" and "prompt token ids" in bad[0].error
     long_deltas = results["long"][0]
     assert long_deltas[-1].finish_reason == "abort" and long_deltas[-1].num_output_tokens < 500
+    assert processes[0].engine_frozen_objects > 50_000, "the engine process froze its start-up heap"
     deadline = time.monotonic() + 10
     while engine.stats()["kv_blocks_used"] or engine.stats()["requests_aborted_total"] != 1:
         assert time.monotonic() < deadline, engine.stats()  # the idle engine reports its final state
@@ -634,6 +640,10 @@ def test_the_serving_profile_sums_threads_and_the_engine_process():
     assert snapshot["send_response"][2] == 2 and snapshot["send_response"][0] >= 0.01
     assert snapshot["send_response"][1] < snapshot["send_response"][0]  # sleeping is no CPU time
     assert snapshot["engine_step"] == (1.0, 0.5, 3) and snapshot["poll_cancelled"] == (0.0, 0.0, 0)
+    collected = snapshot["collect_garbage"]
+    gc.collect()  # the collector's pauses, whichever thread they stop
+    after = profile.snapshot()["collect_garbage"]
+    assert after[2] > collected[2] and after[0] > collected[0]
     off = ServingProfile(enabled=False)  # the default in the Triton model: timing costs nothing
     _time_part(off, "send_response")
     assert off.snapshot()["send_response"] == (0, 0, 0)

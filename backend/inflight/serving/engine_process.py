@@ -33,6 +33,7 @@ from ..engine import EngineDeadError
 from ..outputs import RequestDelta
 from ..launch import start_engine_process
 from .engine_thread import EngineThread
+from .heap import freeze_startup_heap
 from .profile import ServingProfile
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class EngineProcess(EngineThread):
         self._conn: multiprocessing.connection.Connection | None = None
         self._send_lock = threading.Lock()
         self._stopped = False
+        self.engine_frozen_objects = 0  # the engine process's start-up heap, frozen (heap.py): its last report
 
     # -- called by the Triton model ----------------------------------------------------------------
     def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None) -> None:
@@ -181,6 +183,7 @@ class EngineProcess(EngineThread):
 
     def _take_stats(self, stats: dict) -> None:
         self.profile.remote = stats.pop("engine_profile")  # the engine process's parts of the profile
+        self.engine_frozen_objects = stats.pop("engine_frozen_objects")
         self.engine.last_stats = stats
         self.engine.submitted_since_stats = 0
 
@@ -208,9 +211,10 @@ class _Serve:
     """The engine process's loop: a thread applies the commands as they come (the engine's add_request
     and abort are thread-safe); the main thread steps while there is work and reports each step."""
 
-    def __init__(self, engine, conn: multiprocessing.connection.Connection):
+    def __init__(self, engine, conn: multiprocessing.connection.Connection, frozen_objects: int = 0):
         self.engine = engine
         self.conn = conn
+        self.frozen_objects = frozen_objects  # the start-up heap, out of the collector's full passes (heap.py)
         self.wait_for_sends = False  # after each step, until its responses are out (set by the other side)
         self.wake = threading.Condition()
         self.stopping = False
@@ -219,7 +223,8 @@ class _Serve:
         self.profile = ServingProfile()
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "engine_profile": self.profile.snapshot()}
+        return {**self.engine.stats(), "engine_profile": self.profile.snapshot(),
+                "engine_frozen_objects": self.frozen_objects}
 
     def send(self, message: tuple) -> None:
         with self.send_lock:
@@ -305,9 +310,10 @@ def engine_main() -> None:
         logger.exception("the engine could not start")
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
+    frozen = freeze_startup_heap()
     conn.send(("ready", engine.config.device_type, engine.max_model_len))
     try:
-        _Serve(engine, conn).run()
+        _Serve(engine, conn, frozen).run()
     finally:
         engine.close()
         try:

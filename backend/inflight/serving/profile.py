@@ -8,15 +8,31 @@ Parts: `engine_step` (the engine's step: scheduling, the model, sampling, detoke
 engine's gauges and counters to the server), `build_response` (a delta into output tensors),
 `send_response` (handing a response to the server: a message and its reply), `observe_latency`
 (time-to-first-token and inter-token samples), `poll_cancelled` (asking the server which requests
-their clients cancelled). Each thread keeps its own totals; a snapshot sums them."""
+their clients cancelled), `collect_garbage` (the cyclic garbage collector's pauses, whichever thread
+they stop: heap.py). Each thread keeps its own totals; a snapshot sums them."""
 
+import gc
 import threading
 import time
 from contextlib import contextmanager, nullcontext
 
 _UNTIMED = nullcontext()
 PARTS = ("engine_step", "engine_waits_for_sends", "report_metrics", "build_response", "send_response",
-         "observe_latency", "poll_cancelled")
+         "observe_latency", "poll_cancelled", "collect_garbage")
+
+# The collector's pauses in this process, timed by one callback however many profiles it has.
+_collections = {part: [0.0, 0.0, 0] for part in PARTS}
+_collection_began = [0.0, 0.0]
+
+
+def _time_collection(phase: str, info: dict) -> None:
+    if phase == "start":
+        _collection_began[:] = time.perf_counter(), time.thread_time()
+        return
+    totals = _collections["collect_garbage"]
+    totals[0] += time.perf_counter() - _collection_began[0]
+    totals[1] += time.thread_time() - _collection_began[1]
+    totals[2] += 1
 
 
 class ServingProfile:
@@ -26,6 +42,8 @@ class ServingProfile:
         self._local = threading.local()
         self._threads: list[dict[str, list]] = []  # each thread's totals: part -> [wall, cpu, count]
         self.remote: dict | None = None  # another process's snapshot, added to this one's (engine_process.py)
+        if enabled and _time_collection not in gc.callbacks:
+            gc.callbacks.append(_time_collection)
 
     def _totals(self) -> dict[str, list]:
         totals = getattr(self._local, "totals", None)
@@ -49,8 +67,9 @@ class ServingProfile:
             totals[2] += 1
 
     def snapshot(self) -> dict[str, tuple[float, float, int]]:
-        """part -> (wall seconds, CPU seconds, times run) so far, summed over threads (and `remote`)."""
-        threads = [{part: tuple(values) for part, values in t.items()} for t in self._threads]
+        """part -> (wall seconds, CPU seconds, times run) so far, summed over threads (and `remote`); the
+        collector's pauses are the process's since its first profile."""
+        threads = [{part: tuple(values) for part, values in t.items()} for t in (*self._threads, _collections)]
         if self.remote is not None:
             threads.append(self.remote)
         return {part: tuple(sum(t[part][i] for t in threads) for i in range(3)) for part in PARTS}

@@ -157,6 +157,7 @@ from inflight.engine import EngineDeadError  # noqa: E402
 from inflight.serving.cancellation import POLL_TICK_S, CancellationPoller  # noqa: E402
 from inflight.serving.engine_process import EngineProcess  # noqa: E402
 from inflight.serving.engine_thread import EngineThread  # noqa: E402
+from inflight.serving.heap import freeze_startup_heap  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
 from inflight.serving.request import ParsedRequest, parse_request, with_word_bias  # noqa: E402
 from inflight.serving.response import RequestResponses  # noqa: E402
@@ -236,6 +237,7 @@ class TritonPythonModel:
         self.profile = self.thread.profile
         self.engine = self.thread.start()
         self.long_prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-tokenize")
+        freeze_startup_heap()  # (this process serves for its life: serving/heap.py)
 
     def execute(self, requests):
         for request in requests:
