@@ -22,6 +22,7 @@ requests (the test suite does, so that the script works when a GPU is at hand).
 """
 
 import argparse
+import functools
 import gc
 import itertools
 import shutil
@@ -290,16 +291,22 @@ def run_engine(model_dir: str, device: str, dtype: str, work: Workload, mode: st
 # The host's parts of a step, timed by wrapping these methods: (label, object path from the engine, method).
 HOST_PHASES = (("schedule", "scheduler", "schedule"), ("inputs", "runner", "prepare"),
                ("forward (with input copies, graph replay)", "runner", "run"), ("sample", "", "_sample"),
-               ("read the step before (stop checks, text, deltas)", "", "_complete"))
+               ("read the step before (stop checks, text, deltas)", "", "_complete"),
+               # Within the parts above: where the host may wait for the GPU, and the graph's launch.
+               ("of which: inputs copied to the device", "runner.buffers", "load"),
+               ("of which: CUDA graph launches", "torch.cuda.CUDAGraph", "replay"),
+               ("of which: waits for the GPU (events)", "torch.cuda.Event", "synchronize"))
 
 
 def host_phases(llm, steps: int) -> str:
     """Milliseconds of host time a step in each of HOST_PHASES, means over `steps` (perf_counter around
-    each call, no profiler: cProfile's hooks tripled the Python parts' times), and the whole step's median."""
+    each call, no profiler: cProfile's hooks tripled the Python parts' times), and the whole step's median.
+    The rows "of which" are within the others (a wait for the GPU shows where it happens)."""
     times: dict[str, list[float]] = {label: [] for label, _, _ in HOST_PHASES}
     wrapped = []
     for label, path, name in HOST_PHASES:
-        owner = getattr(llm, path) if path else llm
+        owner = functools.reduce(getattr, path.split(".")[1:], torch) if path.startswith("torch.") else \
+            functools.reduce(getattr, path.split("."), llm) if path else llm
         method = getattr(owner, name)
 
         def timed(*args, _method=method, _label=label, **kwargs):
@@ -309,8 +316,8 @@ def host_phases(llm, steps: int) -> str:
             finally:
                 times[_label].append(time.perf_counter() - started)
 
+        wrapped.append((owner, name, vars(owner).get(name)))  # (a class's own method: put back after)
         setattr(owner, name, timed)
-        wrapped.append((owner, name))
     step_times = []
     try:
         for _ in range(steps):
@@ -319,8 +326,11 @@ def host_phases(llm, steps: int) -> str:
             step_times.append(time.perf_counter() - started)
         sync()
     finally:
-        for owner, name in wrapped:
-            delattr(owner, name)  # (the instance's wrapper goes: the class's method shows again)
+        for owner, name, own in wrapped:
+            if own is None:
+                delattr(owner, name)  # (the instance's wrapper goes: the class's method shows again)
+            else:
+                setattr(owner, name, own)
     per_step = {label: sum(values) / steps for label, values in times.items()}
     rows = [f"| {label} | {1000 * seconds:.3f} |" for label, seconds in per_step.items()]
     return "\n".join(["| host time a step (mean of %d) | ms |" % steps, "|---|---:|", *rows,
