@@ -288,7 +288,8 @@ def run_engine(model_dir: str, device: str, dtype: str, work: Workload, mode: st
             f"mean {1000 * seconds / steps:.2f} ms)"), work.output_tokens / seconds
 
 
-# The host's parts of a step, timed by wrapping these methods: (label, object path from the engine, method).
+# The host's parts of a step, timed by wrapping these methods: (label, object path from the engine or
+# from torch, method).
 HOST_PHASES = (("schedule", "scheduler", "schedule"), ("inputs", "runner", "prepare"),
                ("forward (with input copies, graph replay)", "runner", "run"), ("sample", "", "_sample"),
                ("read the step before (stop checks, text, deltas)", "", "_complete"),

@@ -65,12 +65,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch
     (`pending_row`), at no wait."""
     vocab, device = logits.shape[-1], logits.device
     needs = needs_of(seqs) if needs is None else needs
-    params = [s.params for s in seqs]
     if history is not None and history.covers(seqs, vocab):
         for kind in (REPETITION_PENALTY, PRESENCE_FREQUENCY_PENALTY):
             if needs & kind:
                 _penalize_from_history(logits, seqs, history, kind)
         return
+    params = [s.params for s in seqs]
     pending = [s.pending_row if s.num_pending and in_flight is not None else None for s in seqs]
     if needs & REPETITION_PENALTY:
         on = [p.repetition_penalty != 1.0 for p in params]
