@@ -301,7 +301,8 @@ HOST_PHASES = (("schedule", "scheduler", "schedule"), ("inputs", "runner", "prep
 
 def host_phases(llm, steps: int) -> str:
     """Milliseconds of host time a step in each of HOST_PHASES, means over `steps` (perf_counter around
-    each call, no profiler: cProfile's hooks tripled the Python parts' times), and the whole step's median.
+    each call, no profiler: cProfile's hooks tripled the Python parts' times), and the whole step's mean
+    (the parts' sum is within it) and median (an odd slow step aside).
     The rows "of which" are within the others (a wait for the GPU shows where it happens)."""
     times: dict[str, list[float]] = {label: [] for label, _, _ in HOST_PHASES}
     wrapped = []
@@ -335,6 +336,7 @@ def host_phases(llm, steps: int) -> str:
     per_step = {label: sum(values) / steps for label, values in times.items()}
     rows = [f"| {label} | {1000 * seconds:.3f} |" for label, seconds in per_step.items()]
     return "\n".join(["| host time a step (mean of %d) | ms |" % steps, "|---|---:|", *rows,
+                      f"| whole step (mean) | {1000 * statistics.mean(step_times):.3f} |",
                       f"| whole step (median) | {1000 * statistics.median(step_times):.3f} |"])
 
 
