@@ -254,8 +254,7 @@ def bench_top_p() -> None:
             return top_p_cuts(logits, top_p)
 
         def by_sorting():
-            log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
-            return sampler._cuts_within(torch.sort(logits, dim=-1, descending=True).values, log_total, top_p)[0]
+            return sampler.sorted_top_p_cuts(logits, top_p)
 
         equal = torch.equal(kernel(), by_sorting())
         print(f"| {name}, {vocab:,} | {rows} | {kernel_seconds(kernel) * 1e3:.3f} | "

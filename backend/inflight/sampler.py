@@ -76,12 +76,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], in_flight: torch
         on = [p.repetition_penalty != 1.0 for p in params]
         ids, lengths = _padded_ids([s.token_array if o else _NONE for s, o in zip(seqs, on)],
                                    [row if o else None for row, o in zip(pending, on)], in_flight, vocab, device)
-        _penalize(logits, ids, None, [p if n else _NO_PENALTIES for p, n in zip(params, lengths)],
-                  REPETITION_PENALTY, device)
+        _penalize(logits, ids, None, [p if n else _NO_PENALTIES for p, n in zip(params, lengths)], REPETITION_PENALTY)
     if needs & PRESENCE_FREQUENCY_PENALTY:
         ids, lengths = _padded_ids([s.output_array for s in seqs], pending, in_flight, vocab, device)
         genuine = torch.arange(ids.shape[1], device=device) < to_device(lengths, device)[:, None]
-        _penalize(logits, ids, genuine, params, PRESENCE_FREQUENCY_PENALTY, device)
+        _penalize(logits, ids, genuine, params, PRESENCE_FREQUENCY_PENALTY)
 
 
 def _penalize_from_history(logits: torch.Tensor, seqs: list[Sequence], history: TokenHistory, kind: int) -> None:
@@ -96,17 +95,18 @@ def _penalize_from_history(logits: torch.Tensor, seqs: list[Sequence], history: 
     ids, in_range = history.tokens([seq.step_row for seq in chosen], to_device, starts)
     if kind == REPETITION_PENALTY:  # every token seen, padded with the row's first
         ids, in_range = torch.where(in_range, ids, ids[:, :1]), None
-    _penalize(some, ids, in_range, [seq.params for seq in chosen], kind, logits.device)
+    _penalize(some, ids, in_range, [seq.params for seq in chosen], kind)
     if at is not None:
         logits[at] = some
 
 
 def _penalize(logits: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor | None, params: list[SamplingParams],
-              needs: int, device: torch.device) -> None:
+              needs: int) -> None:
     """The penalties `needs` names, on the logits at `ids` [rows, width] (scattering back a value computed
     from a token's logit writes the same value for each repeat of it). The repetition penalty's ids are a
     row's tokens, padded with ids of its own; presence and frequency count the ids `counted` marks
     [rows, width], the row's output tokens, and leave the logits of the others as they were."""
+    device = logits.device
     if needs & REPETITION_PENALTY:
         penalty = _per_row([p.repetition_penalty for p in params], device)
         values = logits.gather(1, ids)
@@ -249,10 +249,9 @@ def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         from .ops.triton_top_p import top_p_cuts  # (triton only where its kernel runs)
 
         return top_p_cuts(logits, top_p)
-    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
     if way == "sort":
-        cuts = _cuts_within(torch.sort(logits, dim=-1, descending=True).values, log_total, top_p)[0]
-        return cuts.masked_fill(top_p >= 1.0, float("-inf"))
+        return sorted_top_p_cuts(logits, top_p)
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
     cuts = torch.full_like(top_p, float("-inf"))
     rows = (top_p[:, 0] < 1.0).nonzero()[:, 0]
     for width in TOP_P_CANDIDATES:
@@ -265,6 +264,14 @@ def _top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         ranked = torch.sort(logits[rows], dim=-1, descending=True).values
         cuts[rows] = _cuts_within(ranked, log_total[rows], top_p[rows])[0]
     return cuts
+
+
+def sorted_top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """_top_p_cuts by sorting every row whole: a GPU's way for small batches (bench-kernels times it
+    against the kernel)."""
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    cuts = _cuts_within(torch.sort(logits, dim=-1, descending=True).values, log_total, top_p)[0]
+    return cuts.masked_fill(top_p >= 1.0, float("-inf"))
 
 
 def compile_kernels(device: torch.device, vocab: int) -> None:

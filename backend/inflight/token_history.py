@@ -55,7 +55,7 @@ class TokenHistory:
         (input_buffers.to_device)."""
         lengths = self._seq_lens[step_rows]
         device = self._ids.device
-        if starts is None:
+        if starts is None:  # (the repetition penalty's, every step it is asked: three launches fewer)
             blocks = -(-int(lengths.max()) // self.block_size)
             rows = to_device(np.stack([step_rows, lengths]), device)
             ids = self._blocks[self._tables[rows[0], :blocks]].flatten(1)  # [rows, blocks * block_size]
