@@ -122,20 +122,11 @@ def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF `generate`'s greedy continuation of one prompt, EOS ignored."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def hf_penalized_greedy(model, prompt: list[int], max_new_tokens: int, repetition_penalty: float = 1.0,
-                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> list[int]:
-    """HF `generate`'s greedy continuation under its own repetition penalty (over prompt and output) and,
-    in a logits processor of ours after it, vLLM's presence and frequency penalties (over the output:
-    each token seen less presence, less frequency times its count), EOS ignored."""
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, repetition_penalty: float = 1.0,
+              presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> list[int]:
+    """HF `generate`'s greedy continuation of one prompt, EOS ignored; under its own repetition penalty
+    (over prompt and output) and, in a logits processor of ours after it, vLLM's presence and frequency
+    penalties (over the output: each token seen less presence, less frequency times its count)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class OutputPenalties(LogitsProcessor):
@@ -145,11 +136,12 @@ def hf_penalized_greedy(model, prompt: list[int], max_new_tokens: int, repetitio
                 scores[0, token] -= output.count(token) * frequency_penalty + presence_penalty
             return scores
 
+    processors = [OutputPenalties()] if presence_penalty or frequency_penalty else []
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0, repetition_penalty=repetition_penalty,
-                             logits_processor=LogitsProcessorList([OutputPenalties()]))
+                             logits_processor=LogitsProcessorList(processors))
     return out[0, len(prompt):].tolist()
 
 

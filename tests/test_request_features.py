@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hf_penalized_greedy, random_prompts
+from conftest import hf_greedy, random_prompts
 from inflight import LLM, SamplingParams
 
 
@@ -106,9 +106,9 @@ def test_penalties_equal_hf_generate(model, hf_tiny_llama, async_scheduling):
     params[forked] = SamplingParams(n=3, max_tokens=20, temperature=0.0, ignore_eos=True, **requests[forked][1])
     outs = llm.generate([prompt for prompt, _ in requests], params)
     for (prompt, penalties), out in zip(requests, outs):
-        expected = hf_penalized_greedy(hf_tiny_llama, prompt, 20, **penalties)
+        expected = hf_greedy(hf_tiny_llama, prompt, 20, **penalties)
         assert [c.token_ids for c in out.outputs] == [expected] * len(out.outputs), penalties
-    assert hf_penalized_greedy(hf_tiny_llama, prompts[0], 20) != outs[0].token_ids, "the penalty was meant to matter"
+    assert hf_greedy(hf_tiny_llama, prompts[0], 20) != outs[0].token_ids, "the penalty was meant to matter"
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
     assert (llm.num_pipelined_steps > 0) == async_scheduling

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import hf_penalized_greedy, random_prompts
+from conftest import hf_greedy, random_prompts
 from inflight import LLM, SamplingParams
 from inflight.block_manager import BlockManager
 from inflight.sequence import Sequence
@@ -72,7 +72,7 @@ def test_penalties_count_the_tokens_behind_the_window(tiny_models, async_schedul
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **p) for p in penalties]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     for prompt, p, out in zip(prompts, penalties, llm.generate(prompts, params)):
-        assert out.token_ids == hf_penalized_greedy(hf, prompt, 24, **p), f"prompt of {len(prompt)} tokens, {p}"
+        assert out.token_ids == hf_greedy(hf, prompt, 24, **p), f"prompt of {len(prompt)} tokens, {p}"
     llm.block_manager.check_all_free()
 
 
