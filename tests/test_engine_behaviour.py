@@ -481,6 +481,86 @@ def test_streamed_deltas_concatenate_to_the_full_decode(llm):
                                                                                skip_special_tokens=True)):]
 
 
+def _deltas_of(llm, requests: dict[str, tuple], final_only: set[str]) -> dict[str, list]:
+    """Run requests (those named in `final_only` so) through add_request/step; each one's deltas."""
+    for request_id, (prompt, params) in requests.items():
+        llm.add_request(request_id, prompt, params, final_only=request_id in final_only)
+    deltas = {request_id: [] for request_id in requests}
+    while llm.has_unfinished():
+        for d in llm.step():
+            deltas[d.request_id].append(d)
+    return deltas
+
+
+def test_final_only_requests_get_each_completion_in_one_delta_equal_to_its_streamed_ones(llm):
+    """LLM.generate's requests (final_only): no delta a step and no text decoded a token, each completion
+    in one delta at its end, whose tokens, text (characters split over tokens too), logprobs and end
+    are those of the same request streamed beside it. With stop strings the text is read every step:
+    such a request streams as before (its caller joins the deltas)."""
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=False,
+                                             add_generation_prompt=True)
+    cases = {"emoji": ("Emoji party: 🎉🎉", SamplingParams(max_tokens=40, temperature=1.2, seed=3)),
+             "n2": ("日本の首都は", SamplingParams(max_tokens=20, temperature=0.9, seed=5, n=2)),
+             "logprobs": (PROMPT, SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)),
+             "eos": (chat, SamplingParams(max_tokens=200, temperature=0.0)),
+             "stop": (PROMPT, SamplingParams(max_tokens=30, temperature=0.0, stop=[" foot"]))}
+    requests = {f"{kind}-{case}": request for case, request in cases.items() for kind in ("final", "streamed")}
+    deltas = _deltas_of(llm, requests, {f"final-{case}" for case in cases})
+    for case, (_, params) in cases.items():
+        for index in range(params.n):
+            final, streamed = ([d for d in deltas[f"{kind}-{case}"] if d.index == index]
+                               for kind in ("final", "streamed"))
+            assert final[-1].finish_reason == streamed[-1].finish_reason == ("stop" if case in ("eos", "stop")
+                                                                             else "length"), case
+            assert len(final) == (len(streamed) if params.stop else 1), case
+            assert [t for d in final for t in d.new_token_ids] == [t for d in streamed for t in d.new_token_ids]
+            assert "".join(d.new_text for d in final) == "".join(d.new_text for d in streamed), case
+            if params.logprobs is not None:
+                got, expected = final[0].new_logprobs, [e for d in streamed for e in d.new_logprobs]
+                assert [e.keys() for e in got] == [e.keys() for e in expected] and len(got) == params.max_tokens
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 and a[t].decoded_token == b[t].decoded_token
+                           for a, b in zip(got, expected) for t in a)
+                assert final[0].cumulative_logprob == pytest.approx(streamed[-1].cumulative_logprob, abs=1e-4)
+        finished = [d.finished for d in deltas[f"final-{case}"]]
+        assert finished[-1] and sum(finished) == 1, case  # (the request's last completion ends it)
+    text = "".join(d.new_text for d in deltas["final-emoji"])
+    assert text == llm.tokenizer.decode(deltas["final-emoji"][0].new_token_ids, skip_special_tokens=True)
+
+
+def test_a_final_only_request_aborted_or_failing_to_decode_ends_alone_with_its_tokens(llm, monkeypatch):
+    """Aborted, it brings the tokens it had and their text; a text that fails to decode at its end
+    ends its request alone, with an error and its tokens (its blocks were back already)."""
+    original = llm._detokenize
+
+    def decode(seq, token_ids):
+        if seq.request_id == "bad":
+            raise RuntimeError("no text for you")
+        return original(seq, token_ids)
+
+    monkeypatch.setattr(llm, "_detokenize", decode)
+    failed = llm.stats()["requests_failed_total"]
+    for request_id, max_tokens in (("cut", 500), ("bad", 6), ("good", 8)):
+        llm.add_request(request_id, PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+                        final_only=True)
+    deltas: dict[str, list] = {}
+    while "good" not in deltas:
+        for d in llm.step():
+            deltas.setdefault(d.request_id, []).append(d)
+    assert "cut" not in deltas
+    llm.abort("cut")
+    while llm.has_unfinished():
+        for d in llm.step():
+            deltas.setdefault(d.request_id, []).append(d)
+    (bad,), (good,), (cut,) = deltas["bad"], deltas["good"], deltas["cut"]
+    assert bad.finished and bad.finish_reason == "error" and "no text for you" in bad.error
+    assert len(bad.new_token_ids) == 6 and bad.new_text == ""
+    assert good.finish_reason == "length" and good.new_text == llm.tokenizer.decode(good.new_token_ids)
+    assert good.new_token_ids[:6] == bad.new_token_ids
+    assert cut.finish_reason == "abort" and len(cut.new_token_ids) >= len(good.new_token_ids)
+    assert cut.new_text == llm.tokenizer.decode(cut.new_token_ids) and cut.new_text.startswith(good.new_text)
+    assert llm.stats()["requests_failed_total"] == failed + 1 and llm.stats()["kv_blocks_used"] == 0
+
+
 def test_detokenizer_round_trip_through_the_byte_table_and_the_tokenizer(default_model):
     import random
     import threading as th

@@ -263,6 +263,25 @@ def test_an_abort_between_drafting_steps_frees_every_block(engines):
     drafting.block_manager.check_all_free()
 
 
+def test_a_final_only_drafting_request_comes_in_one_delta(engines):
+    """Steps that keep drafts add several tokens at once to a final-only request (LLM.generate's), with
+    no delta; its one delta at the end is the same request's streamed deltas joined."""
+    drafting, _ = engines
+    before = drafting.stats()["spec_decode_accepted_tokens_total"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    drafting.add_request("final", REPEATING[1], params, final_only=True)
+    drafting.add_request("streamed", REPEATING[1], params)
+    deltas = {"final": [], "streamed": []}
+    while drafting.has_unfinished():
+        for d in drafting.step():
+            deltas[d.request_id].append(d)
+    assert drafting.stats()["spec_decode_accepted_tokens_total"] > before
+    (final,) = deltas["final"]
+    assert final.finished and final.new_token_ids == [t for d in deltas["streamed"] for t in d.new_token_ids]
+    assert final.new_text == "".join(d.new_text for d in deltas["streamed"])
+    drafting.block_manager.check_all_free()
+
+
 def _repeating_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
     """Token-id prompts made of a segment said three times, then a tail: lookups find drafts."""
     rng = random.Random(seed)

@@ -167,13 +167,15 @@ class LLMEngine:
         return self._encoders.encode(text, add_special_tokens, max_tokens, limit_name)
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    priority: int = 0, lora_name: str | None = None) -> list[int]:
+                    priority: int = 0, lora_name: str | None = None, final_only: bool = False) -> list[int]:
         """Validate and queue a request. `prompt`: text, token ids, or a dict of prompt embeddings
         ({"prompt_embeds": [n, hidden]}, or {"prompt_token_ids": ids, "prompt_embedding_table": [rows,
         hidden]} where ids from vocab_size up read the table: prompt_embeds.py). A lower `priority` is
-        served earlier; `lora_name`: one of the adapters of `lora_modules` (none: the base model). Returns
-        the prompt's token ids as queued. Raises ValueError naming the problem (EngineDeadError once the
-        engine has stopped); nothing is queued then."""
+        served earlier; `lora_name`: one of the adapters of `lora_modules` (none: the base model).
+        `final_only` (vLLM's FINAL_ONLY output kind): each completion comes in one delta, when it ends,
+        where nothing needs its text before (no stop strings); its text is then decoded once, at the end.
+        Returns the prompt's token ids as queued. Raises ValueError naming the problem (EngineDeadError
+        once the engine has stopped); nothing is queued then."""
         params = params or SamplingParams()
         lora_id = self.lora_id(lora_name)
         if not isinstance(params, SamplingParams):
@@ -216,6 +218,7 @@ class LLMEngine:
                              "run at once")
         seq = self._new_sequence(request_id, token_ids, params, self._bad_words_ids(params.bad_words), priority,
                                  lora_id=lora_id, prompt_embeds=embeds)
+        seq.delta_at_end = final_only and not params.stop and not params.beam_search  # (a search's come at its end)
         seq.forks_left = width - 1  # (a beam search's other beams: seats kept for them at admission)
         if params.beam_search:
             self._start_beam_search(seq, vocab)
@@ -509,7 +512,8 @@ class LLMEngine:
             self.num_generated_tokens += 1
             self.block_manager.cache_full_blocks(seq)  # its computed tokens are known now (before a finish frees them)
             self._check_finished(seq, token)
-            deltas.append(self._delta(seq))
+            if not seq.delta_at_end or seq.is_finished:
+                deltas.append(self._delta(seq))
         if step.speculated is not None:  # (first: their computed tokens count drafts until judged)
             self._accept_drafts(step.speculated, deltas)
         for seq in step.batch.seqs if step.unsampled else ():
@@ -552,7 +556,7 @@ class LLMEngine:
                 self._check_finished(seq, token)
                 if seq.is_finished:
                     break
-            if not failed:
+            if not failed and (not seq.delta_at_end or seq.is_finished):
                 deltas.append(self._delta(seq))
 
     # -- beam search (beam_search.py) ------------------------------------------------------------
@@ -608,7 +612,7 @@ class LLMEngine:
             child = self._new_sequence(parent.request_id, parent.prompt_token_ids, parent.params,
                                        parent.bad_words_ids, parent.priority, index, parent.lora_id,
                                        parent.prompt_embeds)
-            child.arrival = parent.arrival
+            child.arrival, child.delta_at_end = parent.arrival, parent.delta_at_end
             self.block_manager.fork(parent, child)
             self.scheduler.add_running(child)
             self._requests[parent.request_id].append(child)
@@ -775,7 +779,8 @@ class LLMEngine:
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
         text_before = len(seq.text_tail)
-        seq.text_tail += self._detokenize(seq, [token])
+        if not seq.delta_at_end:  # (else its text is decoded when it ends: _delta)
+            seq.text_tail += self._detokenize(seq, [token])
         num_out = len(seq.output_token_ids)
         reason = None
         if seq.matcher is not None and seq.matcher.is_terminated():
@@ -795,11 +800,27 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
+    def _decode_at_end(self, seq: Sequence) -> str | None:
+        """The text of a finished delta_at_end sequence, decoded at once; the error that ends it instead
+        if that fails (it alone: its blocks are back already, and its delta must still go out)."""
+        seq.delta_at_end = False
+        try:
+            seq.text_tail += self._detokenize(seq, seq.output_token_ids) + seq.detokenizer.flush()
+        except Exception as e:
+            logger.exception("decoding the text of %s failed", seq.request_id)
+            if seq.finish_reason != "error":  # (one that failed already is counted by _fail)
+                seq.finish_reason = "error"
+                self.num_failed_requests += 1
+            return f"the engine failed: {type(e).__name__}: {e}"
+        return None
+
     def _delta(self, seq: Sequence) -> RequestDelta:
         """What `seq` gained since its last delta. While it runs, text that could be the start of a
         stop string is held back."""
-        request_finished, metrics = False, None
+        request_finished, metrics, failure = False, None, None
         if seq.is_finished:
+            if seq.delta_at_end:
+                failure = self._decode_at_end(seq)
             text_end = len(seq.text_tail)
             seqs = self._requests.get(seq.request_id, [seq])
             request_finished = all(s.is_finished and not s.forks_left for s in seqs)
@@ -823,6 +844,8 @@ class LLMEngine:
             delta.context_logits = np.stack(seq.context_logits)
         if p.return_generation_logits:
             delta.new_generation_logits = seq.generation_logits[seq.num_tokens_sent:]
+        if failure is not None:
+            delta.error = failure
         seq.num_tokens_sent = len(seq.output_token_ids)
         seq.num_text_sent = text_end
         behind = text_end - p.stop_reach_back  # sent characters no stop string can start at any more

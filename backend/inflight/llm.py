@@ -35,7 +35,8 @@ class LLM(LLMEngine):
         prompt_ids = []
         for k, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):
             try:
-                prompt_ids.append(self.add_request(request_id, prompt, p, priority[k], adapters[k]))
+                # (each completion in one delta, at its end: no delta a step and token to build and join)
+                prompt_ids.append(self.add_request(request_id, prompt, p, priority[k], adapters[k], final_only=True))
             except ValueError as e:
                 for queued in ids[:k]:  # leave nothing behind for a batch that is refused
                     self.abort(queued)

@@ -117,6 +117,9 @@ class Sequence:
     # Speculative decoding: the drafts scheduled after its last token this step (speculative.py); they
     # are computed with it, and none is a token of the sequence until its step's verification keeps it.
     drafts: list[int] = field(default_factory=list)
+    # Its request takes each completion in one delta, at its end, and nothing reads its text before (a
+    # final-only request without stop strings, as LLM.generate's): no delta a step, no text decoded a token.
+    delta_at_end: bool = False
 
     output_logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, when asked for
     cumulative_logprob: float = 0.0
