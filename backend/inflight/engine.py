@@ -50,6 +50,8 @@ EARLY_ABORT_MEMORY_S = 60.0
 # The error of a request whose constraints banned every token (its row sampled a banned one anyway).
 NO_TOKEN_LEFT = ("no token can follow: the request's constraints together (structured_outputs, "
                  "allowed_token_ids, bad_words, min_tokens) allow none at this point of its output")
+# What a delta may carry besides tokens and text (logprobs, raw logits, prompt logprobs): none, the quick way.
+_DELTA_EXTRAS = LOGPROBS | RAW_LOGITS | PROMPT_LOGITS
 
 
 class EngineDeadError(RuntimeError):
@@ -817,6 +819,15 @@ class LLMEngine:
     def _delta(self, seq: Sequence) -> RequestDelta:
         """What `seq` gained since its last delta. While it runs, text that could be the start of a
         stop string is held back."""
+        p = seq.params
+        if not (p.needs & _DELTA_EXTRAS or p.stop or seq.is_finished):
+            # A running sequence's tokens and text, nothing else (most deltas): its whole text tail is
+            # new, as nothing is held back for a stop string.
+            tokens = seq.output_token_ids
+            delta = RequestDelta(seq.request_id, tokens[seq.num_tokens_sent:], seq.text_tail, False, None,
+                                 seq.num_prompt_tokens, len(tokens), index=seq.index)
+            seq.num_tokens_sent, seq.text_tail = len(tokens), ""
+            return delta
         request_finished, metrics, failure = False, None, None
         if seq.is_finished:
             if seq.delta_at_end:
@@ -828,8 +839,7 @@ class LLMEngine:
                 self._requests.pop(seq.request_id, None)
                 metrics = next((s.metrics for s in seqs if s.index == 0), seq.metrics)
         else:
-            text_end = max(seq.num_text_sent, len(seq.text_tail) - seq.params.stop_hold_back)
-        p = seq.params
+            text_end = max(seq.num_text_sent, len(seq.text_tail) - p.stop_hold_back)
         # (The fields a delta always has, in their order: by keyword, a delta a sequence a step cost twice.)
         delta = RequestDelta(seq.request_id, seq.output_token_ids[seq.num_tokens_sent:],
                              seq.text_tail[seq.num_text_sent:text_end], request_finished, seq.finish_reason,
