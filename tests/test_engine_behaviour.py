@@ -1,5 +1,6 @@
 """Sampling parameters, stop conditions, detokenization, aborts and threads, on the default model."""
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -561,6 +562,20 @@ def test_a_final_only_request_aborted_or_failing_to_decode_ends_alone_with_its_t
     assert llm.stats()["requests_failed_total"] == failed + 1 and llm.stats()["kv_blocks_used"] == 0
 
 
+def test_detokenize_false_brings_the_same_tokens_and_no_text(llm):
+    """vLLM's detokenize false: no text decoded (streamed, final-only, beam search), the same tokens."""
+    plain = SamplingParams(max_tokens=12, temperature=0.0)
+    requests = {f"{name}-{kind}": (PROMPT, dataclasses.replace(params, detokenize=kind == "text"))
+                for name, params in (("streamed", plain), ("final", plain),
+                                     ("beams", SamplingParams(max_tokens=6, beam_width=2, n=2)))
+                for kind in ("text", "none")}
+    deltas = _deltas_of(llm, requests, {"final-text", "final-none"})
+    for name in ("streamed", "final", "beams"):
+        with_text, without = deltas[f"{name}-text"], deltas[f"{name}-none"]
+        assert [(d.index, d.new_token_ids) for d in with_text] == [(d.index, d.new_token_ids) for d in without]
+        assert all(d.new_text == "" for d in without) and "".join(d.new_text for d in with_text), name
+
+
 def test_detokenizer_round_trip_through_the_byte_table_and_the_tokenizer(default_model):
     import random
     import threading as th
@@ -724,6 +739,8 @@ BAD_PARAMS = {
     "allowed_token_ids": dict(allowed_token_ids=[]),
     "allowed_token_ids negative": dict(allowed_token_ids=[3, -1]),
     "truncate_prompt_tokens": dict(truncate_prompt_tokens=0),
+    "detokenize": dict(detokenize="no"),
+    "detokenize with stop": dict(detokenize=False, stop=["."]),
 }
 
 
@@ -750,11 +767,12 @@ def test_unknown_field_and_strings():
                                        "spaces_between_special_tokens": "true"}, strings_allowed=True)
     assert (params.max_tokens, params.seed, params.n) == (16, None, 2)
     for values, name in (({"best_of": 3}, "best_of"), ({"n": 2, "best_of": True}, "best_of"),
-                         ({"detokenize": False}, "detokenize"), ({"spaces_between_special_tokens": 0}, "spaces")):
+                         ({"spaces_between_special_tokens": 0}, "spaces")):
         with pytest.raises(ValueError, match=f"{name}.* not supported"):
             SamplingParams.from_dict(values)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams.from_dict({"max_tokens": "lots"}, strings_allowed=True)
+    assert SamplingParams.from_dict({"detokenize": "false"}, strings_allowed=True).detokenize is False
 
 
 def test_empty_prompt_is_rejected(llm):

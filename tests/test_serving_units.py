@@ -20,7 +20,7 @@ from inflight.serving.engine_process import EngineProcess
 from inflight.serving.engine_thread import EngineThread
 from inflight.serving.metrics import TritonMetrics
 from inflight.serving.profile import PARTS, ServingProfile
-from inflight.serving.request import parse_request, with_word_bias
+from inflight.serving.request import for_outputs, parse_request, with_word_bias
 from inflight.structured_output import canonical_spec
 from inflight.config import EngineConfig
 from inflight.serving.settings import place_instance, resolve_lora_modules, split_settings
@@ -153,6 +153,25 @@ def test_responses_carry_only_the_outputs_the_client_named():
     assert set(everything) == {"text_output", "output_ids", "finish_reason"}
     named = RequestResponses(parsed, frozenset({"output_ids", "finish_reason"})).add(delta)
     assert set(named) == {"output_ids", "finish_reason"} and named["output_ids"].tolist() == [7]
+
+
+def test_a_client_that_names_outputs_without_text_gets_none_decoded():
+    """The engine decodes no text for a client that names its outputs without text_output (not where
+    stop strings read it), and that client's stream goes by tokens: a text prompt's too."""
+    from inflight.serving.response import RequestResponses
+
+    params = SamplingParams(max_tokens=4)
+    assert for_outputs(params, frozenset({"output_ids", "finish_reason"})).detokenize is False
+    for requested in (frozenset(), frozenset({"text_output"}), frozenset({"text_output", "output_ids"})):
+        assert for_outputs(params, requested) is params
+    stopping = SamplingParams(max_tokens=4, stop=["."])
+    assert for_outputs(stopping, frozenset({"output_ids"})) is stopping
+    parsed = parse_request({"text_input": text("hi"), "stream": np.array([True]),
+                            "return_num_output_tokens": np.array([True])})
+    tokens_only = RequestDelta("r", [7], "", False, None, 2, 1)  # (no text: none was decoded)
+    sent = RequestResponses(parsed, frozenset({"num_output_tokens"})).add(tokens_only)
+    assert sent is not None and sent["num_output_tokens"].tolist() == [1]
+    assert RequestResponses(parsed).add(tokens_only) is None  # (text awaited: it comes with the next)
 
 
 @pytest.mark.parametrize("inputs, words", [

@@ -268,7 +268,7 @@ class BeamSearch:
         best = self.best()
         deltas = []
         for index, hypothesis in enumerate(best):
-            text = hypothesis.text
+            text = hypothesis.text if p.detokenize else ""
             if text is None:
                 decoder = detokenizer()
                 text = decoder.add_tokens(hypothesis.token_ids) + decoder.flush()

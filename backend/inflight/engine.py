@@ -781,7 +781,7 @@ class LLMEngine:
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
         text_before = len(seq.text_tail)
-        if not seq.delta_at_end:  # (else its text is decoded when it ends: _delta)
+        if p.detokenize and not seq.delta_at_end:  # (else no text, or decoded when it ends: _delta)
             seq.text_tail += self._detokenize(seq, [token])
         num_out = len(seq.output_token_ids)
         reason = None
@@ -806,6 +806,8 @@ class LLMEngine:
         """The text of a finished delta_at_end sequence, decoded at once; the error that ends it instead
         if that fails (it alone: its blocks are back already, and its delta must still go out)."""
         seq.delta_at_end = False
+        if not seq.params.detokenize:
+            return None
         try:
             seq.text_tail += self._detokenize(seq, seq.output_token_ids) + seq.detokenizer.flush()
         except Exception as e:

@@ -42,6 +42,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens can be generated
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as max_model_len)
     skip_special_tokens: bool = True
+    detokenize: bool = True  # false: no text at all (token ids only; stop strings need the text)
     # One of {"json": schema}, {"json_object": True}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}
     # (structured_output.py); checked and compiled when the request is added.
     structured_outputs: dict | None = None
@@ -96,10 +97,12 @@ class SamplingParams:
         self._check_float("presence_penalty", minimum=-2.0, maximum=2.0)
         self._check_float("frequency_penalty", minimum=-2.0, maximum=2.0)
         self._check_int("no_repeat_ngram_size", minimum=0)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "return_context_logits",
-                     "return_generation_logits"):
+        for name in ("ignore_eos", "skip_special_tokens", "detokenize", "include_stop_str_in_output",
+                     "return_context_logits", "return_generation_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are searched for in the text: they need detokenize true")
         if len(self.stop) > self.MAX_STOP_STRINGS:
             raise ValueError(f"stop has {len(self.stop)} strings; at most {self.MAX_STOP_STRINGS} are allowed")
         for s in self.stop:
@@ -360,18 +363,18 @@ class SamplingParams:
 
 def _drop_vllm_defaults(values: dict[str, Any], strings_allowed: bool) -> None:
     """vLLM's SamplingParams fields that this engine does not have, taken out of `values` when they ask
-    for nothing (a client that sends every field of vLLM's sends them): `detokenize` and
-    `spaces_between_special_tokens` true, `best_of` equal to n. Any other value is refused by name.
+    for nothing (a client that sends every field of vLLM's sends them): `spaces_between_special_tokens`
+    true, `best_of` equal to n. Any other value is refused by name.
     vLLM's older beam search, `use_beam_search` with `best_of` beams, becomes beam_width."""
     def read(name: str, kind: type) -> Any:
         value = values[name]
         return _parse_string(name, value, kind) if strings_allowed and isinstance(value, str) else value
 
-    for name in ("detokenize", "spaces_between_special_tokens"):
-        if name in values:
-            if read(name, bool) is not True:
-                raise ValueError(f"{name} is not supported but at its default, true; got {values[name]!r}")
-            del values[name]
+    if "spaces_between_special_tokens" in values:
+        if read("spaces_between_special_tokens", bool) is not True:
+            raise ValueError("spaces_between_special_tokens is not supported but at its default, true; got "
+                             f"{values['spaces_between_special_tokens']!r}")
+        del values["spaces_between_special_tokens"]
     use_beam_search = read("use_beam_search", bool) if "use_beam_search" in values else False
     values.pop("use_beam_search", None)
     if not isinstance(use_beam_search, bool):

@@ -181,6 +181,15 @@ def with_word_bias(params: SamplingParams, bias_words: list[tuple[str, float]],
     return replace(params, logit_bias=bias)
 
 
+def for_outputs(params: SamplingParams, requested_outputs: frozenset[str]) -> SamplingParams:
+    """`params` for a client that named the outputs it wants (Triton's requested outputs; none named:
+    every output): one that names them without `text_output` gets no text, so the engine decodes none
+    (detokenize false; not where stop strings read the text)."""
+    if not requested_outputs or "text_output" in requested_outputs or params.stop or not params.detokenize:
+        return params
+    return replace(params, detokenize=False)
+
+
 def _prompt(inputs: dict[str, np.ndarray], max_bytes: int) -> str | list[int]:
     """The prompt: text_input, or input_ids (token ids, for clients that tokenize themselves); no ids
     where a prompt_embedding_table comes alone (its rows are the prompt)."""

@@ -47,7 +47,9 @@ class RequestResponses:
         self._all_completions = self._n > 1 and not parsed.per_completion_responses
         self._pending: dict[int, list[RequestDelta]] = {}  # deltas not sent yet, by completion index
         self._last: dict[int, RequestDelta] = {}  # each completion's last delta sent
-        self._wants_tokens = isinstance(parsed.prompt, list) or parsed.params.logprobs is not None
+        # (a client that takes no text, whose engine decodes none: for_outputs, streams by tokens)
+        self._wants_tokens = isinstance(parsed.prompt, list) or parsed.params.logprobs is not None \
+            or not self._wants("text_output")
 
     def add(self, delta: RequestDelta) -> dict[str, np.ndarray] | None:
         """The outputs of the response this delta completes, or None when nothing is to be sent yet."""

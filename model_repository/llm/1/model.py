@@ -159,7 +159,7 @@ from inflight.serving.engine_process import EngineProcess  # noqa: E402
 from inflight.serving.engine_thread import EngineThread  # noqa: E402
 from inflight.serving.heap import freeze_startup_heap  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
-from inflight.serving.request import ParsedRequest, parse_request, with_word_bias  # noqa: E402
+from inflight.serving.request import ParsedRequest, for_outputs, parse_request, with_word_bias  # noqa: E402
 from inflight.serving.response import RequestResponses  # noqa: E402
 from inflight.serving.settings import place_instance, resolve_lora_modules, split_settings  # noqa: E402
 
@@ -288,11 +288,12 @@ class TritonPythonModel:
         length = len(token_ids) or (len(table) if table is not None else 0)
         if cap is not None and length > cap:
             raise ValueError(f"the prompt has {length} tokens; this server accepts at most {cap}")
-        params = with_word_bias(parsed.params, parsed.bias_words,
-                                lambda word: self.engine.encode(word, add_special_tokens=False))
+        requested_outputs = frozenset(request.requested_output_names())
+        params = for_outputs(with_word_bias(parsed.params, parsed.bias_words,
+                                            lambda word: self.engine.encode(word, add_special_tokens=False)),
+                             requested_outputs)
         request_id = uuid.uuid4().hex
-        self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(),
-                                                frozenset(request.requested_output_names()))
+        self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(), requested_outputs)
         try:
             self.thread.submit(request_id, parsed.engine_prompt(token_ids), params, parsed.priority,
                                parsed.lora_name)
