@@ -166,6 +166,19 @@ def exactness(records: list[dict], expected: list[list[int]]) -> str:
     return f"{exact}/{len(records)} ({agreeing / max(total, 1):.1%})"
 
 
+def offline_streamed(llm, prompts: list[list[int]], params: list) -> float:
+    """Seconds to run the requests offline through add_request/step, a delta a token as a streamed
+    server's engine makes them (token ids alone: detokenize false, as the served clients' outputs)."""
+    import dataclasses
+
+    start = time.perf_counter()
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        llm.add_request(f"streamed-{i}", prompt, dataclasses.replace(p, detokenize=False))
+    while llm.has_unfinished():
+        llm.step()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, a few requests")
@@ -212,25 +225,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="inflight-served-") as tmp:
         model_dir = build_model(SMOKE_SHAPE if args.smoke else SHAPES["1.2B Llama"], Path(tmp) / "model",
                                 torch.float32 if args.smoke else torch.bfloat16, device)
-        # Offline at each stream count's concurrency (max_num_seqs = streams), the fair peer of serving it.
+        # Offline at each stream count's concurrency (max_num_seqs = streams), the fair peer of serving it:
+        # generate() (each completion whole at its end), and the same requests streamed (a delta a token,
+        # the token ids alone, as the served clients ask): what the engine's own output work costs.
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
-        offline, expected = {}, None
+        offline, streamed, expected = {}, {}, None
         for n in streams:
             llm = LLM(model_dir, device=device, **{**settings, "max_num_seqs": n})
             llm.generate(work.prompts[:8], params[:8])  # warm-up
             start = time.perf_counter()
             outputs = [o.token_ids for o in llm.generate(work.prompts, params)]
             offline[n] = work.output_tokens / (time.perf_counter() - start)
+            streamed[n] = work.output_tokens / offline_streamed(llm, work.prompts, params)
             expected = expected or outputs
             llm.close()
             del llm
             release()
-        report.add("", "offline, output tok/s: " + ", ".join(f"{rate:,.0f} at max_num_seqs {n}"
-                                                             for n, rate in offline.items()), "",
-                   "| streams | engine | sender threads | output tok/s | share of offline | TTFT p50 / p99 (ms) | "
-                   "ITL p50 / p99 (ms) | mean engine step (ms) | ITL p50 / step | responses per token | "
-                   "exact (tokens before a first difference) |",
-                   "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        report.add("", "offline, output tok/s: " + ", ".join(f"{rate:,.0f} at max_num_seqs {n} (streamed: "
+                                                             f"{streamed[n]:,.0f})" for n, rate in offline.items()),
+                   "", "| streams | engine | sender threads | output tok/s | share of offline | share of offline "
+                   "streamed | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | mean engine step (ms) | ITL p50 / step | "
+                   "responses per token | exact (tokens before a first difference) |",
+                   "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         profiles, storms = [], []
         for engine_process, sender_threads in variants:
             where = "own process" if engine_process else "thread"
@@ -251,7 +267,8 @@ def main() -> None:
                     itl_ratio = f"{statistics.median(itl) / step:.2f}" if itl and step else "-"
                     responses = sum(len(r["times"]) for r in records)
                     report.add(f"| {n} | {where} | {sender_threads or 'default'} | {tokens / seconds:,.0f} | "
-                               f"{tokens / seconds / offline[n]:.1%} | {percentiles(ttft)} | {percentiles(itl)} | "
+                               f"{tokens / seconds / offline[n]:.1%} | {tokens / seconds / streamed[n]:.1%} | "
+                               f"{percentiles(ttft)} | {percentiles(itl)} | "
                                f"{1000 * step:.2f} | {itl_ratio} | {responses / tokens:.2f} | "
                                f"{exactness(records, expected)} |")
                     profiles.append((f"{n} streams, engine: {where}, sender threads {sender_threads or 'default'}",
