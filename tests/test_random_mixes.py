@@ -1,7 +1,8 @@
 """Random mixes: requests of every kind arriving over the steps of one engine, some aborted, with
 priorities, over a pool small enough to preempt and a budget small enough to chunk every prompt, on
 prompts that share prefixes (the prefix cache) and repeat themselves (n-gram drafts), some given as
-embeddings or with drafts of their own, some constrained to a regex, a choice or a JSON schema.
+embeddings or with drafts of their own, some constrained to a regex, a choice or a JSON schema, some
+taking each completion in one delta at its end (final-only) or no text at all (detokenize false).
 Whatever ran beside a request, its output must be the one it gets alone, every refusal the same, every
 block back. One step at a time and pipelined, with and without speculative decoding, and with LoRA
 adapters; three seeds each; Llama, and Mistral (blocks given back behind its sliding window). With
@@ -114,9 +115,9 @@ class Outputs:
         self.ends, self.prompt_logprob_ids, self.context_logits, self.refused = {}, {}, {}, {}
 
     def add(self, llm: LLM, request_id: str, prompt: list[int] | dict, params: SamplingParams, priority: int,
-            lora_name: str | None) -> None:
+            lora_name: str | None, final_only: bool = False) -> None:
         try:
-            llm.add_request(request_id, prompt, params, priority=priority, lora_name=lora_name)
+            llm.add_request(request_id, prompt, params, priority=priority, lora_name=lora_name, final_only=final_only)
         except ValueError as e:
             self.refused[request_id] = str(e)
 
@@ -144,7 +145,7 @@ def run_mix(llm: LLM, requests, seed: int) -> tuple[Outputs, set[str]]:
             break
         for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
             if waiting:
-                got.add(llm, *waiting.pop(0))
+                got.add(llm, *mixed_output_kind(*waiting.pop(0)))
         live = llm.unfinished_request_ids()
         if live and rng.random() < 0.08:
             victim = rng.choice(live)
@@ -155,6 +156,19 @@ def run_mix(llm: LLM, requests, seed: int) -> tuple[Outputs, set[str]]:
         raise AssertionError(f"unfinished after 3000 steps: {llm.unfinished_request_ids()}")
     got.take(llm.step())  # (pipelined: whatever an abort left in flight)
     return got, aborted
+
+
+def final_only(request_id: str) -> bool:
+    return int(request_id[1:]) % 3 == 0
+
+
+def mixed_output_kind(request_id: str, prompt, params: SamplingParams, priority: int, lora_name: str | None):
+    """The request as the mix sends it: every third one final-only (one delta a completion, its text at
+    the end), every fourth one of the others without text (detokenize false, where no stop string reads
+    it); alone, each is streamed with its text: the tokens and ends must not differ."""
+    if int(request_id[1:]) % 4 == 1 and not params.stop and not final_only(request_id):
+        params = dataclasses.replace(params, detokenize=False)
+    return request_id, prompt, params, priority, lora_name, final_only(request_id)
 
 
 def run_alone(model: str, settings: dict, requests) -> Outputs:
@@ -208,8 +222,10 @@ def run_mix_with_faults(llm: LLM, requests, seed: int) -> tuple[Outputs, set[str
     errors = {key[0]: end[1] for key, end in got.ends.items() if isinstance(end, tuple)}
     assert errors and all("injected" in error for error in errors.values()), errors
     before = 1 if llm.config.async_scheduling else 0  # (the step in flight)
-    assert errors.keys() <= set().union(*(batches.get(step, set()) | batches.get(step - before, set())
-                                          for step in fault_steps))
+    # (and a final-only request aborted then: its text is decoded as it ends, mixed_output_kind)
+    final_only_aborted = {request_id for request_id in aborted if final_only(request_id)}
+    assert errors.keys() - final_only_aborted <= set().union(
+        *(batches.get(step, set()) | batches.get(step - before, set()) for step in fault_steps))
     return got, aborted, set(errors)
 
 
