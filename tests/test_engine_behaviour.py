@@ -23,10 +23,10 @@ def llm(default_model):
     engine.block_manager.check_all_free()
 
 
-def stream(llm, requests: dict[str, tuple]) -> dict[str, list]:
-    """Run requests through add_request/step; return each one's deltas."""
+def stream(llm, requests: dict[str, tuple], final_only: frozenset[str] = frozenset()) -> dict[str, list]:
+    """Run requests (those named in `final_only` so) through add_request/step; return each one's deltas."""
     for request_id, (prompt, params) in requests.items():
-        llm.add_request(request_id, prompt, params)
+        llm.add_request(request_id, prompt, params, final_only=request_id in final_only)
     deltas = {request_id: [] for request_id in requests}
     while llm.has_unfinished():
         for d in llm.step():
@@ -482,17 +482,6 @@ def test_streamed_deltas_concatenate_to_the_full_decode(llm):
                                                                                skip_special_tokens=True)):]
 
 
-def _deltas_of(llm, requests: dict[str, tuple], final_only: set[str]) -> dict[str, list]:
-    """Run requests (those named in `final_only` so) through add_request/step; each one's deltas."""
-    for request_id, (prompt, params) in requests.items():
-        llm.add_request(request_id, prompt, params, final_only=request_id in final_only)
-    deltas = {request_id: [] for request_id in requests}
-    while llm.has_unfinished():
-        for d in llm.step():
-            deltas[d.request_id].append(d)
-    return deltas
-
-
 def test_final_only_requests_get_each_completion_in_one_delta_equal_to_its_streamed_ones(llm):
     """LLM.generate's requests (final_only): no delta a step and no text decoded a token, each completion
     in one delta at its end, whose tokens, text (characters split over tokens too), logprobs and end
@@ -506,7 +495,7 @@ def test_final_only_requests_get_each_completion_in_one_delta_equal_to_its_strea
              "eos": (chat, SamplingParams(max_tokens=200, temperature=0.0)),
              "stop": (PROMPT, SamplingParams(max_tokens=30, temperature=0.0, stop=[" foot"]))}
     requests = {f"{kind}-{case}": request for case, request in cases.items() for kind in ("final", "streamed")}
-    deltas = _deltas_of(llm, requests, {f"final-{case}" for case in cases})
+    deltas = stream(llm, requests, frozenset(f"final-{case}" for case in cases))
     for case, (_, params) in cases.items():
         for index in range(params.n):
             final, streamed = ([d for d in deltas[f"{kind}-{case}"] if d.index == index]
@@ -569,7 +558,7 @@ def test_detokenize_false_brings_the_same_tokens_and_no_text(llm):
                 for name, params in (("streamed", plain), ("final", plain),
                                      ("beams", SamplingParams(max_tokens=6, beam_width=2, n=2)))
                 for kind in ("text", "none")}
-    deltas = _deltas_of(llm, requests, {"final-text", "final-none"})
+    deltas = stream(llm, requests, frozenset({"final-text", "final-none"}))
     for name in ("streamed", "final", "beams"):
         with_text, without = deltas[f"{name}-text"], deltas[f"{name}-none"]
         assert [(d.index, d.new_token_ids) for d in with_text] == [(d.index, d.new_token_ids) for d in without]
