@@ -14,7 +14,7 @@ import pytest
 
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
-from inflight.outputs import RequestDelta, coalesce, joined
+from inflight.outputs import RequestDelta, coalesce, compact_deltas, expand_deltas, joined
 from inflight.engine import EngineDeadError
 from inflight.serving.engine_process import EngineProcess
 from inflight.serving.engine_thread import EngineThread
@@ -473,6 +473,28 @@ def test_a_delta_pickles_whole_as_its_values():
             assert [row.tolist() for row in mine] == [row.tolist() for row in theirs]
         else:
             assert mine == theirs, f.name
+
+
+def test_a_steps_deltas_cross_compacted_and_come_back_whole():
+    """A running completion's delta of tokens and text alone crosses as a tuple of its values; one with
+    any other field set (each field in turn: a field added later too) crosses whole."""
+    from dataclasses import fields, replace
+
+    from inflight.outputs import RequestMetrics
+
+    plain = RequestDelta("a", [1, 2], "xy", False, None, 3, 2, index=1)
+    others = {"finished": True, "finish_reason": "stop", "error": "boom", "error_kind": "invalid",
+              "new_logprobs": [], "cumulative_logprob": -0.5, "prompt_logprobs": [None],
+              "metrics": RequestMetrics(5), "context_logits": np.ones((1, 2)), "new_generation_logits": []}
+    assert set(others) == {f.name for f in fields(RequestDelta)} - {"request_id", "new_token_ids", "new_text",
+                                                                     "num_prompt_tokens", "num_output_tokens", "index"}
+    deltas = [plain, *(replace(plain, **{name: value}) for name, value in others.items())]
+    wire = pickle.loads(pickle.dumps(compact_deltas(deltas)))
+    assert type(wire[0]) is tuple and all(isinstance(item, RequestDelta) for item in wire[1:])
+    back = expand_deltas(wire)
+    assert back[0] == plain and type(back[0]) is RequestDelta
+    for (name, value), delta in zip(others.items(), back[1:]):
+        assert getattr(delta, name) is not None and type(getattr(delta, name)) is type(value), name
 
 
 def test_joined_deltas_keep_logprobs_and_logits_once_each():

@@ -12,7 +12,8 @@ pipe:
                    lora_name),
                    ("abort", request_id), ("sent",) (a step's responses are out: when told to, the
                    engine waits for it before the next step, see engine_thread.py), ("stop",)
-  from the engine: ("ready", device_type, max_model_len) or ("failed", reason) once; then ("step", deltas, stats),
+  from the engine: ("ready", device_type, max_model_len) or ("failed", reason) once; then ("step", deltas, stats)
+                   (the deltas compacted: outputs.compact_deltas),
                    ("refused", delta), ("stats", stats) when it falls idle, ("dead", reason), ("stopped",)
 A request the engine refuses comes back as a final delta with `error_kind` "invalid" or "unavailable".
 When the engine process dies (killed, out of memory), its pipe closes: every request still held ends
@@ -30,7 +31,7 @@ from transformers import AutoTokenizer
 
 from ..encoders import Encoders, copy_or_load
 from ..engine import EngineDeadError
-from ..outputs import RequestDelta
+from ..outputs import RequestDelta, compact_deltas, expand_deltas
 from ..launch import start_engine_process
 from .engine_thread import EngineThread
 from .heap import freeze_startup_heap
@@ -163,7 +164,7 @@ class EngineProcess(EngineThread):
         while True:
             kind, *rest = self._receive()
             if kind == "step":
-                deltas, stats = rest
+                deltas, stats = expand_deltas(rest[0]), rest[1]
                 self._take_stats(stats)
                 self._put(deltas)  # on a CPU: returns once they are handed on
                 if deltas and not self._overlap_sending:
@@ -286,10 +287,11 @@ class _Serve:
                 logger.exception("the engine loop failed")
                 deltas = self.engine.shut_down(f"the engine loop failed: {type(e).__name__}: {e}")
             if self.engine.dead_reason is not None:
-                self.send(("step", deltas + self.engine.shut_down(self.engine.dead_reason), self.stats()))
+                self.send(("step", compact_deltas(deltas + self.engine.shut_down(self.engine.dead_reason)),
+                           self.stats()))
                 self.send(("dead", self.engine.dead_reason))
                 return
-            self.send(("step", deltas, self.stats()))
+            self.send(("step", compact_deltas(deltas), self.stats()))
             if deltas and self.wait_for_sends:  # (timed where the sends are: EngineThread._put)
                 self.sends_done.acquire()
 
