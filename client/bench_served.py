@@ -13,6 +13,7 @@ run it). The clients run in processes of their own, so that their Python does no
 """
 
 import argparse
+import dataclasses
 import multiprocessing
 import queue
 import signal
@@ -169,8 +170,6 @@ def exactness(records: list[dict], expected: list[list[int]]) -> str:
 def offline_streamed(llm, prompts: list[list[int]], params: list) -> float:
     """Seconds to run the requests offline through add_request/step, a delta a token as a streamed
     server's engine makes them (token ids alone: detokenize false, as the served clients' outputs)."""
-    import dataclasses
-
     start = time.perf_counter()
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         llm.add_request(f"streamed-{i}", prompt, dataclasses.replace(p, detokenize=False))
