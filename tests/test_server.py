@@ -40,7 +40,7 @@ def lora_modules(default_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(lora_modules):
-    yield from serve(**SETTINGS, lora_modules=lora_modules)
+    yield from serve(**SETTINGS, lora_modules=lora_modules, serving_profile=True)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,28 @@ def test_non_streaming_sends_one_response(server, offline_texts):
     assert result.text == offline_texts[prompt]
     with_prompt = generate(server.grpc_url, prompt, stream=False, **greedy())
     assert with_prompt.text == prompt + offline_texts[prompt]
+
+
+def test_a_non_streamed_request_is_handed_over_once(server, offline_texts):
+    """Not streamed, the engine hands the completion over when it ends (final-only): one response built
+    for it, not one a token, and its latencies still counted (from the engine's times of its tokens)."""
+    counts = ("inflight_time_to_first_token_seconds_count", "inflight_inter_token_latency_seconds_count")
+
+    def settled():  # (the profile and the histograms reach the metrics port at most once a second)
+        time.sleep(2.5)
+        builds = server.serving_profile().get("build_response", (0, 0, 0))[2]
+        return builds, [server.metrics().get(name, 0) for name in counts]
+
+    builds, (ttft, itl) = settled()
+    prompt = PROMPTS[3]
+    result = generate(server.grpc_url, prompt, stream=False,
+                      **greedy(exclude_input_in_output=True, return_num_output_tokens=True))
+    assert result.error is None and result.text == offline_texts[prompt]
+    tokens = int(result.responses[0]["num_output_tokens"][0])
+    assert tokens > 2
+    builds_after, (ttft_after, itl_after) = settled()
+    assert builds_after - builds == 1, "one response built, not one a token"
+    assert (ttft_after - ttft, itl_after - itl) == (1, tokens - 1)
 
 
 def test_32_concurrent_streams(server, offline_texts):

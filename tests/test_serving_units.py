@@ -14,7 +14,7 @@ import pytest
 
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
-from inflight.outputs import RequestDelta, coalesce, compact_deltas, expand_deltas, joined
+from inflight.outputs import RequestDelta, RequestMetrics, coalesce, compact_deltas, expand_deltas, joined
 from inflight.engine import EngineDeadError
 from inflight.serving.engine_process import EngineProcess
 from inflight.serving.engine_thread import EngineThread
@@ -384,8 +384,9 @@ def test_engine_thread_serves_and_cancels(tiny_models):
     def submit(thread):
         for i, p in enumerate(prompts):
             thread.submit(str(i), p, params)
+        thread.submit("whole", prompts[1], params, final_only=True)  # (as a request not streamed)
         thread.submit("long", prompts[0], SamplingParams(max_tokens=500, ignore_eos=True))
-        return [*map(str, range(len(prompts))), "long"]
+        return [*map(str, range(len(prompts))), "whole", "long"]
 
     def make_engine():
         engines.append(LLM(model, num_kv_blocks=64))
@@ -395,6 +396,8 @@ def test_engine_thread_serves_and_cancels(tiny_models):
     for i in range(len(prompts)):
         deltas, errors = results[str(i)]
         assert [t for d in deltas for t in d.new_token_ids] == expected[i] and errors == [None]
+    whole = results["whole"][0]
+    assert len(whole) == 1 and whole[0].new_token_ids == expected[1] and whole[0].metrics is not None
     long_deltas = results["long"][0]
     assert long_deltas[-1].finish_reason == "abort" and long_deltas[-1].num_output_tokens < 500
     assert engine.stats()["requests_aborted_total"] == 1
@@ -565,8 +568,9 @@ def test_engine_process_serves_refuses_and_cancels(tiny_models):
         for i, p in enumerate(prompts):
             thread.submit(str(i), p, params)
         thread.submit("bad", [10**6], params)  # no such token
+        thread.submit("whole", prompts[1], params, final_only=True)  # (as a request not streamed)
         thread.submit("long", prompts[0], SamplingParams(max_tokens=500, ignore_eos=True))
-        return [*map(str, range(len(prompts))), "bad", "long"]
+        return [*map(str, range(len(prompts))), "bad", "whole", "long"]
 
     settings = dict(model=model, num_kv_blocks=64)
     engine, results = collect(dict(settings=settings, poll_cancelled=poll, on_step=lambda stats: seen_long.set()
@@ -576,6 +580,8 @@ def test_engine_process_serves_refuses_and_cancels(tiny_models):
         assert [t for d in deltas for t in d.new_token_ids] == expected[i] and errors == [None]
     bad = results["bad"][0]
     assert len(bad) == 1 and bad[0].error_kind == "invalid" and "prompt token ids" in bad[0].error
+    whole = results["whole"][0]
+    assert len(whole) == 1 and whole[0].new_token_ids == expected[1] and whole[0].metrics is not None
     long_deltas = results["long"][0]
     assert long_deltas[-1].finish_reason == "abort" and long_deltas[-1].num_output_tokens < 500
     assert processes[0].engine_frozen_objects > 50_000, "the engine process froze its start-up heap"
@@ -583,6 +589,30 @@ def test_engine_process_serves_refuses_and_cancels(tiny_models):
     while engine.stats()["kv_blocks_used"] or engine.stats()["requests_aborted_total"] != 1:
         assert time.monotonic() < deadline, engine.stats()  # the idle engine reports its final state
         time.sleep(0.05)
+
+
+def test_an_idle_engine_process_reports_once_its_last_responses_are_out(tiny_models):
+    """The report of an engine that fell idle (the metrics' last until the next request) comes once the
+    responder has handed on every delta: it must count their latencies and the serving profile's parts."""
+    handed, reports = [], []
+
+    def on_delta(delta):
+        time.sleep(0.3 if delta.finished else 0.0)  # a slow last send
+        handed.append(delta)
+
+    process = EngineProcess(settings=dict(model=tiny_models["llama"], num_kv_blocks=64), on_delta=on_delta,
+                            on_step=lambda stats: reports.append((stats["num_running"], len(handed))))
+    process.start()
+    try:
+        process.submit("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while not (handed and handed[-1].finished):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(1.0)  # (a report still to come)
+        assert reports[-1] == (0, len(handed)), reports
+    finally:
+        process.stop()
 
 
 def ended_mid_stream(model: str, end) -> list[str]:
@@ -729,6 +759,29 @@ class FakeMetricsApi:
                 return Metric(self.name, labels)
 
         self.MetricFamily = MetricFamily
+
+
+def test_latencies_of_a_request_sent_whole_come_from_the_engines_times():
+    """Not streamed, a request's tokens reach the model's process at its end: its time to first token
+    and inter-token latency are the engine's (a mean, counted once an interval, as a stream's would)."""
+    api = FakeMetricsApi()
+    metrics = TritonMetrics(api, {"model": "llm", "version": "1"})
+    times = RequestMetrics(arrival_time_ns=5_000_000_000, first_token_time_ns=5_030_000_000,
+                           last_token_time_ns=5_130_000_000)
+    metrics.observe_from_engine(4_990_000_000, times, 11)
+    metrics.observe_from_engine(4_990_000_000, RequestMetrics(5_000_000_000), 0)  # (ended before a token)
+    metrics.observe_from_engine(4_990_000_000, RequestMetrics(5_000_000_000, first_token_time_ns=5_010_000_000,
+                                                              last_token_time_ns=5_010_000_000), 1)
+    metrics.update(dict.fromkeys(("kv_blocks_used", "kv_blocks_total", "num_running", "num_waiting",
+                                  "num_preemptions", "prompt_tokens_total", "generation_tokens_total",
+                                  "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "requests_aborted_total",
+                                  "requests_failed_total", "failed_steps_total"), 0))
+    sent = {(m[1], m[2]): round(m[3], 6) for m in api.messages if m[1].startswith("inflight_")}
+    assert sent[("inflight_time_to_first_token_seconds_count", None)] == 2
+    assert sent[("inflight_time_to_first_token_seconds_sum", None)] == 0.06  # 0.04 and 0.02 from arrival
+    assert sent[("inflight_inter_token_latency_seconds_count", None)] == 10  # 10 intervals of 0.01
+    assert sent[("inflight_inter_token_latency_seconds_sum", None)] == 0.1
+    assert sent[("inflight_inter_token_latency_seconds_bucket", "0.01")] == 10
 
 
 def test_metrics_send_latencies_in_one_batch_and_only_what_changed():

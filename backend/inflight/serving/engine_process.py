@@ -96,9 +96,10 @@ class EngineProcess(EngineThread):
         self.engine_frozen_objects = 0  # the engine process's start-up heap, frozen (heap.py): its last report
 
     # -- called by the Triton model ----------------------------------------------------------------
-    def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None) -> None:
+    def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None,
+               final_only: bool = False) -> None:
         """Send a request on; the engine's refusal comes back as its final delta."""
-        self._send(("add", request_id, prompt, params, priority, lora_name))
+        self._send(("add", request_id, prompt, params, priority, lora_name, final_only))
         self.engine.submitted_since_stats += 1
 
     def abort(self, request_id: str) -> None:
@@ -172,8 +173,9 @@ class EngineProcess(EngineThread):
                 self._report_step()
             elif kind == "refused":
                 self._put([rest[0]])
-            elif kind == "stats":
-                self._take_stats(rest[0])
+            elif kind == "stats":  # the engine fell idle: reported once its last responses are out, so
+                self._take_stats(rest[0])  # that the metrics count them before the next request comes
+                self._outbox.join()
                 self._report_step(idle=True)
             elif kind == "dead":
                 self._report_step(idle=True)
@@ -253,9 +255,10 @@ class _Serve:
                 self.sends_done.release()  # a step waiting for its sends must not hold up the stop
                 return
 
-    def add(self, request_id: str, prompt: list[int], params, priority: int, lora_name: str | None) -> None:
+    def add(self, request_id: str, prompt: list[int], params, priority: int, lora_name: str | None,
+            final_only: bool) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, priority, lora_name)
+            self.engine.add_request(request_id, prompt, params, priority, lora_name, final_only=final_only)
         except EngineDeadError as e:
             self.refuse(request_id, str(e), "unavailable")
         except ValueError as e:

@@ -92,9 +92,11 @@ class EngineThread:
         self._responder.start()
         return self.engine
 
-    def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None) -> None:
-        """Queue a request; raises ValueError (from the engine's validation) without queueing it."""
-        self.engine.add_request(request_id, prompt, params, priority, lora_name)
+    def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None,
+               final_only: bool = False) -> None:
+        """Queue a request (`final_only`: each completion's delta when it ends, add_request); raises
+        ValueError (from the engine's validation) without queueing it."""
+        self.engine.add_request(request_id, prompt, params, priority, lora_name, final_only=final_only)
         with self._wake:
             self._wake.notify()
 

@@ -11,6 +11,7 @@ import itertools
 import math
 from collections import deque
 
+from ..outputs import RequestMetrics
 from .profile import PARTS
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
@@ -171,3 +172,14 @@ class TritonMetrics:
 
     def observe_inter_token_latency(self, seconds: float) -> None:
         self._pending["itl"].append(seconds)
+
+    def observe_from_engine(self, arrival_ns: int, times: RequestMetrics, num_tokens: int) -> None:
+        """The latencies of a request whose tokens were sent at its end (not streamed), from the engine's
+        times of its first completion's `num_tokens` tokens: its time to first token from `arrival_ns`,
+        and its mean inter-token latency, once for each interval (as a stream's would count)."""
+        if times.first_token_time_ns is None:
+            return
+        self._pending["ttft"].append(max(0, times.first_token_time_ns - arrival_ns) / 1e9)
+        if num_tokens > 1:
+            mean = (times.last_token_time_ns - times.first_token_time_ns) / 1e9 / (num_tokens - 1)
+            self._pending["itl"].extend(itertools.repeat(mean, num_tokens - 1))

@@ -194,6 +194,8 @@ class ActiveRequest:
     arrival: float
     requested_outputs: frozenset[str] = frozenset()  # the outputs the client named; none: every output
     last_token_time: float | None = None
+    arrival_ns: int = field(default_factory=time.time_ns)  # (the engine's token times' clock)
+    first_completion_tokens: int = 0  # not streamed: its first completion's length, once it ended
     responses: RequestResponses = field(init=False)  # turns each delta into what is sent
     cancelled: bool = False
 
@@ -295,8 +297,10 @@ class TritonPythonModel:
         request_id = uuid.uuid4().hex
         self.active[request_id] = ActiveRequest(request, sender, parsed, time.monotonic(), requested_outputs)
         try:
+            # Not streamed, each completion is sent whole: the engine hands it over once, when it ends
+            # (no delta a token to build, pass on and gather here).
             self.thread.submit(request_id, parsed.engine_prompt(token_ids), params, parsed.priority,
-                               parsed.lora_name)
+                               parsed.lora_name, final_only=not parsed.stream)
         except Exception:
             del self.active[request_id]
             raise
@@ -342,7 +346,7 @@ class TritonPythonModel:
                 active.sender.send(flags=FINAL)
             return
         with self.profile.timing("observe_latency"):
-            self._observe_latency(active, len(delta.new_token_ids))
+            self._observe_latency(active, delta)
         with self.profile.timing("build_response"):
             outputs = active.responses.add(delta)
             if outputs is None:
@@ -352,7 +356,14 @@ class TritonPythonModel:
         with self.profile.timing("send_response"):
             active.sender.send(response, flags=FINAL if delta.finished else 0)
 
-    def _observe_latency(self, active: ActiveRequest, num_new_tokens: int) -> None:
+    def _observe_latency(self, active: ActiveRequest, delta) -> None:
+        if not active.parsed.stream:  # its tokens come at its end: the engine's times of them, once it ends
+            if delta.index == 0:
+                active.first_completion_tokens = delta.num_output_tokens
+            if delta.metrics is not None:
+                self.metrics.observe_from_engine(active.arrival_ns, delta.metrics, active.first_completion_tokens)
+            return
+        num_new_tokens = len(delta.new_token_ids)
         if not num_new_tokens:
             return
         now = time.monotonic()
