@@ -53,8 +53,15 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table)) + (self._shared_next(seq) is not None)
+        """The free blocks `num_new_tokens` more tokens of `seq` take: new ones past its table, and one
+        more when the block its next token is written to is shared (copied first; as _shared_next, inline:
+        the scheduler asks this of every decoding sequence every step)."""
+        computed, table, size = seq.num_computed_tokens, seq.block_table, self.block_size
+        held = len(table)
+        new = -(-(computed + num_new_tokens) // size) - held
+        i = computed // size
+        shared = i < held and self.blocks[table.at(i)].ref_count > 1
+        return (new if new > 0 else 0) + shared
 
     def _shared_next(self, seq: Sequence) -> int | None:
         """The table index of the block the next token of `seq` is written to, when that block is shared

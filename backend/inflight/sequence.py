@@ -66,6 +66,10 @@ class BlockTable:
             raise IndexError("block table index out of range")
         return index + self._len if index < 0 else index
 
+    def at(self, index: int) -> int:
+        """The id at `index`, which the caller knows to be in 0 .. len - 1 (no checks: a hot path)."""
+        return int(self._ids[index])
+
     def __getitem__(self, index):
         if isinstance(index, slice):
             return self.ids[index].tolist()
