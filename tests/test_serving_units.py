@@ -761,6 +761,14 @@ class FakeMetricsApi:
         self.MetricFamily = MetricFamily
 
 
+def idle_stats() -> dict:
+    """An engine's statistics with nothing counted yet (what TritonMetrics.update reads)."""
+    return dict.fromkeys(("kv_blocks_used", "kv_blocks_total", "num_running", "num_waiting", "num_preemptions",
+                          "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queried_tokens",
+                          "prefix_cache_hit_tokens", "requests_aborted_total", "requests_failed_total",
+                          "failed_steps_total"), 0)
+
+
 def test_latencies_of_a_request_sent_whole_come_from_the_engines_times():
     """Not streamed, a request's tokens reach the model's process at its end: its time to first token
     and inter-token latency are the engine's (a mean, counted once an interval, as a stream's would)."""
@@ -772,10 +780,7 @@ def test_latencies_of_a_request_sent_whole_come_from_the_engines_times():
     metrics.observe_from_engine(4_990_000_000, RequestMetrics(5_000_000_000), 0)  # (ended before a token)
     metrics.observe_from_engine(4_990_000_000, RequestMetrics(5_000_000_000, first_token_time_ns=5_010_000_000,
                                                               last_token_time_ns=5_010_000_000), 1)
-    metrics.update(dict.fromkeys(("kv_blocks_used", "kv_blocks_total", "num_running", "num_waiting",
-                                  "num_preemptions", "prompt_tokens_total", "generation_tokens_total",
-                                  "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "requests_aborted_total",
-                                  "requests_failed_total", "failed_steps_total"), 0))
+    metrics.update(idle_stats())
     sent = {(m[1], m[2]): round(m[3], 6) for m in api.messages if m[1].startswith("inflight_")}
     assert sent[("inflight_time_to_first_token_seconds_count", None)] == 2
     assert sent[("inflight_time_to_first_token_seconds_sum", None)] == 0.06  # 0.04 and 0.02 from arrival
@@ -790,10 +795,7 @@ def test_metrics_send_latencies_in_one_batch_and_only_what_changed():
     for value in (0.01, 0.02, 0.03):
         metrics.observe_inter_token_latency(value)
     assert api.messages == []  # recording is local: no message per token
-    stats = {key: 0 for key in ("kv_blocks_used", "kv_blocks_total", "num_running", "num_waiting",
-                                "num_preemptions", "prompt_tokens_total", "generation_tokens_total",
-                                "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "requests_aborted_total",
-                                "requests_failed_total", "failed_steps_total")}
+    stats = idle_stats()
     profile = {part: (0.0, 0.0, 0) for part in PARTS}
     metrics.update(stats, {**profile, "send_response": (0.5, 0.1, 7)})
     itl = {(m[1].removeprefix("inflight_inter_token_latency_seconds"), m[2]): round(m[3], 6)
