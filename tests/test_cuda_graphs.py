@@ -8,7 +8,7 @@ import torch
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
 from inflight.cuda_graphs import bucket_sizes
-from inflight.input_buffers import InputBuffers, StepInputs
+from inflight.input_buffers import BlockTableRows, InputBuffers, StepInputs
 from inflight.sequence import BlockTable
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -81,6 +81,33 @@ def test_block_table_reads_and_writes_as_a_list():
         table[40] = 1
     table.clear()
     assert not table and list(table) == [] and len(BlockTable([3, 4])) == 2
+
+
+def test_block_table_rows_follow_every_change():
+    """The step's block-table matrix, kept from step to step, equals one built afresh after each kind of
+    change: a block taken, one replaced (copy-on-write), a table cleared (preempted) and grown again,
+    another table in a row, fewer or more rows, a longer table than the matrix holds."""
+    rows = BlockTableRows()
+
+    def check(tables):
+        width = max(len(t) for t in tables)
+        fresh = np.array([list(t) + [0] * (width - len(t)) for t in tables], dtype=np.int64)
+        np.testing.assert_array_equal(rows.of(tables), fresh)
+
+    a, b, c = BlockTable([1, 2, 3]), BlockTable([4]), BlockTable([5, 6])
+    check([a, b, c])
+    b.append(7)
+    check([a, b, c])
+    a[1] = 9
+    check([a, b, c])
+    a.clear()
+    check([a, b, c])
+    a.append(8)
+    check([a, b, c])
+    check([c, a, b])  # each row another table's, shorter ones too
+    check([b])
+    check([b, BlockTable(range(100, 140)), a, c, BlockTable([1])])  # the matrix grows
+    check([a, c])
 
 
 def decode_step(seq_lens: list[int], tables: list[list[int]]) -> StepInputs:

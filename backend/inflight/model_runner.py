@@ -20,7 +20,8 @@ from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_availabl
 from .compile_warmup import compile_shape_classes
 from .cuda_graphs import DecodeGraphs
 from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
-from .input_buffers import InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill, to_device
+from .input_buffers import (BlockTableRows, InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill,
+                            to_device)
 from .kernel_warmup import compile_attention_kernels
 from .lora import LoRAAdapters
 from .model_support import UnsupportedModel, attention_chunk, check_attention_calls, common_sliding_window, refuse
@@ -106,6 +107,7 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                     -(-self.max_model_len // self.block_size), self.device)
+        self.table_rows = BlockTableRows()
         if self._use_packed_weights():
             # A step samples one row a sequence: the output head needs no more rows, prompt logprobs aside.
             pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens,
@@ -299,7 +301,7 @@ class ModelRunner:
                 block_copies: list[tuple[int, int]] | None = None) -> StepInputs:
         """The step's inputs; logits are returned at the flat positions `logits_at` (a sequence's last
         scheduled token where it samples; prompt positions where prompt logprobs are asked for)."""
-        return build_step_inputs(batch, self.block_size, logits_at, block_copies)
+        return build_step_inputs(batch, self.block_size, logits_at, block_copies, self.table_rows)
 
     def execute(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]] | None = None,
                 pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
