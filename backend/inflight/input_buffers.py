@@ -62,7 +62,9 @@ class BlockTableRows:
         the next call."""
         rows, width = len(tables), max(map(len, tables))
         if rows > self._matrix.shape[0] or width > self._matrix.shape[1]:
-            self._matrix = np.zeros((max(rows, 2 * self._matrix.shape[0]), max(width, 2 * self._matrix.shape[1])),
+            # In steps of 16 rows and 64 blocks, not doubled: a table may be as long as max_model_len allows.
+            held_rows, held_width = self._matrix.shape
+            self._matrix = np.zeros((-(-max(rows, held_rows) // 16) * 16, -(-max(width, held_width) // 64) * 64),
                                     dtype=np.int64)
             self._written = [None] * len(self._matrix)
         matrix, written = self._matrix, self._written
