@@ -427,7 +427,7 @@ class LLMEngine:
                 for s in sampling):
             self._complete_in_flight(deltas)  # their masks follow from the tokens in flight
         tokens, logprobs = self._sample(logits, sampling,
-                                        self._in_flight.tokens if self._in_flight is not None else None)
+                                        self._in_flight.tokens if self._in_flight is not None else None, needs)
         for row, seq in enumerate(sampling):
             seq.num_pending += 1
             seq.pending_row = row
@@ -626,11 +626,11 @@ class LLMEngine:
                  pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
         return self.runner.execute(batch, logits_at, block_copies, pending)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None, needs: int
                 ) -> tuple[torch.Tensor, MeasuredLogprobs | None]:
         """The next tokens, on the logits' device, and the logprobs of the sequences that asked for them
-        (measured there, in their order); `in_flight`: the tokens of the step still running."""
-        needs = needs_of(seqs)
+        (measured there, in their order); `in_flight`: the tokens of the step still running; `needs`:
+        needs_of(seqs)."""
         wanting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None] if needs & LOGPROBS else []
         rows = to_device(wanting, logits.device) if wanting else None
         raw = logits[rows] if wanting else None  # a copy: sampling changes `logits` in place
