@@ -183,7 +183,7 @@ def test_stop_strings_are_checked_in_the_text_flushed_at_the_end(model):
     tokenizer = engine.tokenizer
     ab, partial = tokenizer.encode("ab", add_special_tokens=False), tokenizer.convert_tokens_to_ids("Ã")
     script = iter([*ab, partial])
-    engine._sample = lambda logits, seqs, in_flight=None: (torch.tensor([next(script) for _ in seqs]), None)
+    engine._sample = lambda logits, seqs, in_flight, needs: (torch.tensor([next(script) for _ in seqs]), None)
     deltas = run(engine, {"x": ([5, 6, 7], SamplingParams(max_tokens=len(ab) + 1, stop=["b\ufffd"]))})
     final = deltas["x"][-1]
     assert "".join(d.new_text for d in deltas["x"]) == "a" and final.finish_reason == "stop"
