@@ -366,9 +366,47 @@ def host_profile(model_dir: str, device: str, sequences: int, steps: int, sampli
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(30)
     stats.sort_stats("tottime").print_stats(20)
+    probe = graph_launch_probe(llm) if device == "cuda" else ""
     del llm
     release()
-    return phases + "\n\n" + text.getvalue()
+    return phases + "\n\n" + probe + text.getvalue()
+
+
+def graph_launch_probe(llm, repeats: int = 30) -> str:
+    """Host time of one CUDA graph launch (µs, median of `repeats`): the engine's largest decode graph
+    with the GPU idle and launched again while it runs, chains of small kernels (a launch's fixed cost
+    against its cost a node) and one small kernel launched eagerly. Replaying the decode graph again
+    rewrites the last step's keys and values with the same values."""
+    graphs = llm.runner.graphs
+    if graphs is None or not graphs.sizes:
+        return "(no CUDA graphs to probe)\n\n"
+
+    def host_us(launch, running=None) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            if running is not None:
+                running()
+            started = time.perf_counter()
+            launch()
+            times.append(time.perf_counter() - started)
+        torch.cuda.synchronize()
+        return 1e6 * statistics.median(times)
+
+    size = graphs.sizes[-1]
+    decode = graphs.graph(size)
+    rows = [(f"the engine's decode graph of {size} sequences, the GPU idle", host_us(decode.replay)),
+            ("the same, launched while its previous launch runs", host_us(decode.replay, decode.replay))]
+    cell = torch.zeros(1, device="cuda")
+    for nodes in (10, 100, 400):
+        chain = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(chain):
+            for _ in range(nodes):
+                cell.add_(1)
+        rows.append((f"a graph of {nodes} small kernels in a chain", host_us(chain.replay)))
+    rows.append(("one small kernel, eager", host_us(lambda: cell.add_(1))))
+    return "\n".join(["| host time of a launch | µs |", "|---|---:|",
+                      *(f"| {what} | {us:.1f} |" for what, us in rows)]) + "\n\n"
 
 
 def sampled_words() -> str:

@@ -69,6 +69,10 @@ class DecodeGraphs:
         return (bool(self._graphs) and 0 < seqs <= self.sizes[-1] and inputs.is_decode and inputs.embeds is None
                 and bool((inputs.logits_at == np.arange(seqs)).all()))
 
+    def graph(self, size: int, lora: bool = False) -> torch.cuda.CUDAGraph:
+        """The graph captured for decode steps of `size` sequences (a bucket's size)."""
+        return self._graphs[size, lora][0]
+
     def replay(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """The step's logits [sequences, vocab]: a view of the graph's output, valid until its next replay."""
         seqs = len(inputs.seq_lens)
