@@ -14,9 +14,17 @@ prefill over a KV cache of another dtype than the query's (kv_cache_dtype: 16-bi
 writes into fp8 caches; fp8 e4m3 for sm_90 only, sm_80 does not convert it).
 
     .venv/bin/python scripts/compile_kernels.py --shapes gemma2-9b,gpt-oss-20b   # some shapes only
+
+With --sweep, instead, the launch-parameter variants `client/bench_kernels.py --sweep` tries on a GPU
+(its tile, split, warps and stages grids, its two shapes), listing those that spill: the GPU's sweep
+leaves them out (bench_kernels.SPILLING), since the engine may not choose one (the rows without
+--sweep must not spill).
+
+    .venv/bin/python scripts/compile_kernels.py --sweep --targets 90 --dtypes bfloat16
 """
 
 import argparse
+import itertools
 import multiprocessing
 import os
 import re
@@ -29,13 +37,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces the kernels this compiles")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "backend"))
+sys.path[:0] = [str(ROOT / "backend"), str(ROOT / "client")]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import bench_kernels  # noqa: E402
 from inflight.ops import triton_ops, triton_top_p  # noqa: E402
 
 TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e5m2: "fp8e5",
@@ -185,12 +194,30 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
         yield "top_p_cut", triton_top_p._top_p_cut_kernel, triton_top_p.LAUNCH, torch.float32, set()
 
 
-def report(job: tuple[int, list[str], list[str], int]) -> tuple[str, bool]:
-    """Compile the index-th variant of `dtypes` for `arch`: its table row, and whether it failed (did not
-    compile, spilled, or needs more shared memory than the GPU has). Variants are found by index, so that
-    worker processes rebuild them rather than receive kernels."""
-    arch, dtype_names, shapes, index = job
-    name, kernel, constants, dtype, hinted = list(variants([getattr(torch, n) for n in dtype_names], shapes))[index]
+def sweep_variants(dtypes: list[torch.dtype], shapes: list[str], block_size: int = 16):
+    """variants() of the launch parameters bench_kernels.py --sweep tries, for its shapes among `shapes`:
+    each decode (split or whole) and prefill variant of its grids, named by its parameters."""
+    attention = triton_ops._paged_attention_kernel
+    grids = (("decode", PHASES["decode"], bench_kernels.SWEEP_DECODE),
+             ("prefill", PHASES["prefill"], bench_kernels.SWEEP_PREFILL))
+    for dtype, shape, (phase, (tokens, seqs, _), grid) in itertools.product(
+            dtypes, [s for s in shapes if s in bench_kernels.SHAPES], grids):
+        heads, kv_heads, head_dim, window, options = SHAPES[shape]
+        for values in itertools.product(*grid.values()):
+            params = dict(zip(grid, values))
+            _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size, dtype,
+                                                     window, **params, **options)
+            name = f"paged_attention {shape} {phase} " + " ".join(f"{k}={v}" for k, v in params.items())
+            yield name, attention, constants, dtype, multiples_of_16(attention, heads, head_dim)
+
+
+def report(job: tuple[int, list[str], list[str], int, bool]) -> tuple[str, bool]:
+    """Compile the index-th variant of `dtypes` (of the sweep's, with `sweep`) for `arch`: its table row,
+    and whether it failed (did not compile, spilled, or needs more shared memory than the GPU has).
+    Variants are found by index, so that worker processes rebuild them rather than receive kernels."""
+    arch, dtype_names, shapes, index, sweep = job
+    found = (sweep_variants if sweep else variants)([getattr(torch, n) for n in dtype_names], shapes)
+    name, kernel, constants, dtype, hinted = list(found)[index]
     try:
         compiled = compile_variant(kernel, constants, dtype, arch, hinted)
     except Exception as e:  # report every failing variant, not just the first
@@ -210,10 +237,12 @@ def main() -> int:
     parser.add_argument("--dtypes", default="float16,bfloat16,float32")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="variants compiled at once")
+    parser.add_argument("--sweep", action="store_true", help="bench_kernels.py's sweep variants: which spill")
     args = parser.parse_args()
     dtype_names, shapes = args.dtypes.split(","), args.shapes.split(",")
-    dtypes = [variant[3] for variant in variants([getattr(torch, n) for n in dtype_names], shapes)]
-    jobs = [(arch, dtype_names, shapes, i) for arch in map(int, args.targets.split(","))
+    found = (sweep_variants if args.sweep else variants)([getattr(torch, n) for n in dtype_names], shapes)
+    dtypes = [variant[3] for variant in found]
+    jobs = [(arch, dtype_names, shapes, i, args.sweep) for arch in map(int, args.targets.split(","))
             for i, dtype in enumerate(dtypes) if supported(arch, dtype)]
     print("| target | kernel | dtype | warps | registers | spill stores (bytes) | shared memory (bytes) |")
     print("|---|---|---|---:|---:|---:|---:|")
@@ -229,6 +258,9 @@ def main() -> int:
     if pool is not None:
         pool.close()
         pool.join()
+    if args.sweep:  # (variants for the GPU to try: spilling ones are listed to be left out, not an error)
+        print(f"\n{failures} of {len(jobs)} sweep variants spilled or did not compile")
+        return 0
     return 1 if failures else 0
 
 

@@ -4,6 +4,7 @@ Tolerances: float32 1e-5, float16 2e-3 (absolute, on unit-variance inputs). Shap
 tiles large, because the interpreter costs milliseconds per program and loop iteration.
 """
 
+import itertools
 import os
 import random
 import subprocess
@@ -624,6 +625,35 @@ def test_kernels_compile_for_gpus():
     # the sampler's top-p kernel for both
     assert len(rows) == 2 * (3 * 19 + 12) + 2 * (18 + 2) + (18 + 2) + 2 and not any("FAILED" in row for row in rows)
     assert sum("top_p_cut" in row for row in rows) == 2
+
+
+def test_sweep_leaves_out_exactly_the_spilling_variants():
+    """bench_kernels.SPILLING names the sweep variants that compile_kernels.py --sweep finds spilling on
+    sm_90 in bfloat16, and no other: the GPU's sweep tries every variant the engine could launch, and
+    spends no time on one it could not."""
+    import triton
+
+    sys.path.insert(0, str(ROOT / "client"))
+    import bench_kernels
+
+    if not triton.__version__.startswith(bench_kernels.SPILLING_FOUND_WITH):
+        pytest.skip(f"SPILLING was found with triton {bench_kernels.SPILLING_FOUND_WITH}, not {triton.__version__}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_kernels.py"), "--sweep", "--targets",
+                             "90", "--dtypes", "bfloat16"], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    found, spilled = [], []
+    for row in result.stdout.splitlines():
+        if row.startswith("| sm_90 | paged_attention "):
+            _, shape, phase, *params = row.split(" | ")[1].split()
+            variant = (shape, phase, {k: int(v) for k, v in (p.split("=") for p in params)})
+            found.append(variant)
+            if "(spilled)" in row or "FAILED" in row or "(over the limit)" in row:
+                spilled.append(variant)
+    grids = len(list(itertools.product(*bench_kernels.SWEEP_DECODE.values()))) + \
+        len(list(itertools.product(*bench_kernels.SWEEP_PREFILL.values())))
+    assert len(found) == len(bench_kernels.SHAPES) * grids
+    assert spilled == [v for v in found if bench_kernels.spills(*v)]
 
 
 def test_kernel_strides_are_multiples_of_head_dim(tiny_models, monkeypatch):
