@@ -126,6 +126,20 @@ def test_evicted_prefix_is_recomputed(tiny_models):
     assert_no_leak(llm)
 
 
+def test_a_finished_prompts_tail_is_evicted_before_its_prefix(tiny_models):
+    """A finished sequence's blocks go back tail first, so that when the pool runs short the blocks a
+    later prompt could share least (the tail) are taken first and its prefix stays cached."""
+    llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=8, enable_prefix_caching=True)
+    first = random_prompts(1, 4 * BLOCK, 4 * BLOCK, vocab=512, seed=31)[0]  # 4 full blocks, cached at its end
+    once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([first], once)
+    llm.generate(random_prompts(1, 5 * BLOCK - 10, 5 * BLOCK - 10, vocab=512, seed=32)[:1], once)  # 5 blocks: 1 evicted
+    before = llm.stats()["prefix_cache_hit_tokens"]
+    llm.generate([first[:3 * BLOCK] + [7, 8, 9]], once)
+    assert llm.stats()["prefix_cache_hit_tokens"] - before == 3 * BLOCK  # the first 3 blocks still there
+    assert_no_leak(llm)
+
+
 def test_caching_with_chunked_prefill_and_preemption(tiny_models):
     model = tiny_models["qwen2"]
     prompts = shared_prefix_prompts(70, 12, seed=31)

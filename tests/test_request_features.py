@@ -217,6 +217,24 @@ def test_memory_pressure_preempts_the_lowest_priority_first(model):
     llm.block_manager.check_all_free()
 
 
+def test_a_running_request_of_low_priority_gives_way_to_a_later_one(model):
+    """A running sequence that needs a block, when only a sequence of higher priority admitted after it
+    could give one up, is preempted itself: the later request of higher priority keeps its blocks."""
+    llm = LLM(model, num_kv_blocks=4, max_num_seqs=4, max_num_batched_tokens=64)
+    preempted = []
+    real = llm.scheduler.preempt
+    llm.scheduler.preempt = lambda seq: (preempted.append(seq.request_id), real(seq))[1]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm.add_request("background", [5, 6, 7], params, priority=9)
+    llm.step()  # running first, so it is first to need a block
+    llm.add_request("important", [8, 9, 10], params, priority=-1)
+    finished = []
+    while llm.has_unfinished():
+        finished += [d.request_id for d in llm.step() if d.finished]
+    assert preempted and set(preempted) == {"background"} and finished == ["important", "background"]
+    llm.block_manager.check_all_free()
+
+
 def test_bad_priority_n_and_logprobs_are_refused(model):
     llm = LLM(model, num_kv_blocks=16)
     with pytest.raises(ValueError, match="priority"):
