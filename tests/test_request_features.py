@@ -283,11 +283,13 @@ def test_n_completions_keep_their_seats_from_admission(model):
     admitted beside it never leave a step with more sequences than max_num_seqs (before, that step
     failed every request in it)."""
     llm = LLM(model, num_kv_blocks=64, max_num_seqs=4)
-    outs = llm.generate([PROMPT[:6]] * 4, [SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1)]
-                        + [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)] * 3)
-    assert [len(out.outputs) for out in outs] == [3, 1, 1, 1] and llm.num_failed_steps == 0
-    assert all(c.finish_reason != "error" for out in outs for c in out.outputs)
-    llm.block_manager.check_all_free()
+    forking = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1)
+    single = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    for params in ([forking] + [single] * 3, [single] * 3 + [forking]):  # it first, and after seats are taken
+        outs = llm.generate([PROMPT[:6]] * 4, params)
+        assert [len(out.outputs) for out in outs] == [p.n for p in params] and llm.num_failed_steps == 0
+        assert all(c.finish_reason != "error" for out in outs for c in out.outputs)
+        llm.block_manager.check_all_free()
 
 
 @PIPELINED
