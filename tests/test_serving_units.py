@@ -321,6 +321,31 @@ def test_sends_overlap_the_next_step_unless_a_cpu_engine_shares_the_process(devi
     assert forced._overlap_sending is False
 
 
+def test_several_senders_keep_each_requests_responses_in_order_on_one_thread():
+    """With several sender threads (a GPU's default), a request's deltas all go to one of them, in the
+    order they came (its final response after its other completions'), while other requests' are sent
+    at the same time; a send that fails is that request's alone."""
+    sent, lock = [], threading.Lock()
+
+    def on_delta(delta):
+        time.sleep(0.001)  # (a send waiting for the server: the threads interleave)
+        if delta.request_id == "r3":
+            raise RuntimeError("the client is gone")
+        with lock:
+            sent.append((delta.request_id, delta.index, threading.get_ident()))
+
+    senders = EngineThread(make_engine=lambda: None, on_delta=on_delta, senders=3)
+    senders._configure_for("cuda")
+    deltas = [RequestDelta(f"r{r}", [i], "", i == 3, "stop" if i == 3 else None, 4, 1, index=i)
+              for i in range(4) for r in range(11)]
+    senders._hand_on(deltas)
+    senders._senders.shutdown()
+    for request in {f"r{r}" for r in range(11)} - {"r3"}:
+        mine = [(index, thread) for request_id, index, thread in sent if request_id == request]
+        assert [index for index, _ in mine] == [0, 1, 2, 3] and len({thread for _, thread in mine}) == 1
+    assert len(sent) == 10 * 4 and len({thread for *_, thread in sent}) > 1
+
+
 def test_each_gpu_instance_gets_its_own_gpus():
     # KIND_GPU, instance_group gpus [0, 2] with tensor parallelism 2: instances on GPUs 0-1 and 2-3.
     settings = {"model": "m", "device": "cuda", "tensor_parallel_size": 2}
