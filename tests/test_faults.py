@@ -128,6 +128,20 @@ def test_a_failure_outside_the_batch_fails_every_request(model):
     assert run(engine, {"next": ([5, 6, 7], GREEDY)})["next"][-1].error is None
 
 
+def test_failures_apart_never_stop_the_engine(model):
+    """Steps that fail now and then, with steps that bring tokens between them, are not consecutive
+    failures: more of them in all than max_consecutive_failed_steps leave the engine serving."""
+    engine = faults.inject(LLM(model, num_kv_blocks=64, max_consecutive_failed_steps=2),
+                           "forward@3,forward@6,forward@9,forward@12")
+    errors = []
+    for i in range(10):
+        ds = run(engine, {str(i): ([5 + i, 6, 7], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))})
+        errors.append(ds[str(i)][-1].error)
+    assert engine.num_failed_steps == 4 and engine.dead_reason is None
+    assert sum(e is not None for e in errors) == 4 and errors[-1] is None
+    engine.block_manager.check_all_free()
+
+
 def test_a_persistent_fault_stops_the_engine_and_the_thread_reports_it(model):
     engine = faults.inject(LLM(model, num_kv_blocks=64, max_consecutive_failed_steps=3), "forward@4+")
     finals, dead, done = {}, [], threading.Event()

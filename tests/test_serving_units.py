@@ -141,6 +141,9 @@ def test_cancellation_polls_spread_over_the_interval():
     asked.clear()
     poller.poll(is_cancelled, now=1.05)
     assert 3 <= len(asked) <= 6  # half of a tenth of the 97 left
+    asked.clear()
+    poller.poll(is_cancelled, now=60.0)  # after a long quiet spell: each request once, not more
+    assert sorted(asked, key=int) == [str(i) for i in range(100) if i not in (3, 7, 50)]
 
 
 def test_responses_carry_only_the_outputs_the_client_named():
