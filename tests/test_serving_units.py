@@ -177,6 +177,29 @@ def test_a_client_that_names_outputs_without_text_gets_none_decoded():
     assert RequestResponses(parsed).add(tokens_only) is None  # (text awaited: it comes with the next)
 
 
+def test_completions_answered_each_on_their_own_or_all_in_one_response():
+    """TensorRT-LLM's num_return_sequences, not streamed: each completion's response goes when that
+    completion ends, before the request does. vllm_backend's n, streamed: every response has an entry per
+    completion, and one that ended keeps its finish reason in the responses after."""
+    from inflight.serving.response import RequestResponses
+
+    apart = RequestResponses(parse_request({"input_ids": np.array([5, 6], np.int32),
+                                            "num_return_sequences": np.array([2], np.int32),
+                                            "sampling_parameters": text('{"seed": 1, "temperature": 1.0}')}))
+    second = apart.add(RequestDelta("r", [7, 8], "", False, "length", 2, 2, index=1))
+    assert second["sequence_index"].tolist() == [1] and second["output_ids"].tolist() == [5, 6, 7, 8]
+    first = apart.add(RequestDelta("r", [9, 3], "", True, "length", 2, 2, index=0))
+    assert first["sequence_index"].tolist() == [0] and first["output_ids"].tolist() == [5, 6, 9, 3]
+
+    together = RequestResponses(parse_request({"text_input": text("hi"), "stream": np.array([True]),
+                                               "return_finish_reason": np.array([True]),
+                                               "sampling_parameters": text('{"n": 2, "seed": 1}')}))
+    ended = together.add(RequestDelta("r", [7], "a", False, "stop", 2, 1, index=1))
+    assert ended["text_output"].tolist() == [b"", b"a"] and ended["finish_reason"].tolist() == [b"", b"stop"]
+    later = together.add(RequestDelta("r", [8], "b", True, "length", 2, 1, index=0))
+    assert later["text_output"].tolist() == [b"b", b""] and later["finish_reason"].tolist() == [b"length", b"stop"]
+
+
 @pytest.mark.parametrize("inputs, words", [
     ({}, "text_input"),
     ({"text_input": text(b"\xff")}, "UTF-8"),
