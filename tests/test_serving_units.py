@@ -854,6 +854,9 @@ def test_metrics_send_latencies_in_one_batch_and_only_what_changed():
     # A histogram's series, cumulative by bucket: 0.01 <= 0.01, 0.02 <= 0.02, all three <= 0.05 and above.
     assert itl == {("_count", None): 3, ("_sum", None): 0.06, ("_bucket", "0.01"): 1, ("_bucket", "0.02"): 2,
                    **{("_bucket", le): 3 for le in ("0.05", "0.1", "0.2", "0.5", "1", "2", "5", "10", "30", "+Inf")}}
+    # The largest bucket first: a scrape in the middle of a report still sees cumulative buckets.
+    order = [m[2] for m in api.messages if m[1] == "inflight_inter_token_latency_seconds_bucket"]
+    assert order[0] == "+Inf" and [float(le) for le in order[1:]] == sorted(map(float, order[1:]), reverse=True)
     assert {m[2] for m in api.messages if m[1].startswith("inflight_serving")} == {"send_response"}
     api.messages.clear()
     metrics.update(stats, {**profile, "send_response": (0.5, 0.1, 7)})
