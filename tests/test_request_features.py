@@ -184,6 +184,16 @@ def test_no_repeat_ngram_size_equals_hf_generate(model, hf_tiny_llama, async_sch
     llm.block_manager.check_all_free()
 
 
+def test_a_tokens_rank_counts_the_tokens_strictly_likelier():
+    """vLLM's rank: 1 + the tokens of a higher logprob, so tokens tied for the top are each rank 1."""
+    from inflight.logprobs import measure
+
+    logits = torch.tensor([[2.0, 2.0, 0.5, 3.0], [1.0, 1.0, 1.0, 0.0]])
+    measured = measure(logits, torch.tensor([1, 2]), k=2)
+    assert measured.ranks.tolist() == [2, 1]
+    assert torch.allclose(measured.chosen, torch.log_softmax(logits, dim=-1)[[0, 1], [1, 2]])
+
+
 def test_without_logprobs_nothing_is_computed(model):
     out = LLM(model, num_kv_blocks=64).generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]
     assert out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
