@@ -44,6 +44,20 @@ def test_every_way_to_finish_matches_one_step_at_a_time(default_model):
     pipelined.block_manager.check_all_free()
 
 
+def test_a_sequences_last_token_is_never_computed(tiny_models):
+    """Pipelined, a sequence whose token in flight is its last (max_tokens, max_model_len) is not
+    scheduled again: no step computes a token that nothing will read."""
+    llm = LLM(tiny_models["llama"], async_scheduling=True, max_model_len=40)
+    prompt = random_prompts(1, 12, 12, vocab=512, seed=5)[0]
+    for params, generated in ((SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), 5),
+                              (SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), 40 - 12)):
+        before = llm.stats()["computed_tokens_total"]
+        assert len(llm.generate([prompt], params)[0].token_ids) == generated
+        assert llm.stats()["computed_tokens_total"] - before == len(prompt) + generated - 1
+    assert llm.num_pipelined_steps > 0
+    llm.block_manager.check_all_free()
+
+
 def test_preemption_and_chunked_prefill_match(tiny_models):
     prompts = random_prompts(12, 20, 200, vocab=512, seed=4)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
