@@ -142,6 +142,30 @@ def test_padded_decode_step_reads_harmless_rows():
         buffers.load(decode_step([5], [[1, 2, 3, 4, 5]]))
 
 
+def test_graphs_replay_plain_decode_steps_alone():
+    """What a captured graph can run (DecodeGraphs.covers, decided on the host): a decode step of at most
+    the largest bucket's sequences, each sampling its own row in order, no virtual prompt token; not a
+    prefill chunk, a step asking for other logits, a larger batch, nor anything before capture."""
+    from inflight.cuda_graphs import DecodeGraphs
+
+    buffers = InputBuffers(max_tokens=32, max_seqs=8, max_blocks=4, device=torch.device("cpu"))
+    graphs = DecodeGraphs(lambda step: None, buffers, max_seqs=6)
+    plain = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
+    assert not graphs.covers(plain)  # nothing captured yet
+    graphs._graphs = {(size, False): None for size in graphs.sizes}  # (what capture() fills, on a GPU)
+    assert graphs.covers(plain) and graphs.covers(decode_step([5] * 6, [[1]] * 6))
+    assert not graphs.covers(decode_step([5] * 7, [[1]] * 7))  # beyond the largest bucket
+    reordered = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
+    reordered.logits_at = np.array([0, 2, 1])
+    fewer = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
+    fewer.logits_at = np.array([0, 1])  # (a prompt chunk's end that samples nothing)
+    prefill = StepInputs(np.arange(4), np.arange(4), np.arange(4), np.array([0, 4]), np.array([4]),
+                         np.array([[1]]), np.array([3]))
+    virtual = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
+    virtual.embeds_at, virtual.embeds = np.array([1]), torch.zeros(1, 8)
+    assert not any(graphs.covers(step) for step in (reordered, fewer, prefill, virtual))
+
+
 def test_auto_device_and_dtype(tiny_models):
     llm = LLM(tiny_models["llama"], num_kv_blocks=8)  # the tests' "auto" is the CPU (conftest)
     assert (llm.config.device, llm.runner.dtype) == ("cpu", torch.float32)
