@@ -319,6 +319,15 @@ def test_n_completions_under_preemption_and_abort(model, async_scheduling):
     assert sorted(d.index for d in deltas) == [0, 1, 2, 3] and all(d.finish_reason == "abort" for d in deltas)
     assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
     tight.block_manager.check_all_free()
+    # Cancelled before its prompt is computed (its completions not forked yet): it ends at once, whole.
+    long_prompt = list(range(100, 180))  # (80 tokens, none cached: more than a step's 64)
+    tight.add_request("cancelled early", long_prompt, SamplingParams(n=3, max_tokens=400, ignore_eos=True))
+    tight.step()
+    tight.abort("cancelled early")
+    deltas = tight.step()
+    assert [(d.index, d.finish_reason, d.finished) for d in deltas] == [(0, "abort", True)]
+    assert not tight.has_unfinished()
+    tight.block_manager.check_all_free()
 
 
 @PIPELINED

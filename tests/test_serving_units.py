@@ -15,6 +15,7 @@ import pytest
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
 from inflight.outputs import RequestDelta, RequestMetrics, coalesce, compact_deltas, expand_deltas, joined
+from inflight import engine as engine_module
 from inflight.engine import EngineDeadError
 from inflight.serving.engine_process import EngineProcess
 from inflight.serving.engine_thread import EngineThread
@@ -455,7 +456,7 @@ def test_engine_thread_serves_and_cancels(tiny_models):
     engine.block_manager.check_all_free()
 
 
-def test_an_abort_that_overtakes_its_request_is_kept(tiny_models):
+def test_an_abort_that_overtakes_its_request_is_kept(tiny_models, monkeypatch):
     """A client that cancels at once: the abort reaches the engine (and is drained) first."""
     engine = LLM(tiny_models["llama"], num_kv_blocks=64)
     engine.abort("early")
@@ -465,6 +466,16 @@ def test_an_abort_that_overtakes_its_request_is_kept(tiny_models):
     assert [(d.request_id, d.finish_reason, d.num_output_tokens) for d in deltas] == [("early", "abort", 0)]
     assert not engine.has_unfinished() and engine.stats()["requests_aborted_total"] == 1
     engine.block_manager.check_all_free()
+    # Kept a while, not for ever: a request that comes long after an abort of its id runs.
+    monkeypatch.setattr(engine_module, "EARLY_ABORT_MEMORY_S", 0.0)
+    engine.abort("stale")
+    engine.step()
+    time.sleep(0.01)
+    engine.step()  # (forgotten)
+    engine.add_request("stale", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert deltas[-1].request_id == "stale" and deltas[-1].finish_reason == "length"
 
 
 def test_engine_failure_ends_requests_with_an_error_and_keeps_serving(tiny_models, monkeypatch):
