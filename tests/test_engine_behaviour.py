@@ -126,10 +126,11 @@ def test_sampling_filters_equal_their_definitions(monkeypatch, candidates, devic
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
 def test_top_p_kernel_cuts_where_sorting_does(monkeypatch, device):
-    """The top-p kernel's cut equals the sorted definition's on rows that stress a search over the
-    logits' order: many exact ties at the cut, tokens of no probability (-inf, as top-k leaves them),
-    negative and positive logits, one token holding all the mass, a flat row, a vocabulary not a
-    multiple of the kernel's block (on a CPU under the Triton interpreter)."""
+    """The top-p kernel's cut (and sorting every row, a GPU's way for small batches) equals the sorted
+    definition's on rows that stress a search over the logits' order: many exact ties at the cut, tokens
+    of no probability (-inf, as top-k leaves them), negative and positive logits, one token holding all
+    the mass, a flat row, a vocabulary not a multiple of the kernel's block (on a CPU under the Triton
+    interpreter)."""
     from inflight import sampler
     from inflight.ops.triton_top_p import top_p_cuts
 
@@ -145,6 +146,7 @@ def test_top_p_kernel_cuts_where_sorting_does(monkeypatch, device):
     top_p = torch.tensor([0.5, 0.9, 0.95, 0.3, 0.9, 0.999, 1e-6, 1.0])[:, None]
     monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", ())  # the CPU path: every row sorted
     expected = sampler._top_p_cuts(logits, top_p)
+    assert torch.equal(sampler.sorted_top_p_cuts(logits, top_p), expected)  # (a GPU's way for small batches)
     cuts = top_p_cuts(logits.to(device), top_p.to(device)).cpu()
     if device == "cpu":  # (the interpreter sums as numpy does: the same cuts)
         assert torch.equal(cuts, expected), (cuts, expected)
