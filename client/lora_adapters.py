@@ -18,9 +18,9 @@ def make_lora_adapter(model_dir: str, out: Path, seed: int, **lora_config) -> st
     return str(out)
 
 
-# Two adapters unlike each other: ranks, layers, rsLoRA's scaling.
+# Two adapters unlike each other: ranks, layers, rsLoRA's scaling, a layer's own alpha (alpha_pattern).
 LORA_ADAPTERS = {
-    "alpha": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "alpha": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], alpha_pattern={"v_proj": 40}),
     "beta": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"]),
 }
 
