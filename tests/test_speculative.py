@@ -81,7 +81,8 @@ DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=O
 
 @DEVICES
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
-                                    SamplingParams(top_p=0.8, min_p=0.1)], ids=["plain", "top-k", "top-p-min-p"])
+                                    SamplingParams(top_p=0.8, min_p=0.1), SamplingParams(min_p=0.5)],
+                         ids=["plain", "top-k", "top-p-min-p", "min-p"])  # (min-p: a third of the mass dropped)
 def test_kept_tokens_follow_the_model_distribution(params, device):
     """Rejection sampling against a one-hot proposal: the first kept token is distributed as the first
     row's probabilities whatever the draft, and each next one (after a kept draft) as its own row's."""
@@ -94,6 +95,9 @@ def test_kept_tokens_follow_the_model_distribution(params, device):
     for depth in range(3):
         # the sequences whose drafts before this depth were all kept
         reached = [k for k in kept if len(k) > depth and k[:depth] == drafts[:depth]]
+        if not reached:  # (only past a draft the filters drop)
+            assert _target(params, logits[depth - 1].cpu())[drafts[depth - 1]] == 0
+            break
         observed = _frequencies([k[depth] for k in reached], vocab)
         expected = _target(params, logits[depth].cpu())
         tolerance = 5 * np.sqrt(0.25 / len(reached))  # five standard deviations of the worst frequency
@@ -178,13 +182,20 @@ def engines(default_model):
 def test_greedy_output_equals_hf_and_the_engine_without_drafts(engines, default_model, hf_reference):
     """Real weights and text that repeats: drafts are kept and rejected, and every greedy output is
     HF's token for token; beside them requests that cannot speculate (penalties, bad words), one with
-    logprobs, a stop string and a short max_tokens end as the engine without drafts ends them."""
+    logprobs, token controls, a stop string and a short max_tokens end as the engine without drafts ends
+    them."""
     drafting, plain = engines
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ret, four = (drafting.encode(word, add_special_tokens=False)[0] for word in (" return", " four"))
+    counting = set(drafting.encode(REPEATING[2], add_special_tokens=False))
     requests = [(prompt, greedy) for prompt in REPEATING] + [
         (REPEATING[0], SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3)),
         (REPEATING[1], SamplingParams(temperature=0, max_tokens=30, bad_words=["return"])),
         (REPEATING[2], SamplingParams(temperature=0, max_tokens=30, logprobs=3)),
+        # token controls judge the drafts too: a word the prompt offers and the model would write banned,
+        # tokens limited to some
+        (REPEATING[1], SamplingParams(temperature=0, max_tokens=30, logit_bias={ret: -100.0})),
+        (REPEATING[2], SamplingParams(temperature=0, max_tokens=30, allowed_token_ids=sorted(counting - {four}))),
         (REPEATING[0], SamplingParams(temperature=0, max_tokens=60, stop=["clauses"])),
         (REPEATING[3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
         (REPEATING[3], SamplingParams(temperature=0, max_tokens=60)),
@@ -200,6 +211,7 @@ def test_greedy_output_equals_hf_and_the_engine_without_drafts(engines, default_
     for prompt, out in zip(REPEATING, got):
         assert out.outputs[0].token_ids == hf_reference(default_model, drafting.encode(prompt), 40), prompt
     assert len(got[-2].outputs[0].token_ids) == 5
+    assert ret not in got[7].outputs[0].token_ids and set(got[8].outputs[0].token_ids) <= counting - {four}
     assert got[-3].outputs[0].finish_reason == "stop" and got[-3].outputs[0].text.endswith("separate the two ")
     for a, b in zip(got[6].outputs[0].logprobs, expected[6].outputs[0].logprobs):
         assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
