@@ -330,6 +330,16 @@ def test_settings_split_and_unknown_keys():
     with pytest.raises(ValueError, match="overlap_sending"):
         split_settings({"model": "m", "overlap_sending": "yes"})
     assert split_settings({"model": "m", "overlap_sending": False})[1].overlap_sending is False
+    for threads in (0, 65, "4", True, 2.0):
+        with pytest.raises(ValueError, match="sender_threads"):
+            split_settings({"model": "m", "sender_threads": threads})
+    assert split_settings({"model": "m", "sender_threads": 64})[1].sender_threads == 64
+    assert split_settings({"model": "m", "sender_threads": None})[1].sender_threads is None
+    for name in ("cancel_poll_interval_s", "metrics_interval_s"):
+        for seconds in (-0.1, 11, "1", True):
+            with pytest.raises(ValueError, match=name):
+                split_settings({"model": "m", name: seconds})
+        assert getattr(split_settings({"model": "m", name: 0})[1], name) == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
