@@ -605,10 +605,8 @@ def test_a_vocabulary_that_is_not_byte_level_decodes_through_the_tokenizer():
     assert TokenBytes.build(tokenizer) is None
     # Token by token, after a prompt, as the whole decodes: a word's leading space comes from its context
     # (decoded alone, "▁world" at the start of a text is "world").
-    import threading as th
-
     prompt, output = [1], [2, 2, 3, 1, 3]
-    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True, lock=th.Lock())
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True, lock=threading.Lock())
     streamed = "".join(detok.add_tokens([t]) for t in output) + detok.flush()
     whole = tokenizer.decode(prompt + output, clean_up_tokenization_spaces=False)
     assert streamed == whole[len(tokenizer.decode(prompt, clean_up_tokenization_spaces=False)):]

@@ -213,11 +213,16 @@ def test_a_later_request_of_higher_priority_is_served_first(model):
     assert order == ["low-1", "urgent", "low-2"]
 
 
+def recorded_preemptions(llm: LLM) -> list[str]:
+    """The request ids of the sequences the scheduler of `llm` preempts from now on, in order."""
+    preempted, real = [], llm.scheduler.preempt
+    llm.scheduler.preempt = lambda seq: (preempted.append(seq.request_id), real(seq))[1]
+    return preempted
+
+
 def test_memory_pressure_preempts_the_lowest_priority_first(model):
     llm = LLM(model, num_kv_blocks=4, max_num_seqs=4, max_num_batched_tokens=64)  # 64 tokens for 2 x 43
-    preempted = []
-    real = llm.scheduler.preempt
-    llm.scheduler.preempt = lambda seq: (preempted.append(seq.request_id), real(seq))[1]
+    preempted = recorded_preemptions(llm)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     llm.add_request("background", [5, 6, 7], params, priority=9)  # first come, and still preempted first
     llm.add_request("important", [8, 9, 10], params, priority=-1)
@@ -231,9 +236,7 @@ def test_a_running_request_of_low_priority_gives_way_to_a_later_one(model):
     """A running sequence that needs a block, when only a sequence of higher priority admitted after it
     could give one up, is preempted itself: the later request of higher priority keeps its blocks."""
     llm = LLM(model, num_kv_blocks=4, max_num_seqs=4, max_num_batched_tokens=64)
-    preempted = []
-    real = llm.scheduler.preempt
-    llm.scheduler.preempt = lambda seq: (preempted.append(seq.request_id), real(seq))[1]
+    preempted = recorded_preemptions(llm)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     llm.add_request("background", [5, 6, 7], params, priority=9)
     llm.step()  # running first, so it is first to need a block

@@ -14,8 +14,8 @@ import pytest
 
 from conftest import random_prompts
 from inflight import LLM, SamplingParams
-from inflight.outputs import RequestDelta, RequestMetrics, coalesce, compact_deltas, expand_deltas, joined
 from inflight import engine as engine_module
+from inflight.outputs import RequestDelta, RequestMetrics, coalesce, compact_deltas, expand_deltas, joined
 from inflight.engine import EngineDeadError
 from inflight.serving.engine_process import EngineProcess
 from inflight.serving.engine_thread import EngineThread
