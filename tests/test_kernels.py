@@ -178,6 +178,17 @@ def test_decode_splits_fill_the_gpu():
     assert decode_splits(64, 1, 132) == 8  # 64 x 4 = 256 is still short of 264
 
 
+def test_decode_batches_launch_a_program_a_sequence():
+    """A decode batch (one query token a sequence) launches a program per sequence, KV head and split,
+    with no search for its sequence; other batches a tile per BLOCK_Q tokens and a gap per sequence."""
+    from inflight.ops.triton_ops import attention_meta
+
+    grid, constants = attention_meta(64, 64, 9, 3, 64, 16, torch.float16, num_splits=2)
+    assert grid == (64, 3, 2) and constants["DECODE"]
+    grid, constants = attention_meta(65, 64, 9, 3, 64, 16, torch.float16)
+    assert grid == (65 // constants["BLOCK_Q"] + 64, 3, 1) and not constants["DECODE"]
+
+
 def test_start_up_compiles_every_attention_variant_without_writing_kv(tiny_models, hf_reference, monkeypatch):
     """The start-up warm-up (kernel_warmup.py, run on a GPU) launches the kernels as a prefill step and a
     decode step of each split count would, writes nothing into the KV cache, and leaves the engine's

@@ -45,7 +45,8 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, impl=None) 
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                     sliding_window=None, softcap=None, sinks=None, out=None, impl=None):
     """softcap: scores bounded by softcap * tanh(score / softcap) (Gemma 2); sinks: [Hq] logits that join
-    each softmax's denominator (gpt-oss)."""
+    each softmax's denominator (gpt-oss). Every sequence has at least one query token (a batch with as many
+    tokens as sequences is read as a decode batch: one each)."""
     return _module(impl, query.device.type).paged_attention(
         query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window, softcap,
         sinks, out)

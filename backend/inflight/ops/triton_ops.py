@@ -5,7 +5,8 @@ vLLM's unified attention (ideas only, the code is ours): a program takes a tile 
 of one sequence times the query heads that share one KV head (packed into BLOCK_M rows, so GQA reads
 each key once per group), walks that sequence's keys tile by tile through its block table, and keeps
 an online softmax in float32. Programs are laid out per sequence at `cu_seqlens_q[s] // BLOCK_Q + s`,
-so each finds its sequence by a binary search, with no host-side work per step. Keys before a tile's
+so each finds its sequence by a binary search, with no host-side work per step; in a decode batch (as
+many tokens as sequences: one each) program s is sequence s's. Keys before a tile's
 first query are visible to all its rows, so whole tiles of them run without masks; only the tiles at
 the causal edge (or in a sliding window) are masked. The block table is read once per page of keys. The
 softmax runs on exp2, with log2(e) folded into the scale.
@@ -164,6 +165,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # >1: each program takes 1/NUM_SPLITS of the keys; _merge_splits_kernel sums
+    DECODE: tl.constexpr,  # every sequence has one query token (cu_seqlens_q is 0, 1, 2, ...): a program each
     DOT_FP32: tl.constexpr,  # float32 matmuls (float32 inputs, or the interpreter); else 16-bit
     SOFTCAP: tl.constexpr,  # the softcap times log2(e), 0: none (see _attend_tile); a model's constant
     HAS_SINKS: tl.constexpr,  # sinks_ptr: a logit per query head; else None (no argument more at a launch)
@@ -172,21 +174,28 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # The sequence this tile belongs to: the last s with cu_seqlens_q[s] // BLOCK_Q + s <= q_tile.
-    lo = 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= q_tile:
-            lo = mid
-        else:
-            hi = mid - 1
-    seq = lo
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    first_q = (q_tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if first_q >= q_len:
-        return  # a gap between two sequences' tiles
+    if DECODE:  # one query token a sequence: program s is sequence s's
+        seq = q_tile
+        q_start = tl.load(cu_seqlens_q_ptr + seq)  # (s itself; read, ptxas spills in no variant: compile_kernels)
+        q_len = 1
+        first_q = 0
+    else:
+        # The sequence this tile belongs to: the last s with cu_seqlens_q[s] // BLOCK_Q + s <= q_tile (a
+        # chain of dependent loads before any other: a decode kernel of a few microseconds skips it).
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= q_tile:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        first_q = (q_tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        if first_q >= q_len:
+            return  # a gap between two sequences' tiles
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
 
@@ -202,9 +211,13 @@ def _paged_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
     q_pos = context + q_idx
+    out_row = q_tok * num_heads + head  # (the row of its partial results, split-KV)
 
     # Keys this tile can see: causal up to its last query; a sliding window also bounds the start.
-    kv_end = tl.minimum(seq_len, context + first_q + BLOCK_Q)
+    if DECODE:  # (the same, said so: a register fewer)
+        kv_end = seq_len
+    else:
+        kv_end = tl.minimum(seq_len, context + first_q + BLOCK_Q)
     kv_start = 0
     if SLIDING_WINDOW > 0:
         kv_start = tl.maximum(0, context + first_q - SLIDING_WINDOW + 1) // TILE_N * TILE_N
@@ -238,7 +251,7 @@ def _paged_attention_kernel(
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS > 1:  # the partial result and its log-sum-exp (base 2), merged by _merge_splits_kernel
-        part = (q_tok * num_heads + head) * NUM_SPLITS + split
+        part = out_row * NUM_SPLITS + split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * DIM_PAD + dims[None, :], out, mask=row_ok[:, None])
@@ -303,7 +316,8 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     constants = _attention_constants(num_tokens == num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                      sliding_window, block_m, tile_n, num_splits, num_warps, num_stages, softcap,
                                      sinks, cache_dtype)
-    return (num_tokens // constants["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits), constants
+    tiles = num_seqs if constants["DECODE"] else num_tokens // constants["BLOCK_Q"] + num_seqs
+    return (tiles, num_kv_heads, num_splits), constants
 
 
 # Worked out once per kind of batch (decode or not, and the model's shape): an eager step launches the
@@ -337,8 +351,8 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
         SLIDING_WINDOW=sliding_window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
-        NUM_SPLITS=num_splits, DOT_FP32=dtype == torch.float32 or _INTERPRETED, SOFTCAP=(softcap or 0.0) * LOG2_E,
-        HAS_SINKS=sinks,
+        NUM_SPLITS=num_splits, DECODE=decode, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
+        SOFTCAP=(softcap or 0.0) * LOG2_E, HAS_SINKS=sinks,
         num_warps=num_warps or _default_warps(decode, head_dim, wide, fp8_cache),
     )
     if num_stages is not None:
