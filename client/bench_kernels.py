@@ -45,13 +45,15 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
 # 64 splits: beyond the engine's cap of 16 (triton_ops.MAX_SPLITS), to learn whether few long contexts want more.
 # Decode keeps 4 warps: the 2026-11-30 sweep found 4 fastest on every decode mix (each variant compiles once).
 SWEEP_DECODE = {"num_splits": [1, 4, 16, 64], "tile_n": [32, 64, 128], "num_warps": [4], "num_stages": [2, 3, 4]}
-SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+# new_kv: the step's own keys and values read from the new ones (tensor descriptors) or gathered from the cache.
+SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3],
+                 "new_kv": [False, True]}
 # The sweep variants that spill registers on sm_90 (`scripts/compile_kernels.py --sweep --targets 90 --dtypes
 # bfloat16`, triton 3.8, 2026-12-05; a test keeps this list equal to what it finds): the engine may not launch
-# one, so the sweep leaves them out (11 of its 120: 9 of the Llama-3-8B shape's 24 prefill variants; the
-# default shape's 64-key decode tiles at 2 stages spilled 8 bytes until decode programs stopped searching for
-# their sequence). A variant is left out when its parameters include every item of an entry for its shape
-# and phase.
+# one, so the sweep leaves them out (22 of its 168: 18 of the Llama-3-8B shape's 48 prefill variants, the same
+# tiles with new_kv and without; the default shape's 64-key decode tiles at 2 stages spilled 8 bytes until
+# decode programs stopped searching for their sequence). A variant is left out when its parameters include
+# every item of an entry for its shape and phase.
 SPILLING = {
     ("smollm2", "prefill"): [dict(block_m=128, tile_n=128, num_warps=4)],
     ("llama3-8b", "prefill"): [dict(block_m=64, tile_n=128, num_warps=4), dict(block_m=128, num_warps=4),
@@ -158,6 +160,18 @@ def build(seqs, heads, kv_heads, head_dim, block_size, dtype, device: str = "cud
     return query, kc, vc, cu, torch.tensor(lens, device=device), block_tables
 
 
+def new_keys_and_values(key_cache, value_cache, seqs, cu_seqlens, block_tables) -> list[torch.Tensor]:
+    """The keys and values of each sequence's new tokens [T, Hkv, D], read back from the cache and laid out
+    as the attention hook passes them (transformers' [1, Hkv, T, D], transposed)."""
+    block_size, device = key_cache.shape[1], key_cache.device
+    q_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), q_lens)
+    contexts = torch.tensor([c for c, _ in seqs], device=device)
+    positions = torch.arange(int(cu_seqlens[-1]), device=device) - cu_seqlens[seq] + contexts[seq]
+    blocks, slots = block_tables[seq, positions // block_size], positions % block_size
+    return [cache[blocks, slots].transpose(0, 1).contiguous().transpose(0, 1) for cache in (key_cache, value_cache)]
+
+
 def causal_flops(seqs, heads: int, head_dim: int) -> float:
     """Matmul FLOPs of attention over the visible (causal) query-key pairs: 2 matmuls x 2 FLOPs each."""
     pairs = sum(q * c + q * (q + 1) // 2 for c, q in seqs)
@@ -215,16 +229,19 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
     heads, kv_heads, head_dim = SHAPES[shape]
     print(f"\n{shape}: {heads} heads / {kv_heads} KV heads, head_dim {head_dim}, block {block_size}\n")
     print("| mix | inflight Triton (ms) | torch SDPA (ms), backend | ratio | decode bandwidth / prefill TFLOP/s "
-          "(ours, SDPA) | inflight launched from Python (ms) |" + (" fastest sweep variant |" if do_sweep else "")
-          + "\n|---|---:|---:|---:|---:|---:|" + ("---|" if do_sweep else ""))
+          "(ours, SDPA) | inflight launched from Python (ms) | new keys and values read directly (ms) |"
+          + (" fastest sweep variant |" if do_sweep else "") + "\n|---|---:|---:|---:|---:|---:|---:|"
+          + ("---|" if do_sweep else ""))
     scale = head_dim ** -0.5
     for name in mixes:
         seqs = MIXES[name]
         query, kc, vc, cu, seq_lens, tables = build(seqs, heads, kv_heads, head_dim, block_size, dtype)
         out = torch.empty_like(query)
+        new_key, new_value = new_keys_and_values(kc, vc, seqs, cu, tables)
 
         def ours_with(**params):
-            return triton_ops.paged_attention(query, kc, vc, cu, seq_lens, tables, scale, out=out, **params)
+            return triton_ops.paged_attention(query, kc, vc, cu, seq_lens, tables, scale, out=out, new_key=new_key,
+                                              new_value=new_value, **params)
 
         ours = kernel_seconds(ours_with)
         # torch: the same sequences contiguous and padded into one batch (what SDPA can take).
@@ -246,11 +263,16 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         else:
             flops = causal_flops(seqs, heads, head_dim)
             rate = f"{flops / ours / 1e12:.0f}, {flops / theirs / 1e12:.0f} TFLOP/s"
+        direct = "-"
+        if not decode:  # the engine's tiles, the step's own keys and values read from the new ones
+            expected = ours_with(new_kv=False).clone()
+            error = (ours_with(new_kv=True).float() - expected.float()).abs().max().item()
+            direct = f"{kernel_seconds(lambda: ours_with(new_kv=True)) * 1e3:.3f} (max difference {error:.1e})"
         row = (f"| {name} | {ours * 1e3:.3f} | {theirs * 1e3:.3f}, {sdpa_backend(sdpa)} | {ours / theirs:.2f}x "
-               f"| {rate} | {timed(ours_with) * 1e3:.3f} |")
+               f"| {rate} | {timed(ours_with) * 1e3:.3f} | {direct} |")
         if do_sweep:
             grid, groupings = ((SWEEP_DECODE, [("tile_n",), ("num_splits",)]) if decode
-                               else (SWEEP_PREFILL, [("block_m", "tile_n")]))
+                               else (SWEEP_PREFILL, [("block_m", "tile_n"), ("new_kv",)]))
             phase = "decode" if decode else "prefill"
             row += f" {sweep(ours_with, grid, groupings, lambda params: spills(shape, phase, params))} |"
         print(row, flush=True)

@@ -70,12 +70,14 @@ FP8_CACHES = [torch.float8_e5m2, torch.float8_e4m3fn]
 FP8_DTYPES = [(query, cache, out) for cache in FP8_CACHES for query, out in
               ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16))]
 FP8_LEAST_ARCH = {torch.float8_e4m3fn: 89}
+NEW_KV_LEAST_ARCH = 90  # prefill tiles reading the step's new keys and values (tensor descriptors): Hopper on
 
 
-def supported(arch: int, dtype) -> bool:
-    """Whether a variant's cache dtype is one the GPU of `arch` converts."""
+def supported(arch: int, dtype, constants: dict) -> bool:
+    """Whether a variant's cache dtype is one the GPU of `arch` converts, and it has what the variant reads
+    through tensor descriptors."""
     cache = dtype[1] if isinstance(dtype, tuple) else dtype
-    return arch >= FP8_LEAST_ARCH.get(cache, 0)
+    return arch >= FP8_LEAST_ARCH.get(cache, 0) and (arch >= NEW_KV_LEAST_ARCH or not constants.get("NEW_KV"))
 
 
 def type_name(dtype) -> str:
@@ -96,6 +98,9 @@ def signature(kernel, constants: dict, dtype, multiples_of_16: set[str]) -> tupl
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
             types[name] = "constexpr"
+        elif name.endswith("_desc"):  # a tensor descriptor of a tile of keys or values (new_kv)
+            tile = f"{constants['TILE_N']}, 1, {constants['DIM_PAD']}"
+            types[name] = f"tensordesc<{TRITON_TYPES[query_dtype]}[{tile}]>"
         elif name.endswith("_ptr"):
             tensor_dtype = cache_dtype if "_cache_" in name else out_dtype if name == "out_ptr" else query_dtype
             if name == "sinks_ptr":  # the model's parameter
@@ -128,6 +133,8 @@ def compile_variant(kernel, constants: dict, dtype, arch: int, hinted: set[str] 
     constants = dict(constants)
     if "HAS_SINKS" in constants and not constants["HAS_SINKS"]:
         constants["sinks_ptr"] = None  # launched with None: a constant, no argument
+    if "NEW_KV" in constants and not constants["NEW_KV"]:
+        constants["new_key_desc"] = constants["new_value_desc"] = None
     options = {"num_warps": constants.pop("num_warps", 4)}
     if "num_stages" in constants:  # else Triton's default, as at a launch without it
         options["num_stages"] = constants.pop("num_stages")
@@ -167,6 +174,12 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
                                                          dtype, window, num_splits=splits, **options)
                 yield (f"paged_attention {shape} {phase}", attention, constants, dtype,
+                       multiples_of_16(attention, heads, head_dim))
+            if dtype != torch.float32:  # (triton_ops reads new keys and values under 16-bit queries only)
+                tokens, seqs, _ = PHASES["prefill"]
+                _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size, dtype,
+                                                         window, new_kv=True, **options)
+                yield (f"paged_attention {shape} prefill new-kv", attention, constants, dtype,
                        multiples_of_16(attention, heads, head_dim))
             if window is None:
                 _, constants = triton_ops.kv_write_meta(64, kv_heads, head_dim, block_size)
@@ -240,10 +253,9 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="bench_kernels.py's sweep variants: which spill")
     args = parser.parse_args()
     dtype_names, shapes = args.dtypes.split(","), args.shapes.split(",")
-    found = (sweep_variants if args.sweep else variants)([getattr(torch, n) for n in dtype_names], shapes)
-    dtypes = [variant[3] for variant in found]
+    found = list((sweep_variants if args.sweep else variants)([getattr(torch, n) for n in dtype_names], shapes))
     jobs = [(arch, dtype_names, shapes, i, args.sweep) for arch in map(int, args.targets.split(","))
-            for i, dtype in enumerate(dtypes) if supported(arch, dtype)]
+            for i, (_, _, constants, dtype, _) in enumerate(found) if supported(arch, dtype, constants)]
     print("| target | kernel | dtype | warps | registers | spill stores (bytes) | shared memory (bytes) |")
     print("|---|---|---|---:|---:|---:|---:|")
     failures = 0

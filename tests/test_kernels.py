@@ -4,6 +4,7 @@ Tolerances: float32 1e-5, float16 2e-3 (absolute, on unit-variance inputs). Shap
 tiles large, because the interpreter costs milliseconds per program and loop iteration.
 """
 
+import ast
 import itertools
 import os
 import random
@@ -158,6 +159,41 @@ def test_split_kv_matches_torch(case, num_splits):
     splits get no keys at all; float32 (what the interpreter computes)."""
     err = float32_error(case, num_splits=num_splits)
     assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
+
+
+def new_keys_and_values(key_cache, value_cache, seqs, block_size, tables):
+    """The keys and values of each sequence's new tokens, read back from the cache [T, Hkv, D], laid out
+    as the attention hook passes them (views of transformers' [1, Hkv, T, D] tensors)."""
+    rows = [(tables[s, position // block_size], position % block_size)
+            for s, (context, new) in enumerate(seqs) for position in range(context, context + new)]
+    blocks = torch.tensor([int(block) for block, _ in rows], device=key_cache.device)
+    slots = torch.tensor([slot for _, slot in rows], device=key_cache.device)
+    return [cache[blocks, slots].transpose(0, 1).contiguous().transpose(0, 1) for cache in (key_cache, value_cache)]
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", [case for case in CASES if case != "decode-only"])
+def test_new_keys_and_values_read_directly_match_torch(case, dtype):
+    """Prefill tiles reading the step's own keys and values from the new ones (tensor descriptors), those
+    before them from the cache, within the dtype's tolerance of the torch reference; and the same as
+    reading them all from the cache."""
+    from inflight.ops import triton_ops
+
+    seqs, block_size, kv_heads, group, head_dim, window = CASES[case]
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
+                                                                     dtype)
+    new_key, new_value = new_keys_and_values(key_cache, value_cache, seqs, block_size, tables)
+    assert new_key.shape == (len(query), kv_heads, head_dim)
+    assert kv_heads == 1 or new_key.stride(1) == len(query) * head_dim  # (heads apart, as the hook passes them)
+    scale = head_dim ** -0.5
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
+    got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window,
+                                     new_key=new_key, new_value=new_value, new_kv=True)
+    gathered = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window,
+                                          new_key=new_key, new_value=new_value, new_kv=False)
+    err = (got.float() - expected.float()).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
+    assert (got.float() - gathered.float()).abs().max().item() <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("case", ["mixed", "chunk-mid-sequence", "context-block-size-plus-one", "sliding-window",
@@ -605,12 +641,25 @@ def test_dispatch(monkeypatch):
         ops.resolve_impl(None, "cpu")
 
 
-def test_engine_greedy_with_triton_kernels(tiny_models, hf_reference, monkeypatch):
-    """End to end: the engine's token-exact greedy test with attention through the Triton kernels."""
+@pytest.mark.parametrize("new_kv", [False, True], ids=["gathered", "new-kv"])
+def test_engine_greedy_with_triton_kernels(tiny_models, hf_reference, monkeypatch, new_kv):
+    """End to end: the engine's token-exact greedy test with attention through the Triton kernels, the
+    prefill chunks' own keys and values gathered back from the cache or read from the new ones (chunks of
+    48 tokens: prompts of up to 70 go in two, the second over a cached context)."""
     from conftest import random_prompts
     from inflight import LLM, SamplingParams
+    from inflight.ops import triton_ops
 
     monkeypatch.setenv("INFLIGHT_ATTENTION", "triton")
+    monkeypatch.setattr(triton_ops, "NEW_KV_FOR_PREFILL", new_kv)
+    launched, meta = [], triton_ops.attention_meta
+
+    def recorded(*args, **kwargs):
+        grid, constants = meta(*args, **kwargs)
+        launched.append(constants["NEW_KV"])
+        return grid, constants
+
+    monkeypatch.setattr(triton_ops, "attention_meta", recorded)
     model = tiny_models["qwen2"]
     llm = LLM(model, num_kv_blocks=64, max_num_batched_tokens=48, max_num_seqs=8, enable_prefix_caching=False,
               device=DEVICE, dtype="float32")  # compiled on a GPU, interpreted on CPU
@@ -620,6 +669,7 @@ def test_engine_greedy_with_triton_kernels(tiny_models, hf_reference, monkeypatc
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_reference(model, prompt, 8)
     llm.block_manager.check_all_free()
+    assert any(launched) == new_kv and not all(launched)  # (decode steps never: they read the cache alone)
 
 
 def test_kernels_compile_for_gpus():
@@ -657,7 +707,7 @@ def test_sweep_leaves_out_exactly_the_spilling_variants():
     for row in result.stdout.splitlines():
         if row.startswith("| sm_90 | paged_attention "):
             _, shape, phase, *params = row.split(" | ")[1].split()
-            variant = (shape, phase, {k: int(v) for k, v in (p.split("=") for p in params)})
+            variant = (shape, phase, {k: ast.literal_eval(v) for k, v in (p.split("=") for p in params)})
             found.append(variant)
             if "(spilled)" in row or "FAILED" in row or "(over the limit)" in row:
                 spilled.append(variant)

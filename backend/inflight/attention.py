@@ -65,7 +65,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     ops.write_kv_cache(k, v, key_cache, value_cache, ctx.slot_mapping, impl=ctx.impl)
     out = ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.cu_seqlens_q, ctx.seq_lens,
                               ctx.block_tables, scaling if scaling is not None else q.shape[-1] ** -0.5,
-                              sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux, impl=ctx.impl)
+                              sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux, impl=ctx.impl,
+                              new_key=k, new_value=v)
     return out.unsqueeze(0), None
 
 

@@ -17,6 +17,11 @@ writes its float32 partial output and log-sum-exp, and `_merge_splits_kernel` we
 split count comes from the batch's shape alone (`decode_splits`), never from a device value, so a
 captured CUDA graph stays valid as contexts grow.
 
+New keys and values (`new_kv`, NEW_KV_FOR_PREFILL): prefill tiles may read the step's own tokens' keys and
+values from the tensors the attention hook wrote into the cache, through tensor descriptors (bulk tensor
+copies on Hopper) instead of gathering them back through the block table; the keys before the chunk
+still come from the cache.
+
 A model's softcap (Gemma 2) bounds each score by softcap * tanh(score / softcap) before the softmax; its
 sinks (gpt-oss), a logit per query head, start each row's online softmax as a key whose value is zero
 would (in the first split only).
@@ -106,10 +111,9 @@ def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv
                  qk_scale,
                  SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                  DOT_FP32: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One tile of TILE_N keys from n0 into the online softmax (base 2). MASKED: the tile may hold keys
-    past the end or after a query (causal) or outside the sliding window; else every key is visible to
-    every row. The scores are the products times qk_scale: the scale and log2(e), or with a SOFTCAP
-    (the softcap times log2(e); 0: none) the scale over the softcap, whose tanh then times SOFTCAP."""
+    """One tile of TILE_N keys from n0, read from the KV cache through the block table, into the online
+    softmax (_softmax_step, _add_values). MASKED: the tile may hold keys past `kv_end` or after a query (causal) or
+    outside the sliding window; else every key is visible to every row."""
     keys = n0 + tl.arange(0, TILE_N)
     pages = n0 // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
     if MASKED:
@@ -124,6 +128,39 @@ def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv
     k = tl.load(key_cache_ptr + block[None, :] * stride_kc_block + slot[None, :] * stride_kc_slot
                 + kv_head * stride_kc_head + dims[:, None],
                 mask=dim_ok[:, None] & key_ok[None, :], other=0.0)  # [DIM_PAD, TILE_N]
+    p, alpha, m_i, l_i = _softmax_step(q, k, m_i, l_i, keys, key_ok, q_pos, qk_scale, SLIDING_WINDOW, DOT_FP32,
+                                       MASKED, SOFTCAP)
+    v = tl.load(value_cache_ptr + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot
+                + kv_head * stride_vc_head + dims[None, :],
+                mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM_PAD]
+    return _add_values(acc, p, v, alpha, q.dtype, DOT_FP32), m_i, l_i
+
+
+@triton.jit
+def _attend_new_tile(q, acc, m_i, l_i, n0, context, q_start, new_key_desc, new_value_desc, kv_head, q_pos, kv_end,
+                     qk_scale, SLIDING_WINDOW: tl.constexpr, TILE_N: tl.constexpr, DIM_PAD: tl.constexpr,
+                     DOT_FP32: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One tile of TILE_N keys from n0, keys of the step's own tokens (n0 >= context), read from the
+    step's new keys and values through their tensor descriptors (rows from q_start, the sequence's
+    first new token: on Hopper, bulk tensor copies), into the online softmax as _attend_tile's. The rows
+    past the sequence's own belong to the next one: a MASKED tile drops them (keys past kv_end)."""
+    keys = n0 + tl.arange(0, TILE_N)
+    key_ok = keys < kv_end if MASKED else keys >= 0
+    row = (q_start + n0 - context).to(tl.int32)  # (descriptors take 32-bit offsets)
+    k = tl.trans(tl.reshape(new_key_desc.load([row, kv_head, 0]), (TILE_N, DIM_PAD)))  # [DIM_PAD, TILE_N]
+    p, alpha, m_i, l_i = _softmax_step(q, k, m_i, l_i, keys, key_ok, q_pos, qk_scale, SLIDING_WINDOW, DOT_FP32,
+                                       MASKED, SOFTCAP)
+    v = tl.reshape(new_value_desc.load([row, kv_head, 0]), (TILE_N, DIM_PAD))
+    return _add_values(acc, p, v, alpha, q.dtype, DOT_FP32), m_i, l_i
+
+
+@triton.jit
+def _softmax_step(q, k, m_i, l_i, keys, key_ok, q_pos, qk_scale, SLIDING_WINDOW: tl.constexpr,
+                  DOT_FP32: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """A tile's keys k [DIM_PAD, TILE_N] into the online softmax (base 2): the tile's weights p, the
+    factor alpha of what came before, the new running max and sum. The scores are the products times
+    qk_scale: the scale and log2(e), or with a SOFTCAP (the softcap times log2(e); 0: none) the scale over
+    the softcap, whose tanh then times SOFTCAP."""
     if DOT_FP32:
         s = tl.dot(q, k.to(tl.float32), input_precision="ieee") * qk_scale
     else:
@@ -140,21 +177,23 @@ def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(value_cache_ptr + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot
-                + kv_head * stride_vc_head + dims[None, :],
-                mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM_PAD]
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _add_values(acc, p, v, alpha, dtype: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The accumulated output rescaled by alpha, plus the tile's weights p times its values v (16-bit
+    inputs in the query's `dtype`, float32 accumulation; or float32 matmuls)."""
     acc = acc * alpha[:, None]
     if DOT_FP32:
-        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
-    return acc, m_new, l_i
+        return tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(p.to(dtype), v.to(dtype), acc)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr,
+    cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, new_key_desc, new_value_desc,
     qk_scale, num_seqs, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kc_block, stride_kc_slot, stride_kc_head,
@@ -169,6 +208,7 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,  # float32 matmuls (float32 inputs, or the interpreter); else 16-bit
     SOFTCAP: tl.constexpr,  # the softcap times log2(e), 0: none (see _attend_tile); a model's constant
     HAS_SINKS: tl.constexpr,  # sinks_ptr: a logit per query head; else None (no argument more at a launch)
+    NEW_KV: tl.constexpr,  # the step's own keys and values from new_key_desc / new_value_desc (else None)
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -238,16 +278,33 @@ def _paged_attention_kernel(
         l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(kv_start, tl.minimum(unmasked_end, kv_end), TILE_N):
+    cached_end = kv_end
+    if NEW_KV:  # keys from the cache up to the step's own, which come from the new keys and values
+        cached_end = tl.minimum(context, kv_end)
+        unmasked_end = tl.minimum(unmasked_end, cached_end // TILE_N * TILE_N)
+    for n0 in range(kv_start, tl.minimum(unmasked_end, cached_end), TILE_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
-                                     kv_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
+                                     cached_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
                                      stride_vc_block, stride_vc_slot, stride_vc_head, qk_scale,
                                      SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, False, SOFTCAP)
-    for n0 in range(tl.maximum(unmasked_end, kv_start), kv_end, TILE_N):
+    for n0 in range(tl.maximum(unmasked_end, kv_start), cached_end, TILE_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
-                                     kv_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
+                                     cached_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
                                      stride_vc_block, stride_vc_slot, stride_vc_head, qk_scale,
                                      SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, True, SOFTCAP)
+    if NEW_KV:  # tiles from the first key of the step's own (or of the window) on, unmasked up to the diagonal
+        new_start = tl.maximum(context, kv_start)
+        new_unmasked_end = new_start
+        if SLIDING_WINDOW == 0:
+            new_unmasked_end = new_start + (context + first_q + 1 - new_start) // TILE_N * TILE_N
+        for n0 in range(new_start, new_unmasked_end, TILE_N):
+            acc, m_i, l_i = _attend_new_tile(q, acc, m_i, l_i, n0, context, q_start, new_key_desc, new_value_desc,
+                                             kv_head, q_pos, kv_end, qk_scale, SLIDING_WINDOW, TILE_N, DIM_PAD,
+                                             DOT_FP32, False, SOFTCAP)
+        for n0 in range(new_unmasked_end, kv_end, TILE_N):
+            acc, m_i, l_i = _attend_new_tile(q, acc, m_i, l_i, n0, context, q_start, new_key_desc, new_value_desc,
+                                             kv_head, q_pos, kv_end, qk_scale, SLIDING_WINDOW, TILE_N, DIM_PAD,
+                                             DOT_FP32, True, SOFTCAP)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS > 1:  # the partial result and its log-sum-exp (base 2), merged by _merge_splits_kernel
@@ -308,14 +365,16 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
                    block_size: int, dtype: torch.dtype, sliding_window: int | None = None,
                    block_m: int | None = None, tile_n: int | None = None, num_splits: int = 1,
                    num_warps: int | None = None, num_stages: int | None = None, softcap: float | None = None,
-                   sinks: bool = False, cache_dtype: torch.dtype | None = None) -> tuple[tuple[int, int, int], dict]:
+                   sinks: bool = False, cache_dtype: torch.dtype | None = None,
+                   new_kv: bool = False) -> tuple[tuple[int, int, int], dict]:
     """The launch grid and compile-time constants (with num_warps, and num_stages when given) of
     `_paged_attention_kernel` for one batch (`dtype`: the query's; `cache_dtype`: the KV cache's, where
-    another); the optional values override the defaults (bench sweeps). The constants are shared by the
-    batches of their kind: not to be changed."""
+    another; `new_kv`: the step's own keys and values read from its new ones); the optional values
+    override the defaults (bench sweeps). The constants are shared by the batches of their kind: not to
+    be changed."""
     constants = _attention_constants(num_tokens == num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                      sliding_window, block_m, tile_n, num_splits, num_warps, num_stages, softcap,
-                                     sinks, cache_dtype)
+                                     sinks, cache_dtype, new_kv)
     tiles = num_seqs if constants["DECODE"] else num_tokens // constants["BLOCK_Q"] + num_seqs
     return (tiles, num_kv_heads, num_splits), constants
 
@@ -326,11 +385,13 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
 def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                          dtype: torch.dtype, sliding_window: int | None, block_m: int | None, tile_n: int | None,
                          num_splits: int, num_warps: int | None, num_stages: int | None, softcap: float | None,
-                         sinks: bool, cache_dtype: torch.dtype | None) -> dict:
+                         sinks: bool, cache_dtype: torch.dtype | None, new_kv: bool = False) -> dict:
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if new_kv and (decode or num_splits > 1):
+        raise ValueError("new keys and values are read by prefill tiles only, whole (num_splits 1)")
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     # Decode-only batches waste rows on a tall tile; prefill-heavy ones want it tall. Compiled float32
@@ -352,7 +413,7 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
         NUM_SPLITS=num_splits, DECODE=decode, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
-        SOFTCAP=(softcap or 0.0) * LOG2_E, HAS_SINKS=sinks,
+        SOFTCAP=(softcap or 0.0) * LOG2_E, HAS_SINKS=sinks, NEW_KV=new_kv,
         num_warps=num_warps or _default_warps(decode, head_dim, wide, fp8_cache),
     )
     if num_stages is not None:
@@ -366,15 +427,51 @@ def _default_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int) -> in
     return decode_splits(num_seqs, num_kv_heads, _multiprocessors(query.device.index))
 
 
+def _new_kv_readable(query, key_cache, new_key, new_value, num_seqs: int, num_splits: int) -> bool:
+    """Whether the kernel can read this step's own keys and values from `new_key` and `new_value`: a batch
+    of prefill tiles (not decode, not split), keys and values in the query's dtype and the cache's (so that
+    they are what the cache holds), 16-bit, on a GPU that takes tensor descriptors (or the interpreter)."""
+    if new_key is None or new_value is None or query.shape[0] == num_seqs or num_splits > 1:
+        return False
+    if not new_key.dtype == new_value.dtype == query.dtype == key_cache.dtype:
+        return False
+    if not all(_describable(t) for t in (new_key, new_value)):
+        return False
+    if _INTERPRETED:
+        return True
+    # 16-bit only: float32 tiles of Gemma 2's heads of 256 spilled 792 bytes (compile_kernels.py, sm_90)
+    return (query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16)
+            and _capability(query.device.index) >= (9, 0))
+
+
+def _describable(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can cover `t`: 16-byte aligned, its rows too, its last dimension dense."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0
+                                                                for stride in t.stride()[:-1])
+
+
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 @functools.cache
 def _multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Prefill tiles read the step's own keys and values from its new ones (tensor descriptors: bulk tensor
+# copies on Hopper) rather than gathering them back from the cache. Off until `make bench-kernels --sweep`
+# has measured it against the gathered reads on a GPU.
+NEW_KV_FOR_PREFILL = False
+
+
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                     sliding_window=None, softcap=None, sinks=None, out=None, block_m: int | None = None,
                     tile_n: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None):
+                    num_stages: int | None = None, new_key=None, new_value=None, new_kv: bool | None = None):
+    """`new_key`, `new_value` [T, Hkv, D]: the step's keys and values (also written into the cache);
+    `new_kv`: whether prefill tiles read the step's own from them (None: NEW_KV_FOR_PREFILL, where it can)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -385,9 +482,16 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         query = query.to(torch.bfloat16 if key_cache.dtype in FP8_DTYPES else key_cache.dtype)
     if num_splits is None:
         num_splits = _default_splits(query, num_seqs, num_kv_heads)
+    wanted, new_kv = new_kv, NEW_KV_FOR_PREFILL if new_kv is None else new_kv
+    if new_kv:
+        new_kv = _new_kv_readable(query, key_cache, new_key, new_value, num_seqs, num_splits)
+        if wanted and not new_kv:
+            raise ValueError("new keys and values can be read by whole prefill tiles only, in the query's and "
+                             "the cache's 16-bit dtype, on a GPU that takes tensor descriptors (Hopper on)")
     grid, constants = attention_meta(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                      query.dtype, sliding_window, block_m, tile_n, num_splits, num_warps, num_stages,
-                                     softcap=softcap, sinks=sinks is not None, cache_dtype=key_cache.dtype)
+                                     softcap=softcap, sinks=sinks is not None, cache_dtype=key_cache.dtype,
+                                     new_kv=new_kv)
     if num_tokens == 0 or num_seqs == 0:
         return out
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
@@ -400,9 +504,16 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     if sinks is not None:
         assert sinks.numel() == num_heads and sinks.is_contiguous()
     qk_scale = scale / softcap if softcap is not None else scale * LOG2_E
+    new_key_desc = new_value_desc = None
+    if new_kv:  # a tile of TILE_N rows of one KV head's keys (or values), padded to DIM_PAD with zeros
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        tile = [constants["TILE_N"], 1, dim_pad]
+        new_key_desc = TensorDescriptor.from_tensor(new_key, tile)
+        new_value_desc = TensorDescriptor.from_tensor(new_value, tile)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
-        sinks, qk_scale, num_seqs, num_heads,
+        sinks, new_key_desc, new_value_desc, qk_scale, num_seqs, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
