@@ -105,7 +105,8 @@ def signature(kernel, constants: dict, dtype, multiples_of_16: set[str]) -> tupl
             tensor_dtype = cache_dtype if "_cache_" in name else out_dtype if name == "out_ptr" else query_dtype
             if name == "sinks_ptr":  # the model's parameter
                 tensor_dtype = out_dtype
-            pointee = "i64" if name in METADATA else "fp32" if name.startswith("part_") else TRITON_TYPES[tensor_dtype]
+            pointee = ("i64" if name in METADATA else "fp32" if name.startswith("part_") else
+                       "i32" if name == "arrivals_ptr" else TRITON_TYPES[tensor_dtype])
             types[name] = f"*{pointee}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
@@ -175,6 +176,12 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
                                                          dtype, window, num_splits=splits, **options)
                 yield (f"paged_attention {shape} {phase}", attention, constants, dtype,
                        multiples_of_16(attention, heads, head_dim))
+            tokens, seqs, splits = PHASES["decode split-KV"]
+            _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size, dtype,
+                                                     window, num_splits=splits, merge_last=True, **options)
+            if constants["MERGE_LAST"]:  # (not for heads of 256: triton_ops.attention_meta)
+                yield (f"paged_attention {shape} decode split-KV merged by the last split", attention, constants,
+                       dtype, multiples_of_16(attention, heads, head_dim))
             if dtype != torch.float32:  # (triton_ops reads new keys and values under 16-bit queries only)
                 tokens, seqs, _ = PHASES["prefill"]
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size, dtype,

@@ -161,6 +161,28 @@ def test_split_kv_matches_torch(case, num_splits):
     assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case, num_splits", [("decode-only", 2), ("decode-only", 16), ("mixed", 4),
+                                              ("sliding-window", 4), ("mqa", 2), ("head-dim-128", 4)])
+def test_splits_merged_by_the_last_match_torch(case, num_splits, dtype):
+    """Split contexts merged by each tile's last split to finish (an atomic count a tile), not by a second
+    kernel: within the dtype's tolerance of the torch reference, twice in a row (the counts are left at
+    zero for the next launch)."""
+    from inflight.ops import triton_ops
+
+    seqs, block_size, kv_heads, group, head_dim, window = CASES[case]
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
+                                                                     dtype)
+    scale = head_dim ** -0.5
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
+    for _ in range(2):
+        got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window,
+                                         num_splits=num_splits, merge_last=True)
+        err = (got.float() - expected.float()).abs().max().item()
+        assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
+    assert not triton_ops._ARRIVALS[query.device].any()
+
+
 def new_keys_and_values(key_cache, value_cache, seqs, block_size, tables):
     """The keys and values of each sequence's new tokens, read back from the cache [T, Hkv, D], laid out
     as the attention hook passes them (views of transformers' [1, Hkv, T, D] tensors)."""
@@ -186,6 +208,11 @@ def test_new_keys_and_values_read_directly_match_torch(case, dtype):
     assert new_key.shape == (len(query), kv_heads, head_dim)
     assert kv_heads == 1 or new_key.stride(1) == len(query) * head_dim  # (heads apart, as the hook passes them)
     scale = head_dim ** -0.5
+    if DEVICE == "cuda" and (dtype == torch.float32 or torch.cuda.get_device_capability() < (9, 0)):
+        with pytest.raises(ValueError, match="16-bit dtype, on a GPU that takes tensor descriptors"):
+            triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window,
+                                       new_key=new_key, new_value=new_value, new_kv=True)
+        return  # (compiled, float32 tiles of large heads spilled; before Hopper, no tensor descriptors)
     expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
     got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window,
                                      new_key=new_key, new_value=new_value, new_kv=True)
@@ -650,6 +677,9 @@ def test_engine_greedy_with_triton_kernels(tiny_models, hf_reference, monkeypatc
     from inflight import LLM, SamplingParams
     from inflight.ops import triton_ops
 
+    if DEVICE == "cuda" and new_kv:
+        pytest.skip("a GPU reads new keys and values under 16-bit queries only, and this test is float32 (HF's "
+                    "exact tokens): test_new_keys_and_values_read_directly_match_torch compares them in 16 bits")
     monkeypatch.setenv("INFLIGHT_ATTENTION", "triton")
     monkeypatch.setattr(triton_ops, "NEW_KV_FOR_PREFILL", new_kv)
     launched, meta = [], triton_ops.attention_meta
@@ -681,10 +711,14 @@ def test_kernels_compile_for_gpus():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
-    # 19 variants for each of 3 dtypes, 12 over a 16-bit cache of another dtype, each for 2 targets; over fp8
-    # e5m2 caches 18 and 2 KV writes for both, over e4m3 as many for sm_90 alone (sm_80 does not convert it);
-    # the sampler's top-p kernel for both
-    assert len(rows) == 2 * (3 * 19 + 12) + 2 * (18 + 2) + (18 + 2) + 2 and not any("FAILED" in row for row in rows)
+    # 23 variants for each of 3 dtypes (5 shapes' decode, split decode and prefill, 4 shapes' split decode
+    # merged by the last split: not Gemma 2's heads of 256; 2 KV writes and 2 merges), 12 over a 16-bit cache
+    # of another dtype, each for 2 targets; over fp8 e5m2 caches 18 and 2 KV writes for both, over e4m3 as
+    # many for sm_90 alone (sm_80 does not convert it); prefill reading new keys and values, 5 shapes in 2
+    # 16-bit dtypes, for sm_90 alone (tensor descriptors); the sampler's top-p kernel for both
+    assert len(rows) == 2 * (3 * 23 + 12) + 2 * (18 + 2) + (18 + 2) + 2 * 5 + 2
+    assert not any("FAILED" in row for row in rows)
+    assert sum("new-kv" in row for row in rows) == 10 and all("sm_90" in row for row in rows if "new-kv" in row)
     assert sum("top_p_cut" in row for row in rows) == 2
 
 

@@ -192,7 +192,7 @@ def _add_values(acc, p, v, alpha, dtype: tl.constexpr, DOT_FP32: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, new_key_desc, new_value_desc,
     qk_scale, num_seqs, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -209,6 +209,7 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr,  # the softcap times log2(e), 0: none (see _attend_tile); a model's constant
     HAS_SINKS: tl.constexpr,  # sinks_ptr: a logit per query head; else None (no argument more at a launch)
     NEW_KV: tl.constexpr,  # the step's own keys and values from new_key_desc / new_value_desc (else None)
+    MERGE_LAST: tl.constexpr,  # split-KV: the last split of a tile to finish merges them (arrivals_ptr counts)
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -312,9 +313,43 @@ def _paged_attention_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * DIM_PAD + dims[None, :], out, mask=row_ok[:, None])
+        if MERGE_LAST:  # or by this program, if it is the last of its tile's splits to get here
+            # Every thread's stores are done before one thread counts the arrival (release, GPU-wide); the
+            # last to arrive (acquire) then sees every split's, read past the L1 cache of its own SM.
+            tl.debug_barrier()
+            arrival = arrivals_ptr + q_tile * tl.num_programs(1) + kv_head
+            if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.debug_barrier()
+                _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, out_row, q_tok, head, row_ok, dims, dim_ok,
+                            stride_ot, stride_oh, NUM_SPLITS, BLOCK_M, DIM_PAD)
+                tl.atomic_xchg(arrival, 0)  # counted from zero again by the next launch
     else:
         tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _merge_rows(part_out_ptr, part_lse_ptr, out_ptr, out_row, q_tok, head, row_ok, dims, dim_ok, stride_ot,
+                stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, DIM_PAD: tl.constexpr):
+    """out[q_tok, head] of a tile's rows from their NUM_SPLITS partial results, weighted by their shares of
+    the softmax (as _merge_splits_kernel), split by split."""
+    splits = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + out_row[:, None] * NUM_SPLITS + splits[None, :], mask=row_ok[:, None],
+                  other=0.0, cache_modifier=".cg")
+    top = tl.max(lse, 1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # (every split empty: none weighs anything)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        part = out_row * NUM_SPLITS + s
+        weight = tl.exp2(tl.load(part_lse_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                         - top)
+        acc += weight[:, None] * tl.load(part_out_ptr + part[:, None] * DIM_PAD + dims[None, :],
+                                         mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        total += weight
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -366,15 +401,17 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
                    block_m: int | None = None, tile_n: int | None = None, num_splits: int = 1,
                    num_warps: int | None = None, num_stages: int | None = None, softcap: float | None = None,
                    sinks: bool = False, cache_dtype: torch.dtype | None = None,
-                   new_kv: bool = False) -> tuple[tuple[int, int, int], dict]:
+                   new_kv: bool = False, merge_last: bool = False) -> tuple[tuple[int, int, int], dict]:
     """The launch grid and compile-time constants (with num_warps, and num_stages when given) of
     `_paged_attention_kernel` for one batch (`dtype`: the query's; `cache_dtype`: the KV cache's, where
-    another; `new_kv`: the step's own keys and values read from its new ones); the optional values
+    another; `new_kv`: the step's own keys and values read from its new ones; `merge_last`: split-KV's
+    partial results merged by each tile's last split, not by _merge_splits_kernel, for heads of up to 128
+    (Gemma 2's of 256 spilled 4 bytes so: compile_kernels.py)); the optional values
     override the defaults (bench sweeps). The constants are shared by the batches of their kind: not to
     be changed."""
     constants = _attention_constants(num_tokens == num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                      sliding_window, block_m, tile_n, num_splits, num_warps, num_stages, softcap,
-                                     sinks, cache_dtype, new_kv)
+                                     sinks, cache_dtype, new_kv, merge_last and num_splits > 1 and head_dim <= 128)
     tiles = num_seqs if constants["DECODE"] else num_tokens // constants["BLOCK_Q"] + num_seqs
     return (tiles, num_kv_heads, num_splits), constants
 
@@ -385,7 +422,8 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
 def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                          dtype: torch.dtype, sliding_window: int | None, block_m: int | None, tile_n: int | None,
                          num_splits: int, num_warps: int | None, num_stages: int | None, softcap: float | None,
-                         sinks: bool, cache_dtype: torch.dtype | None, new_kv: bool = False) -> dict:
+                         sinks: bool, cache_dtype: torch.dtype | None, new_kv: bool = False,
+                         merge_last: bool = False) -> dict:
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     if num_splits < 1 or num_splits & (num_splits - 1):
@@ -413,7 +451,7 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
         NUM_SPLITS=num_splits, DECODE=decode, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
-        SOFTCAP=(softcap or 0.0) * LOG2_E, HAS_SINKS=sinks, NEW_KV=new_kv,
+        SOFTCAP=(softcap or 0.0) * LOG2_E, HAS_SINKS=sinks, NEW_KV=new_kv, MERGE_LAST=merge_last,
         num_warps=num_warps or _default_warps(decode, head_dim, wide, fp8_cache),
     )
     if num_stages is not None:
@@ -425,6 +463,19 @@ def _default_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int) -> in
     if query.device.type != "cuda" or query.shape[0] != num_seqs:  # split decode batches on a GPU only
         return 1
     return decode_splits(num_seqs, num_kv_heads, _multiprocessors(query.device.index))
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, one a (query tile, KV head), that each launch leaves zeroed (its last splits
+    reset them): kept per device, for launches on one stream at a time. Made at least 4,096 long, so that
+    a launch inside a CUDA graph's capture finds them made (split decodes have fewer than 2 programs an SM)."""
+    arrivals = _ARRIVALS.get(device)
+    if arrivals is None or len(arrivals) < count:
+        arrivals = _ARRIVALS[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return arrivals
 
 
 def _new_kv_readable(query, key_cache, new_key, new_value, num_seqs: int, num_splits: int) -> bool:
@@ -464,14 +515,19 @@ def _multiprocessors(device_index: int | None) -> int:
 # copies on Hopper) rather than gathering them back from the cache. Off until `make bench-kernels --sweep`
 # has measured it against the gathered reads on a GPU.
 NEW_KV_FOR_PREFILL = False
+# Split-KV decode's partial results merged by each tile's last split to finish (an atomic count a tile)
+# rather than by a second kernel, whose launch a few-microsecond decode pays. Off until measured too.
+MERGE_IN_LAST_SPLIT = False
 
 
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                     sliding_window=None, softcap=None, sinks=None, out=None, block_m: int | None = None,
                     tile_n: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, new_key=None, new_value=None, new_kv: bool | None = None):
+                    num_stages: int | None = None, new_key=None, new_value=None, new_kv: bool | None = None,
+                    merge_last: bool | None = None):
     """`new_key`, `new_value` [T, Hkv, D]: the step's keys and values (also written into the cache);
-    `new_kv`: whether prefill tiles read the step's own from them (None: NEW_KV_FOR_PREFILL, where it can)."""
+    `new_kv`: whether prefill tiles read the step's own from them (None: NEW_KV_FOR_PREFILL, where it can);
+    `merge_last`: whether split contexts are merged by their last split (None: MERGE_IN_LAST_SPLIT)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -488,14 +544,17 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         if wanted and not new_kv:
             raise ValueError("new keys and values can be read by whole prefill tiles only, in the query's and "
                              "the cache's 16-bit dtype, on a GPU that takes tensor descriptors (Hopper on)")
+    merge_last = MERGE_IN_LAST_SPLIT if merge_last is None else merge_last
     grid, constants = attention_meta(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                      query.dtype, sliding_window, block_m, tile_n, num_splits, num_warps, num_stages,
                                      softcap=softcap, sinks=sinks is not None, cache_dtype=key_cache.dtype,
-                                     new_kv=new_kv)
+                                     new_kv=new_kv, merge_last=merge_last)
     if num_tokens == 0 or num_seqs == 0:
         return out
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
     dim_pad = constants["DIM_PAD"]
+    # (int32 counters at every launch, read or not: one type of argument, one compiled variant)
+    arrivals = _arrivals(query.device, grid[0] * grid[1] if constants["MERGE_LAST"] else 0)
     if num_splits > 1:  # float32 partial results; the merge writes `out`
         part_out = torch.empty(num_tokens, num_heads, num_splits, dim_pad, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -512,7 +571,7 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         new_key_desc = TensorDescriptor.from_tensor(new_key, tile)
         new_value_desc = TensorDescriptor.from_tensor(new_value, tile)
     _paged_attention_kernel[grid](
-        query, key_cache, value_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
+        query, key_cache, value_cache, out, part_out, part_lse, arrivals, cu_seqlens_q, seq_lens, block_tables,
         sinks, new_key_desc, new_value_desc, qk_scale, num_seqs, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -520,7 +579,7 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         block_tables.stride(0),
         **constants,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not constants["MERGE_LAST"]:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_heads, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, DIM_PAD=dim_pad)
