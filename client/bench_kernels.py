@@ -17,6 +17,7 @@ tuned table in triton_ops. Then the sampler's top-p kernel against sorting every
 
 import argparse
 import itertools
+import statistics
 import sys
 from pathlib import Path
 
@@ -234,6 +235,7 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
           + (" fastest sweep variant |" if do_sweep else "") + "\n|---|---:|---:|---:|---:|---:|---:|"
           + ("---|" if do_sweep else ""))
     scale = head_dim ** -0.5
+    options = {}  # option -> [(seconds without it, with it)]: the summary under the table
     for name in mixes:
         seqs = MIXES[name]
         query, kc, vc, cu, seq_lens, tables = build(seqs, heads, kv_heads, head_dim, block_size, dtype)
@@ -273,7 +275,9 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         if option is not None:
             expected = ours_with(**{key: False for key in option}).clone()
             error = (ours_with(**option).float() - expected.float()).abs().max().item()
-            variant = f"{kernel_seconds(lambda: ours_with(**option)) * 1e3:.3f} (max difference {error:.1e})"
+            seconds = kernel_seconds(lambda: ours_with(**option))
+            options.setdefault(next(iter(option)), []).append((ours, seconds))
+            variant = f"{seconds * 1e3:.3f} (max difference {error:.1e})"
         row = (f"| {name} | {ours * 1e3:.3f} | {theirs * 1e3:.3f}, {sdpa_backend(sdpa)} | {ours / theirs:.2f}x "
                f"| {rate} | {timed(ours_with) * 1e3:.3f} | {variant} |")
         if do_sweep:
@@ -282,6 +286,17 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
             phase = "decode" if decode else "prefill"
             row += f" {sweep(ours_with, grid, groupings, lambda params: spills(shape, phase, params))} |"
         print(row, flush=True)
+    for option, times in options.items():
+        print(option_summary(option, times))
+
+
+def option_summary(option: str, times: list[tuple[float, float]]) -> str:
+    """Whether an option off by default (triton_ops: new_kv, merge_last) was faster on the mixes it applies
+    to: the line a GPU session reads before setting its default."""
+    ratios = sorted(without / with_it for without, with_it in times)
+    faster = sum(ratio > 1.0 for ratio in ratios)
+    return (f"{option}: faster on {faster} of {len(ratios)} mixes, {statistics.median(ratios):.2f}x the engine's "
+            f"launch without it (median; {ratios[0]:.2f}x to {ratios[-1]:.2f}x)")
 
 
 TOP_P_VOCABS = {"default model": 49152, "Llama 3 (the 1.2B shape's)": 128256}

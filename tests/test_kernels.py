@@ -751,6 +751,16 @@ def test_sweep_leaves_out_exactly_the_spilling_variants():
     assert spilled == [v for v in found if bench_kernels.spills(*v)]
 
 
+def test_bench_kernels_says_whether_each_option_was_faster():
+    """make bench-kernels ends each shape's table with a line an option off by default (new_kv, merge_last)
+    is judged by: on how many mixes it was faster, and by how much."""
+    sys.path.insert(0, str(ROOT / "client"))
+    import bench_kernels
+
+    line = bench_kernels.option_summary("new_kv", [(2.0, 1.0), (1.0, 2.0), (3.0, 2.0)])
+    assert line == "new_kv: faster on 2 of 3 mixes, 1.50x the engine's launch without it (median; 0.50x to 2.00x)"
+
+
 def test_kernel_strides_are_multiples_of_head_dim(tiny_models, monkeypatch):
     """compile_kernels.py compiles the kernels with every stride hinted as a multiple of 16, as the
     JIT specializes them at the engine's launches when head_dim is one: the tensors the attention hook
