@@ -50,22 +50,40 @@ SWEEP_DECODE = {"num_splits": [1, 4, 16, 64], "tile_n": [32, 64, 128], "num_warp
 SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3],
                  "new_kv": [False, True]}
 # The sweep variants that spill registers on sm_90 (`scripts/compile_kernels.py --sweep --targets 90 --dtypes
-# bfloat16`, triton 3.8, 2026-12-05; a test keeps this list equal to what it finds): the engine may not launch
-# one, so the sweep leaves them out (22 of its 168: 18 of the Llama-3-8B shape's 48 prefill variants, the same
-# tiles with new_kv and without; the default shape's 64-key decode tiles at 2 stages spilled 8 bytes until
-# decode programs stopped searching for their sequence). A variant is left out when its parameters include
-# every item of an entry for its shape and phase.
-SPILLING = {
-    ("smollm2", "prefill"): [dict(block_m=128, tile_n=128, num_warps=4)],
-    ("llama3-8b", "prefill"): [dict(block_m=64, tile_n=128, num_warps=4), dict(block_m=128, num_warps=4),
-                               dict(block_m=128, tile_n=128, num_warps=8, num_stages=3)],
+# bfloat16`, 2026-12-05), by triton version: the engine may not launch one, so the sweep leaves them out. A
+# variant is left out when its parameters include every item of an entry for its shape and phase. With 3.8
+# (this machine's; a test keeps its list equal to what compiling finds), 22 of the 168: 18 of the Llama-3-8B
+# shape's 48 prefill variants, the same tiles with new_kv and without (the default shape's 64-key decode
+# tiles at 2 stages spilled 8 bytes until decode programs stopped searching for their sequence). With 3.6
+# (the GPU image's, installed beside the venv for the run), 30: 128-key decode tiles of one split too.
+SPILLING_BY_TRITON = {
+    "3.8": {
+        ("smollm2", "prefill"): [dict(block_m=128, tile_n=128, num_warps=4)],
+        ("llama3-8b", "prefill"): [dict(block_m=64, tile_n=128, num_warps=4), dict(block_m=128, num_warps=4),
+                                   dict(block_m=128, tile_n=128, num_warps=8, num_stages=3)],
+    },
+    "3.6": {
+        ("smollm2", "decode"): [dict(num_splits=1, tile_n=128, num_stages=2)],
+        ("smollm2", "prefill"): [dict(block_m=64, tile_n=128, num_warps=4, num_stages=2, new_kv=True),
+                                 dict(block_m=128, tile_n=64, num_warps=4, num_stages=3, new_kv=False),
+                                 dict(block_m=128, tile_n=128, num_warps=4)],
+        ("llama3-8b", "decode"): [dict(num_splits=1, tile_n=128, num_stages=3),
+                                  dict(num_splits=1, tile_n=128, num_stages=4)],
+        ("llama3-8b", "prefill"): [dict(block_m=64, tile_n=64, num_warps=4, num_stages=2, new_kv=True),
+                                   dict(block_m=64, tile_n=128, num_warps=4), dict(block_m=128, num_warps=4),
+                                   dict(block_m=128, tile_n=128, num_warps=8)],
+    },
 }
-SPILLING_FOUND_WITH = "3.8"  # the triton version (another may spill elsewhere)
 
 
-def spills(shape: str, phase: str, params: dict) -> bool:
-    """Whether a sweep variant is one of SPILLING's."""
-    return any(entry.items() <= params.items() for entry in SPILLING.get((shape, phase), []))
+def spills(shape: str, phase: str, params: dict, version: str | None = None) -> bool:
+    """Whether a sweep variant spills with this triton (`version`: its major.minor; None: the installed
+    one's), by SPILLING_BY_TRITON; under a version it does not list, with any version it lists."""
+    import triton
+
+    version = version or ".".join(triton.__version__.split(".")[:2])
+    lists = [SPILLING_BY_TRITON[version]] if version in SPILLING_BY_TRITON else SPILLING_BY_TRITON.values()
+    return any(entry.items() <= params.items() for spilling in lists for entry in spilling.get((shape, phase), []))
 
 
 def timed(fn, iters: int = 20) -> float:

@@ -17,7 +17,7 @@ writes into fp8 caches; fp8 e4m3 for sm_90 only, sm_80 does not convert it).
 
 With --sweep, instead, the launch-parameter variants `client/bench_kernels.py --sweep` tries on a GPU
 (its tile, split, warps and stages grids, its two shapes), listing those that spill: the GPU's sweep
-leaves them out (bench_kernels.SPILLING), since the engine may not choose one (the rows without
+leaves them out (bench_kernels.SPILLING_BY_TRITON), since the engine may not choose one (the rows without
 --sweep must not spill).
 
     .venv/bin/python scripts/compile_kernels.py --sweep --targets 90 --dtypes bfloat16
