@@ -183,16 +183,6 @@ def test_splits_merged_by_the_last_match_torch(case, num_splits, dtype):
     assert not triton_ops._ARRIVALS[query.device].any()
 
 
-def new_keys_and_values(key_cache, value_cache, seqs, block_size, tables):
-    """The keys and values of each sequence's new tokens, read back from the cache [T, Hkv, D], laid out
-    as the attention hook passes them (views of transformers' [1, Hkv, T, D] tensors)."""
-    rows = [(tables[s, position // block_size], position % block_size)
-            for s, (context, new) in enumerate(seqs) for position in range(context, context + new)]
-    blocks = torch.tensor([int(block) for block, _ in rows], device=key_cache.device)
-    slots = torch.tensor([slot for _, slot in rows], device=key_cache.device)
-    return [cache[blocks, slots].transpose(0, 1).contiguous().transpose(0, 1) for cache in (key_cache, value_cache)]
-
-
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", [case for case in CASES if case != "decode-only"])
 def test_new_keys_and_values_read_directly_match_torch(case, dtype):
@@ -204,7 +194,10 @@ def test_new_keys_and_values_read_directly_match_torch(case, dtype):
     seqs, block_size, kv_heads, group, head_dim, window = CASES[case]
     query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
                                                                      dtype)
-    new_key, new_value = new_keys_and_values(key_cache, value_cache, seqs, block_size, tables)
+    sys.path.insert(0, str(ROOT / "client"))
+    from bench_kernels import new_keys_and_values  # (make bench-kernels' way of laying them out)
+
+    new_key, new_value = new_keys_and_values(key_cache, value_cache, seqs, cu, tables)
     assert new_key.shape == (len(query), kv_heads, head_dim)
     assert kv_heads == 1 or new_key.stride(1) == len(query) * head_dim  # (heads apart, as the hook passes them)
     scale = head_dim ** -0.5
@@ -724,8 +717,8 @@ def test_kernels_compile_for_gpus():
 
 def test_sweep_leaves_out_exactly_the_spilling_variants():
     """bench_kernels.SPILLING_BY_TRITON names, for the installed triton, the sweep variants that
-    compile_kernels.py --sweep finds spilling on sm_90 in bfloat16, and no other: the GPU's sweep tries every variant the engine could launch, and
-    spends no time on one it could not."""
+    compile_kernels.py --sweep finds spilling on sm_90 in bfloat16, and no other: the GPU's sweep tries
+    every variant the engine could launch, and spends no time on one it could not."""
     import triton
 
     sys.path.insert(0, str(ROOT / "client"))
