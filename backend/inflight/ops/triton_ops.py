@@ -203,7 +203,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,  # >1: each program takes 1/NUM_SPLITS of the keys; _merge_splits_kernel sums
+    NUM_SPLITS: tl.constexpr,  # >1: each program takes 1/NUM_SPLITS of the keys, merged after (MERGE_LAST)
     DECODE: tl.constexpr,  # every sequence has one query token (cu_seqlens_q is 0, 1, 2, ...): a program each
     DOT_FP32: tl.constexpr,  # float32 matmuls (float32 inputs, or the interpreter); else 16-bit
     SOFTCAP: tl.constexpr,  # the softcap times log2(e), 0: none (see _attend_tile); a model's constant
@@ -217,7 +217,7 @@ def _paged_attention_kernel(
 
     if DECODE:  # one query token a sequence: program s is sequence s's
         seq = q_tile
-        q_start = tl.load(cu_seqlens_q_ptr + seq)  # (s itself; read, ptxas spills in no variant: compile_kernels)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)  # (s itself, but read: so no variant spills, compile_kernels)
         q_len = 1
         first_q = 0
     else:
@@ -255,7 +255,7 @@ def _paged_attention_kernel(
     out_row = q_tok * num_heads + head  # (the row of its partial results, split-KV)
 
     # Keys this tile can see: causal up to its last query; a sliding window also bounds the start.
-    if DECODE:  # (the same, said so: a register fewer)
+    if DECODE:  # (what the bound below gives one query, said outright: so no variant spills, compile_kernels)
         kv_end = seq_len
     else:
         kv_end = tl.minimum(seq_len, context + first_q + BLOCK_Q)
