@@ -4,8 +4,9 @@
     .venv/bin/python client/bench_kernels.py --sweep   # also every tile / split / warps / stages variant
     .venv/bin/python client/bench_kernels.py --sweep --shapes smollm2 --mixes prefill   # a part of it
 
-For each mix it times: our kernel over the paged cache (one launch for the whole ragged batch, split-KV
-where the engine would split), and torch SDPA over the same sequences laid out contiguously and padded
+For each mix it times: our kernel over the paged cache as the engine launches it (one launch for the
+ragged batch, split-KV where the engine would split; the decodes that lead a mixed batch in a launch of their
+own), and torch SDPA over the same sequences laid out contiguously and padded
 to a batch, which is the best torch does without paging; it names the SDPA backend torch picked (from
 the kernels it ran). Both are timed as the GPU runs them (calls captured in a CUDA graph, the L2 cache
 overwritten before each: `kernel_seconds`); the last column is our kernel launched from Python, the
@@ -35,8 +36,15 @@ MIXES = {
     "decode 2 x 32k": [(32768, 1)] * 2,
     "prefill 8 x 2k": [(0, 2048)] * 8,
     "prefill 2 x 8k": [(0, 8192)] * 2,
-    "mixed: 1 chunk of 2k + 128 decodes x 1k": [(0, 2048)] + [(1024, 1)] * 128,
+    # Mixed: decodes first, as the engine schedules them (and launches them apart from the chunks' tiles).
+    "mixed: 128 decodes x 1k + 1 chunk of 2k": [(1024, 1)] * 128 + [(0, 2048)],
+    "mixed: 8 decodes x 8k + 1 chunk of 512": [(8192, 1)] * 8 + [(0, 512)],
 }
+
+
+def leading_decodes(seqs) -> int:
+    """How many sequences lead the mix with one new token each: the engine's num_decodes."""
+    return next((i for i, (_, new) in enumerate(seqs) if new != 1), len(seqs))
 
 
 SHAPES = {  # name: (query heads, KV heads, head_dim)
@@ -248,8 +256,7 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
     heads, kv_heads, head_dim = SHAPES[shape]
     print(f"\n{shape}: {heads} heads / {kv_heads} KV heads, head_dim {head_dim}, block {block_size}\n")
     print("| mix | inflight Triton (ms) | torch SDPA (ms), backend | ratio | decode bandwidth / prefill TFLOP/s "
-          "(ours, SDPA) | inflight launched from Python (ms) | prefill: new keys and values read directly; decode: "
-          "splits merged by the last (ms) |"
+          "(ours, SDPA) | inflight launched from Python (ms) | the engine's launch with an option switched (ms) |"
           + (" fastest sweep variant |" if do_sweep else "") + "\n|---|---:|---:|---:|---:|---:|---:|"
           + ("---|" if do_sweep else ""))
     scale = head_dim ** -0.5
@@ -261,6 +268,7 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         new_key, new_value = new_keys_and_values(kc, vc, seqs, cu, tables)
 
         def ours_with(**params):
+            params = dict(num_decodes=leading_decodes(seqs)) | params
             return triton_ops.paged_attention(query, kc, vc, cu, seq_lens, tables, scale, out=out, new_key=new_key,
                                               new_value=new_value, **params)
 
@@ -284,20 +292,17 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         else:
             flops = causal_flops(seqs, heads, head_dim)
             rate = f"{flops / ours / 1e12:.0f}, {flops / theirs / 1e12:.0f} TFLOP/s"
-        # The engine's launch with one option that waits for a GPU's measurement (its largest difference from
-        # the launch without it): prefill tiles reading the step's own keys and values from the new ones, or
-        # split decodes merged by their last split (a decode batch the engine does not split: "-").
-        option = dict(new_kv=True) if not decode else dict(merge_last=True) if \
-            triton_ops._default_splits(query, len(seqs), kv_heads) > 1 else None
-        variant = "-"
-        if option is not None:
-            expected = ours_with(**{key: False for key in option}).clone()
-            error = (ours_with(**option).float() - expected.float()).abs().max().item()
-            seconds = kernel_seconds(lambda: ours_with(**option))
-            options.setdefault(next(iter(option)), []).append((ours, seconds))
-            variant = f"{seconds * 1e3:.3f} (max difference {error:.1e})"
+        variants = []  # the engine's launch with each option that applies switched
+        for option, (on, off, default_on) in mix_options(seqs, query, kv_heads).items():
+            switched, default = (off, on) if default_on else (on, off)
+            expected = ours_with(**default).clone()
+            error = (ours_with(**switched).float() - expected.float()).abs().max().item()
+            seconds = kernel_seconds(lambda: ours_with(**switched))
+            options.setdefault(option, []).append((seconds, ours) if default_on else (ours, seconds))
+            variants.append(f"{option} {'off' if default_on else 'on'}: {seconds * 1e3:.3f} "
+                            f"(max difference {error:.1e})")
         row = (f"| {name} | {ours * 1e3:.3f} | {theirs * 1e3:.3f}, {sdpa_backend(sdpa)} | {ours / theirs:.2f}x "
-               f"| {rate} | {timed(ours_with) * 1e3:.3f} | {variant} |")
+               f"| {rate} | {timed(ours_with) * 1e3:.3f} | {'; '.join(variants) or '-'} |")
         if do_sweep:
             grid, groupings = ((SWEEP_DECODE, [("tile_n",), ("num_splits",)]) if decode
                                else (SWEEP_PREFILL, [("block_m", "tile_n"), ("new_kv",)]))
@@ -308,9 +313,28 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         print(option_summary(option, times))
 
 
+def mix_options(seqs, query, kv_heads: int) -> dict[str, tuple[dict, dict, bool]]:
+    """The launch options that apply to a mix, each as paged_attention's arguments with it on and off, and
+    whether the engine has it on: new_kv (prefill tiles read the step's own keys and values from the new
+    ones) on prefill and mixed mixes, merge_last (split decodes merged by their last split) on decode mixes
+    the engine splits, decodes_apart (the leading decodes launched apart from the prefill tiles) on mixes of
+    decodes then prefill chunks."""
+    from inflight.ops import triton_ops
+
+    decodes = leading_decodes(seqs)
+    found = {}
+    if decodes < len(seqs):
+        found["new_kv"] = (dict(new_kv=True), dict(new_kv=False), triton_ops.NEW_KV_FOR_PREFILL)
+    elif triton_ops._default_splits(query, len(seqs), kv_heads) > 1:
+        found["merge_last"] = (dict(merge_last=True), dict(merge_last=False), triton_ops.MERGE_IN_LAST_SPLIT)
+    if 0 < decodes < len(seqs):
+        found["decodes_apart"] = (dict(num_decodes=decodes), dict(num_decodes=0), True)
+    return found
+
+
 def option_summary(option: str, times: list[tuple[float, float]]) -> str:
-    """Whether an option off by default (triton_ops: new_kv, merge_last) was faster on the mixes it applies
-    to: the line a GPU session reads before setting its default."""
+    """Whether an option (mix_options) was faster on the mixes it applies to, from their times (without it,
+    with it): the line a GPU session reads before setting its default."""
     ratios = sorted(without / with_it for without, with_it in times)
     faster = sum(ratio > 1.0 for ratio in ratios)
     return (f"{option}: faster on {faster} of {len(ratios)} mixes, {statistics.median(ratios):.2f}x the engine's "

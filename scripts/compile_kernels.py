@@ -89,8 +89,8 @@ def type_name(dtype) -> str:
 
 def signature(kernel, constants: dict, dtype, multiples_of_16: set[str]) -> tuple[dict, dict]:
     """Argument types and hints as the JIT gives them at the engine's launches: tensors as pointers
-    (16-byte aligned, as torch allocates them; of `dtype`, or of a (query, cache, output) triple's
-    dtypes), `scale` a float, other scalars 32-bit ints, with the
+    (16-byte aligned, as torch allocates them, but for those the kernel does not specialize on alignment;
+    of `dtype`, or of a (query, cache, output) triple's dtypes), `scale` a float, other scalars 32-bit ints, with the
     JIT's divisibility-by-16 specialization on the integers named in `multiples_of_16`. Without that
     hint ptxas sees unaligned rows: no vector loads, twice the registers, spills that no launch has."""
     types, attrs = {}, {}
@@ -108,7 +108,8 @@ def signature(kernel, constants: dict, dtype, multiples_of_16: set[str]) -> tupl
             pointee = ("i64" if name in METADATA else "fp32" if name.startswith("part_") else
                        "i32" if name == "arrivals_ptr" else TRITON_TYPES[tensor_dtype])
             types[name] = f"*{pointee}"
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if name not in kernel.do_not_specialize_on_alignment:  # (hinted at no launch: triton_ops)
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             types[name] = "fp32" if name in FLOAT_ARGUMENTS else "i32"
             if name in multiples_of_16:
@@ -163,9 +164,9 @@ def resource_usage(ptx: str) -> dict[str, int]:
 PHASES = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
 
 
-def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_size: int = 16):
+def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_size: int = 16, arch: int = 90):
     """(name, kernel, constants, dtype, integer arguments hinted as multiples of 16) for every kernel
-    variant worth compiling."""
+    variant worth compiling for the compute capability `arch` (prefill tiles are laid out by it)."""
     attention, write, merge = (triton_ops._paged_attention_kernel, triton_ops._write_kv_cache_kernel,
                                triton_ops._merge_splits_kernel)
     for dtype in dtypes:
@@ -173,19 +174,19 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
             heads, kv_heads, head_dim, window, options = SHAPES[shape]
             for phase, (tokens, seqs, splits) in PHASES.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         dtype, window, num_splits=splits, **options)
+                                                         dtype, window, num_splits=splits, **options, arch=arch)
                 yield (f"paged_attention {shape} {phase}", attention, constants, dtype,
                        multiples_of_16(attention, heads, head_dim))
             tokens, seqs, splits = PHASES["decode split-KV"]
             _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size, dtype,
-                                                     window, num_splits=splits, merge_last=True, **options)
+                                                     window, num_splits=splits, merge_last=True, **options, arch=arch)
             if constants["MERGE_LAST"]:  # (not for heads of 256: triton_ops.attention_meta)
                 yield (f"paged_attention {shape} decode split-KV merged by the last split", attention, constants,
                        dtype, multiples_of_16(attention, heads, head_dim))
             if dtype != torch.float32:  # (triton_ops reads new keys and values under 16-bit queries only)
                 tokens, seqs, _ = PHASES["prefill"]
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size, dtype,
-                                                         window, new_kv=True, **options)
+                                                         window, new_kv=True, **options, arch=arch)
                 yield (f"paged_attention {shape} prefill new-kv", attention, constants, dtype,
                        multiples_of_16(attention, heads, head_dim))
             if window is None:
@@ -202,7 +203,7 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
             for phase, (tokens, seqs, splits) in PHASES.items():
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
                                                          query_dtype, window, num_splits=splits,
-                                                         cache_dtype=cache_dtype)
+                                                         cache_dtype=cache_dtype, arch=arch)
                 yield (f"paged_attention {shape} {phase}", attention, constants, (query_dtype, cache_dtype, out_dtype),
                        multiples_of_16(attention, heads, head_dim))
     for cache_dtype in FP8_CACHES:  # new keys and values converted to the cache's dtype before the launch
@@ -214,7 +215,7 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
         yield "top_p_cut", triton_top_p._top_p_cut_kernel, triton_top_p.LAUNCH, torch.float32, set()
 
 
-def sweep_variants(dtypes: list[torch.dtype], shapes: list[str], block_size: int = 16):
+def sweep_variants(dtypes: list[torch.dtype], shapes: list[str], block_size: int = 16, arch: int = 90):
     """variants() of the launch parameters bench_kernels.py --sweep tries, for its shapes among `shapes`:
     each decode (split or whole) and prefill variant of its grids, named by its parameters."""
     attention = triton_ops._paged_attention_kernel
@@ -226,7 +227,7 @@ def sweep_variants(dtypes: list[torch.dtype], shapes: list[str], block_size: int
         for values in itertools.product(*grid.values()):
             params = dict(zip(grid, values))
             _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size, dtype,
-                                                     window, **params, **options)
+                                                     window, **params, **options, arch=arch)
             name = f"paged_attention {shape} {phase} " + " ".join(f"{k}={v}" for k, v in params.items())
             yield name, attention, constants, dtype, multiples_of_16(attention, heads, head_dim)
 
@@ -236,7 +237,7 @@ def report(job: tuple[int, list[str], list[str], int, bool]) -> tuple[str, bool]
     and whether it failed (did not compile, spilled, or needs more shared memory than the GPU has).
     Variants are found by index, so that worker processes rebuild them rather than receive kernels."""
     arch, dtype_names, shapes, index, sweep = job
-    found = (sweep_variants if sweep else variants)([getattr(torch, n) for n in dtype_names], shapes)
+    found = (sweep_variants if sweep else variants)([getattr(torch, n) for n in dtype_names], shapes, arch=arch)
     name, kernel, constants, dtype, hinted = list(found)[index]
     try:
         compiled = compile_variant(kernel, constants, dtype, arch, hinted)
@@ -260,9 +261,11 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="bench_kernels.py's sweep variants: which spill")
     args = parser.parse_args()
     dtype_names, shapes = args.dtypes.split(","), args.shapes.split(",")
-    found = list((sweep_variants if args.sweep else variants)([getattr(torch, n) for n in dtype_names], shapes))
+    listed = sweep_variants if args.sweep else variants
     jobs = [(arch, dtype_names, shapes, i, args.sweep) for arch in map(int, args.targets.split(","))
-            for i, (_, _, constants, dtype, _) in enumerate(found) if supported(arch, dtype, constants)]
+            for i, (_, _, constants, dtype, _) in enumerate(listed([getattr(torch, n) for n in dtype_names], shapes,
+                                                                   arch=arch))
+            if supported(arch, dtype, constants)]
     print("| target | kernel | dtype | warps | registers | spill stores (bytes) | shared memory (bytes) |")
     print("|---|---|---|---:|---:|---:|---:|")
     failures = 0

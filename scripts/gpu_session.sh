@@ -63,7 +63,7 @@ if want served; then
   pkill -KILL -f "$TRITONSERVER_HOME/(bin/tritonserver|backends/python/triton_python_backend_stub)" \
     && echo "killed a tritonserver left running"
 fi
-# KERNEL_TESTS_K: a pytest -k expression choosing some of them, e.g. "decode or split or merged or new_keys"
+# KERNEL_TESTS_K: a pytest -k expression choosing some of them, e.g. "decode or split or merged or apart"
 # (each kernel variant compiles the first time a test meets it: the whole file takes minutes).
 want tests-kernels && part tests-kernels "${KERNEL_TESTS_S:-120}" python3 -m pytest -v --durations=10 -p no:cacheprovider \
   tests/test_kernels.py -k "${KERNEL_TESTS_K:-}"

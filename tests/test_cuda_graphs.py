@@ -38,11 +38,12 @@ def reference_inputs(batch, block_size, logits_at) -> StepInputs:
 
 def test_step_inputs_equal_a_token_by_token_build(tiny_models):
     """Every step of a run with chunked prefill, decodes and preemption: the numpy build equals the
-    plain one, field by field."""
+    plain one, field by field; and the decodes that lead a step (launched apart from its prefill chunks by
+    the Triton attention) are counted."""
     llm = LLM(tiny_models["llama"], num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=40,
               enable_prefix_caching=False)
     built = llm.runner.prepare
-    checked = []
+    checked, mixed = [], []
 
     def prepare(batch, logits_at, block_copies=None):
         inputs = built(batch, logits_at, block_copies)
@@ -50,11 +51,15 @@ def test_step_inputs_equal_a_token_by_token_build(tiny_models):
         for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens", "seq_lens", "block_tables", "logits_at"):
             np.testing.assert_array_equal(getattr(inputs, name), getattr(expected, name), err_msg=name)
         checked.append(inputs.is_decode)
+        leading = next((i for i, n in enumerate(batch.num_tokens) if n != 1), len(batch.num_tokens))
+        assert inputs.num_decodes == leading
+        mixed.append(0 < leading < len(batch.num_tokens))
         return inputs
 
     llm.runner.prepare = prepare
     llm.generate(random_prompts(10, 1, 90, vocab=512, seed=5), GREEDY)
     assert True in checked and False in checked, "the run was meant to have decode and prefill steps"
+    assert any(mixed), "the run was meant to have steps of decodes then prefill chunks"
     assert llm.stats()["num_preemptions"] > 0
     llm.block_manager.check_all_free()
 
@@ -130,6 +135,7 @@ def test_padded_decode_step_reads_harmless_rows():
     assert padded.seq_lens.tolist() == [5, 1, 1, 1]  # one key each: its own row's first block
     assert padded.block_tables.shape == (4, 4) and padded.block_tables[:, 0].tolist() == [3, 0, 0, 0]
     assert padded.logits_at is None  # a graph computes every row's logits
+    assert exact.num_decodes == 3 and padded.num_decodes == 4
     # Under async scheduling a row's token is still on the device: it comes from the last step's tokens.
     step = decode_step([5, 9, 7], [[3], [4], [5]])
     step.input_ids[[0, 2]] = -1

@@ -216,6 +216,62 @@ def test_new_keys_and_values_read_directly_match_torch(case, dtype):
     assert (got.float() - gathered.float()).abs().max().item() <= TOLERANCE[dtype]
 
 
+# 35 decodes first, as the engine schedules them (more than a 32-token tile of the prefill chunks' layout, so
+# that its first tile lies before them), then prefill chunks, one over a cached context, and a decode after.
+DECODES_FIRST = [(5 + 3 * i, 1) for i in range(35)] + [(0, 20), (30, 9), (0, 3), (17, 1)]
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("decode_splits, tile_splits", [(1, 1), (4, 1), (1, 2)], ids=["whole", "decodes-split",
+                                                                                    "tiles-split"])
+def test_decodes_launched_apart_match_torch(decode_splits, tile_splits, dtype, monkeypatch):
+    """The decodes that lead a batch launched as a decode batch of their own (num_decodes) and the rest as
+    prefill tiles: two launches, within the dtype's tolerance of the torch reference; the decodes' contexts
+    split or not (the engine splits them on a GPU when few), and the tiles' too (their merge must leave the
+    decodes' rows alone)."""
+    from inflight.ops import triton_ops
+
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(DECODES_FIRST, 16, 2, 4, 64, dtype)
+    monkeypatch.setattr(triton_ops, "_default_splits", lambda query, seqs, kv_heads: decode_splits)
+    launched, meta = [], triton_ops.attention_meta
+
+    def recorded(*args, **kwargs):
+        grid, constants = meta(*args, **kwargs)
+        launched.append((args[1], constants["DECODE"], constants["NUM_SPLITS"]))
+        return grid, constants
+
+    monkeypatch.setattr(triton_ops, "attention_meta", recorded)
+    scale = 64 ** -0.5
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale)
+    got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, num_decodes=35,
+                                     num_splits=tile_splits)
+    assert launched == [(35, True, decode_splits), (4, False, tile_splits)]
+    err = (got.float() - expected.float()).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
+
+
+@pytest.mark.parametrize("case", ["mixed", "chunk-mid-sequence", "sliding-window", "mqa", "head-dim-128"])
+def test_tiles_before_hopper_match_torch(case):
+    """Prefill tiles of 64 rows by 32 keys, the 16-bit default before Hopper (Hopper's of 128 by 64 are
+    what the interpreter lays out); float32 (what the interpreter computes)."""
+    err = float32_error(case, block_m=64, tile_n=32)
+    assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
+
+
+def test_prefill_tiles_by_architecture():
+    """16-bit prefill tiles of 128 rows by 64 keys at 8 warps from Hopper on (and under the interpreter),
+    64 by 32 before; heads of 256 and decodes keep theirs."""
+    from inflight.ops.triton_ops import attention_meta
+
+    def tile(arch, head_dim=128, tokens=2048, dtype=torch.bfloat16):
+        constants = attention_meta(tokens, 4, 32, 8, head_dim, 16, dtype, arch=arch)[1]
+        return constants["BLOCK_M"], constants["TILE_N"], constants["num_warps"]
+
+    assert tile(90) == tile(None) == (128, 64, 8) and tile(90, head_dim=64) == (128, 64, 8)
+    assert tile(80) == (64, 32, 8) and tile(80, head_dim=64) == (64, 32, 4)
+    assert tile(90, head_dim=256) == (64, 32, 8) and tile(90, tokens=4) == (16, 32, 4)
+
+
 @pytest.mark.parametrize("case", ["mixed", "chunk-mid-sequence", "context-block-size-plus-one", "sliding-window",
                                   "head-dim-128"])
 def test_sixteen_key_tiles_match_torch(case):
@@ -676,13 +732,19 @@ def test_engine_greedy_with_triton_kernels(tiny_models, hf_reference, monkeypatc
     monkeypatch.setenv("INFLIGHT_ATTENTION", "triton")
     monkeypatch.setattr(triton_ops, "NEW_KV_FOR_PREFILL", new_kv)
     launched, meta = [], triton_ops.attention_meta
+    apart, attend = [], triton_ops.paged_attention
 
     def recorded(*args, **kwargs):
         grid, constants = meta(*args, **kwargs)
         launched.append(constants["NEW_KV"])
         return grid, constants
 
+    def attend_recorded(*args, num_decodes=None, **kwargs):
+        apart.append(0 < num_decodes < len(args[4]))  # (args[4]: seq_lens)
+        return attend(*args, num_decodes=num_decodes, **kwargs)
+
     monkeypatch.setattr(triton_ops, "attention_meta", recorded)
+    monkeypatch.setattr(triton_ops, "paged_attention", attend_recorded)
     model = tiny_models["qwen2"]
     llm = LLM(model, num_kv_blocks=64, max_num_batched_tokens=48, max_num_seqs=8, enable_prefix_caching=False,
               device=DEVICE, dtype="float32")  # compiled on a GPU, interpreted on CPU
@@ -693,6 +755,7 @@ def test_engine_greedy_with_triton_kernels(tiny_models, hf_reference, monkeypatc
         assert out.token_ids == hf_reference(model, prompt, 8)
     llm.block_manager.check_all_free()
     assert any(launched) == new_kv and not all(launched)  # (decode steps never: they read the cache alone)
+    assert any(apart) and not all(apart)  # steps whose decodes were launched apart from prefill chunks
 
 
 def test_kernels_compile_for_gpus():
@@ -753,6 +816,28 @@ def test_bench_kernels_says_whether_each_option_was_faster():
 
     line = bench_kernels.option_summary("new_kv", [(2.0, 1.0), (1.0, 2.0), (3.0, 2.0)])
     assert line == "new_kv: faster on 2 of 3 mixes, 1.50x the engine's launch without it (median; 0.50x to 2.00x)"
+
+
+def test_bench_kernels_switches_the_options_that_apply_to_each_mix(monkeypatch):
+    """make bench-kernels times, beside the engine's launch, each option that applies to a mix switched:
+    new_kv where prefill tiles run, decodes_apart (on by default) where decodes lead prefill chunks, and
+    merge_last on decode mixes the engine splits (on a GPU: a CPU never splits)."""
+    from inflight.ops import triton_ops
+
+    sys.path.insert(0, str(ROOT / "client"))
+    import bench_kernels
+
+    query = torch.zeros(2, 4, 64)
+    mixed = bench_kernels.MIXES["mixed: 128 decodes x 1k + 1 chunk of 2k"]
+    assert bench_kernels.leading_decodes(mixed) == 128
+    assert bench_kernels.mix_options(mixed, query, 2) == {
+        "new_kv": (dict(new_kv=True), dict(new_kv=False), triton_ops.NEW_KV_FOR_PREFILL),
+        "decodes_apart": (dict(num_decodes=128), dict(num_decodes=0), True)}
+    assert list(bench_kernels.mix_options(bench_kernels.MIXES["prefill 8 x 2k"], query, 2)) == ["new_kv"]
+    assert bench_kernels.mix_options(bench_kernels.MIXES["decode 4 x 8k"], query, 2) == {}
+    monkeypatch.setattr(triton_ops, "_default_splits", lambda query, seqs, kv_heads: 4)  # (as a GPU would)
+    assert bench_kernels.mix_options(bench_kernels.MIXES["decode 4 x 8k"], query, 2) == {
+        "merge_last": (dict(merge_last=True), dict(merge_last=False), triton_ops.MERGE_IN_LAST_SPLIT)}
 
 
 def test_kernel_strides_are_multiples_of_head_dim(tiny_models, monkeypatch):

@@ -31,6 +31,7 @@ class AttentionContext:
     seq_lens: torch.Tensor  # [S] context + new tokens
     block_tables: torch.Tensor  # [S, max_blocks]
     impl: str  # "triton" | "torch"
+    num_decodes: int | None = None  # the sequences that lead the batch with one token each (None: unknown)
     calls: list["AttentionCall"] | None = None  # when set, each layer's call is recorded here, nothing attended
 
 
@@ -66,7 +67,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     out = ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.cu_seqlens_q, ctx.seq_lens,
                               ctx.block_tables, scaling if scaling is not None else q.shape[-1] ** -0.5,
                               sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux, impl=ctx.impl,
-                              new_key=k, new_value=v)
+                              new_key=k, new_value=v, num_decodes=ctx.num_decodes)
     return out.unsqueeze(0), None
 
 

@@ -47,6 +47,16 @@ class StepInputs:
         """One token for each sequence, each sampled, nothing else asked."""
         return len(self.input_ids) == len(self.seq_lens) == len(self.logits_at)
 
+    @property
+    def num_decodes(self) -> int:
+        """How many sequences lead the batch with one token each (the scheduler puts its decodes first):
+        the Triton attention launches them apart from the prefill tiles."""
+        seqs = len(self.seq_lens)
+        if len(self.input_ids) == seqs:
+            return seqs
+        longer = np.flatnonzero(np.diff(self.cu_seqlens) != 1)
+        return int(longer[0]) if len(longer) else seqs
+
 
 class BlockTableRows:
     """A step's block tables as the rows of one matrix kept from step to step: a row is written again
@@ -135,6 +145,7 @@ class StepTensors:
     block_tables: torch.Tensor  # [S, W], rows max_blocks apart
     logits_at: torch.Tensor | None  # [L]; None: every token's logits
     lora_ids: torch.Tensor | None  # [T] each token's LoRA adapter, 0 for none; None: no token has one
+    num_decodes: int  # the sequences that lead the batch with one token each (StepInputs.num_decodes)
     embeds_at: torch.Tensor | None = None  # [V] the positions of virtual prompt tokens (prompt_embeds.py)
     embeds: torch.Tensor | None = None  # [V, hidden] their vectors
 
@@ -243,18 +254,20 @@ class InputBuffers:
             self._field(self.device, "input_ids").index_copy_(0, at, sampled.index_select(0, source))
         lora = inputs.lora_ids is not None
         if pad_seqs is None:
-            step = self.views(tokens, seqs, width, len(inputs.logits_at), lora)
+            step = self.views(tokens, seqs, width, len(inputs.logits_at), lora, inputs.num_decodes)
             if inputs.embeds is not None:  # (a few prompts' worth at most: not worth a persistent buffer)
                 step.embeds_at = to_device(inputs.embeds_at, self.device.device)
                 step.embeds = inputs.embeds.to(self.device.device, non_blocking=True)
             return step
         return self.views(rows, rows, self.max_blocks, None, lora)  # what a captured graph reads: every row's logits
 
-    def views(self, tokens: int, seqs: int, width: int, logits: int | None, lora: bool = False) -> StepTensors:
-        """New view objects each call (torch_ops caches its plan by the identity of these tensors)."""
+    def views(self, tokens: int, seqs: int, width: int, logits: int | None, lora: bool = False,
+              num_decodes: int | None = None) -> StepTensors:
+        """New view objects each call (torch_ops caches its plan by the identity of these tensors).
+        `num_decodes`: StepInputs.num_decodes; None for a decode step (every sequence)."""
         field = lambda name, n: self._field(self.device, name)[:n]  # noqa: E731
         return StepTensors(field("input_ids", tokens), field("positions", tokens), field("slot_mapping", tokens),
                            field("cu_seqlens", seqs + 1), field("seq_lens", seqs),
                            self.tables(self.device)[:seqs, :width],
                            None if logits is None else field("logits_at", logits),
-                           field("lora_ids", tokens) if lora else None)
+                           field("lora_ids", tokens) if lora else None, seqs if num_decodes is None else num_decodes)

@@ -335,6 +335,7 @@ class ModelRunner:
             seq_lens=step.seq_lens,
             block_tables=step.block_tables,
             impl=self.attention_impl,
+            num_decodes=step.num_decodes,
             calls=calls,
         )
         if step.embeds is None:

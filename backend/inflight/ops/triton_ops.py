@@ -6,7 +6,9 @@ of one sequence times the query heads that share one KV head (packed into BLOCK_
 each key once per group), walks that sequence's keys tile by tile through its block table, and keeps
 an online softmax in float32. Programs are laid out per sequence at `cu_seqlens_q[s] // BLOCK_Q + s`,
 so each finds its sequence by a binary search, with no host-side work per step; in a decode batch (as
-many tokens as sequences: one each) program s is sequence s's. Keys before a tile's
+many tokens as sequences: one each) program s is sequence s's. The decodes that lead a mixed batch (the
+engine schedules them first: `num_decodes`) are launched as a decode batch of their own, so that each
+does not take a prefill tile of BLOCK_M rows for its few query heads. Keys before a tile's
 first query are visible to all its rows, so whole tiles of them run without masks; only the tiles at
 the causal edge (or in a sliding window) are masked. The block table is read once per page of keys. The
 softmax runs on exp2, with log2(e) folded into the scale.
@@ -190,7 +192,11 @@ def _add_values(acc, p, v, alpha, dtype: tl.constexpr, DOT_FP32: tl.constexpr):
     return tl.dot(p.to(dtype), v.to(dtype), acc)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# The sequences' metadata is not specialized on its alignment either: the prefill tiles of a step whose
+# decodes are launched apart read it from the first prefill sequence's row on, 8 bytes a row (else a
+# variant for an aligned row and one for the others, the second compiled in the middle of a request).
+@triton.jit(do_not_specialize=["num_seqs"],
+            do_not_specialize_on_alignment=["cu_seqlens_q_ptr", "seq_lens_ptr", "block_tables_ptr"])
 def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, new_key_desc, new_value_desc,
@@ -235,8 +241,8 @@ def _paged_attention_kernel(
         q_start = tl.load(cu_seqlens_q_ptr + seq)
         q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
         first_q = (q_tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-        if first_q >= q_len:
-            return  # a gap between two sequences' tiles
+        if first_q < 0 or first_q >= q_len:
+            return  # a gap between two sequences' tiles, or before the first (decodes launched apart)
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
 
@@ -401,17 +407,20 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
                    block_m: int | None = None, tile_n: int | None = None, num_splits: int = 1,
                    num_warps: int | None = None, num_stages: int | None = None, softcap: float | None = None,
                    sinks: bool = False, cache_dtype: torch.dtype | None = None,
-                   new_kv: bool = False, merge_last: bool = False) -> tuple[tuple[int, int, int], dict]:
+                   new_kv: bool = False, merge_last: bool = False,
+                   arch: int | None = None) -> tuple[tuple[int, int, int], dict]:
     """The launch grid and compile-time constants (with num_warps, and num_stages when given) of
     `_paged_attention_kernel` for one batch (`dtype`: the query's; `cache_dtype`: the KV cache's, where
     another; `new_kv`: the step's own keys and values read from its new ones; `merge_last`: split-KV's
     partial results merged by each tile's last split, not by _merge_splits_kernel, for heads of up to 128
-    (Gemma 2's of 256 spilled 4 bytes so: compile_kernels.py)); the optional values
+    (Gemma 2's of 256 spilled 4 bytes so: compile_kernels.py); `arch`: the GPU's compute capability, as
+    90 for 9.0, None under the interpreter, which lays tiles out as on Hopper); the optional values
     override the defaults (bench sweeps). The constants are shared by the batches of their kind: not to
     be changed."""
     constants = _attention_constants(num_tokens == num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                      sliding_window, block_m, tile_n, num_splits, num_warps, num_stages, softcap,
-                                     sinks, cache_dtype, new_kv, merge_last and num_splits > 1 and head_dim <= 128)
+                                     sinks, cache_dtype, new_kv, merge_last and num_splits > 1 and head_dim <= 128,
+                                     arch is None or arch >= 90)
     tiles = num_seqs if constants["DECODE"] else num_tokens // constants["BLOCK_Q"] + num_seqs
     return (tiles, num_kv_heads, num_splits), constants
 
@@ -423,7 +432,7 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
                          dtype: torch.dtype, sliding_window: int | None, block_m: int | None, tile_n: int | None,
                          num_splits: int, num_warps: int | None, num_stages: int | None, softcap: float | None,
                          sinks: bool, cache_dtype: torch.dtype | None, new_kv: bool = False,
-                         merge_last: bool = False) -> dict:
+                         merge_last: bool = False, hopper: bool = True) -> dict:
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     if num_splits < 1 or num_splits & (num_splits - 1):
@@ -432,15 +441,20 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
         raise ValueError("new keys and values are read by prefill tiles only, whole (num_splits 1)")
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    # Decode-only batches waste rows on a tall tile; prefill-heavy ones want it tall. Compiled float32
-    # prefill tiles take twice the registers: half the rows, and with head_dim 128 half the keys, as
-    # float32 decodes with head_dim 256 (Gemma 2) do (no spills on sm_80/sm_90: scripts/compile_kernels.py,
-    # which the tests run, fails on one).
+    # A decode batch (or the decodes that lead a mixed one, launched apart: paged_attention) takes 16 rows,
+    # one token's query heads; prefill tiles are tall. Compiled float32 prefill tiles take twice the
+    # registers: half the rows, and with head_dim 128 half the keys, as float32 decodes with head_dim 256
+    # (Gemma 2) do (no spills on sm_80/sm_90: scripts/compile_kernels.py, which the tests run, fails on one).
     wide = dtype == torch.float32 and not _INTERPRETED
     fp8_cache = cache_dtype in FP8_DTYPES
-    block_m = max(block_m or (16 if decode else 32 if wide else 64), group_pad, 16)
+    # 16-bit prefill tiles of 128 rows by 64 keys at 8 warps on Hopper: two warpgroups of 64 rows, each a
+    # 64 x 64 score matmul (64 x 32 tiles at 8 warps split theirs into 64 x 16 pieces: the PTX's wgmma; they
+    # measured 3.1x SDPA's time on an H200; these are unmeasured yet). Before Hopper the query stays in
+    # registers: the Llama-3-8B shape's spilled 32-84 bytes on sm_80, which keeps 64 by 32.
+    tall = hopper and not decode and not wide and head_dim <= 128
+    block_m = max(block_m or (16 if decode else 32 if wide else 128 if tall else 64), group_pad, 16)
     block_q = block_m // group_pad
-    default_tile_n = 16 if wide and (head_dim > 128 or not decode and head_dim > 64) else 32
+    default_tile_n = 16 if wide and (head_dim > 128 or not decode and head_dim > 64) else 64 if tall else 32
     if decode and fp8_cache and head_dim <= 64:
         # Tiles of 16 fp8 keys for the default model's heads: with 32 or 64 (at 4 warps) triton 3.6 spilled
         # 8 bytes on sm_90, with 8 warps triton 3.8 spilled 4 (compile_kernels.py under each); a GPU sweep
@@ -452,7 +466,7 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
         NUM_SPLITS=num_splits, DECODE=decode, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
         SOFTCAP=(softcap or 0.0) * LOG2_E, HAS_SINKS=sinks, NEW_KV=new_kv, MERGE_LAST=merge_last,
-        num_warps=num_warps or _default_warps(decode, head_dim, wide, fp8_cache),
+        num_warps=num_warps or (8 if tall else _default_warps(decode, head_dim, wide, fp8_cache)),
     )
     if num_stages is not None:
         constants["num_stages"] = num_stages
@@ -506,6 +520,14 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def _arch(device: torch.device) -> int | None:
+    """The GPU's compute capability as attention_meta takes it (90 for 9.0); None under the interpreter."""
+    if _INTERPRETED or device.type != "cuda":
+        return None
+    major, minor = _capability(device.index)
+    return major * 10 + minor
+
+
 @functools.cache
 def _multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -524,15 +546,35 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
                     sliding_window=None, softcap=None, sinks=None, out=None, block_m: int | None = None,
                     tile_n: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, new_key=None, new_value=None, new_kv: bool | None = None,
-                    merge_last: bool | None = None):
+                    merge_last: bool | None = None, num_decodes: int | None = None):
     """`new_key`, `new_value` [T, Hkv, D]: the step's keys and values (also written into the cache);
     `new_kv`: whether prefill tiles read the step's own from them (None: NEW_KV_FOR_PREFILL, where it can);
-    `merge_last`: whether split contexts are merged by their last split (None: MERGE_IN_LAST_SPLIT)."""
+    `merge_last`: whether split contexts are merged by their last split (None: MERGE_IN_LAST_SPLIT);
+    `num_decodes`: how many sequences lead the batch with one query token each (the engine schedules its
+    decodes first). Those are launched as a decode batch of their own (a program a sequence, its context
+    split where the batch is small) and the others as prefill tiles, which would give each decode a tile
+    of BLOCK_M rows with as many used as the query heads of a KV head; the launch parameters given (block_m
+    to num_stages, new_kv) are the tiles'."""
+    if out is None:
+        out = torch.empty_like(query)
+    d = num_decodes if num_decodes and num_decodes < seq_lens.shape[0] else 0
+    if d:
+        _launch(query[:d], key_cache, value_cache, cu_seqlens_q[:d + 1], seq_lens[:d], block_tables[:d], scale,
+                sliding_window, softcap, sinks, out[:d], new_kv=False, merge_last=merge_last)
+        cu_seqlens_q, seq_lens, block_tables = cu_seqlens_q[d:], seq_lens[d:], block_tables[d:]
+    return _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window,
+                   softcap, sinks, out, block_m, tile_n, num_splits, num_warps, num_stages, new_key, new_value,
+                   new_kv, merge_last, first_token=d)
+
+
+def _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window, softcap,
+            sinks, out, block_m=None, tile_n=None, num_splits=None, num_warps=None, num_stages=None, new_key=None,
+            new_value=None, new_kv=None, merge_last=None, first_token: int = 0):
+    """One launch of the kernel (and of the split merge, where it splits) over the sequences given: their
+    query rows from `first_token` on (cu_seqlens_q starts there; the rows before are left alone)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    if out is None:
-        out = torch.empty_like(query)
     if query.dtype == torch.float32 and key_cache.dtype != torch.float32 and not _INTERPRETED:
         # over a 16-bit cache, the 16-bit kernel with a float32 output; over fp8, the bfloat16 one
         query = query.to(torch.bfloat16 if key_cache.dtype in FP8_DTYPES else key_cache.dtype)
@@ -548,7 +590,7 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     grid, constants = attention_meta(num_tokens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                      query.dtype, sliding_window, block_m, tile_n, num_splits, num_warps, num_stages,
                                      softcap=softcap, sinks=sinks is not None, cache_dtype=key_cache.dtype,
-                                     new_kv=new_kv, merge_last=merge_last)
+                                     new_kv=new_kv, merge_last=merge_last, arch=_arch(query.device))
     if num_tokens == 0 or num_seqs == 0:
         return out
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
@@ -580,7 +622,7 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         **constants,
     )
     if num_splits > 1 and not constants["MERGE_LAST"]:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, num_heads, out.stride(0), out.stride(1),
+        _merge_splits_kernel[(num_tokens - first_token, num_heads)](
+            part_out[first_token:], part_lse[first_token:], out[first_token:], num_heads, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, DIM_PAD=dim_pad)
     return out
