@@ -10,8 +10,9 @@ many tokens as sequences: one each) program s is sequence s's. The decodes that 
 engine schedules them first: `num_decodes`) are launched as a decode batch of their own, so that each
 does not take a prefill tile of BLOCK_M rows for its few query heads. Keys before a tile's
 first query are visible to all its rows, so whole tiles of them run without masks; only the tiles at
-the causal edge (or in a sliding window) are masked. The block table is read once per page of keys. The
-softmax runs on exp2, with log2(e) folded into the scale.
+the causal edge (or in a sliding window) are masked. The block table is read once per page of keys, a
+tile ahead, so that Triton's pipeliner keeps the next tiles' keys and values in flight. The softmax runs
+on exp2, with log2(e) folded into the scale.
 
 Split-KV (flash-decoding): a decode batch too small to fill the GPU with (sequence, KV head) programs
 splits each context into NUM_SPLITS ranges of whole tiles, one program each (a third grid axis); each
@@ -108,23 +109,28 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, block_t: in
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos, kv_end, dims, dim_ok,
+def _tile_blocks(table, n0, kv_end, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """The blocks of the pages of the tile of TILE_N keys from n0 (0 for pages from kv_end on): the block
+    table read once per page."""
+    pages = n0 // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
+    return tl.load(table + pages, mask=pages * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, n0, blocks, key_cache_ptr, value_cache_ptr, kv_head, q_pos, kv_end, dims, dim_ok,
                  stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
                  qk_scale,
                  SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                  DOT_FP32: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One tile of TILE_N keys from n0, read from the KV cache through the block table, into the online
+    """One tile of TILE_N keys from n0, read from the KV cache through its pages' `blocks`, into the online
     softmax (_softmax_step, _add_values). MASKED: the tile may hold keys past `kv_end` or after a query (causal) or
     outside the sliding window; else every key is visible to every row."""
     keys = n0 + tl.arange(0, TILE_N)
-    pages = n0 // BLOCK_SIZE + tl.arange(0, TILE_N // BLOCK_SIZE)
     if MASKED:
         key_ok = keys < kv_end
-        blocks = tl.load(table + pages, mask=pages * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
     else:
         key_ok = keys >= 0
-        blocks = tl.load(table + pages).to(tl.int64)
-    # The block table is read once per page; each key takes its page's block.
+    # Each key takes its page's block.
     block = tl.reshape(tl.broadcast_to(blocks[:, None], (TILE_N // BLOCK_SIZE, BLOCK_SIZE)), (TILE_N,))
     slot = keys % BLOCK_SIZE
     k = tl.load(key_cache_ptr + block[None, :] * stride_kc_block + slot[None, :] * stride_kc_slot
@@ -289,13 +295,20 @@ def _paged_attention_kernel(
     if NEW_KV:  # keys from the cache up to the step's own, which come from the new keys and values
         cached_end = tl.minimum(context, kv_end)
         unmasked_end = tl.minimum(unmasked_end, cached_end // TILE_N * TILE_N)
+    # Each tile's blocks are read a tile ahead: keys and values whose addresses come from a load in the same
+    # iteration were copied one tile ahead (two buffers, each waited for at once); so, three buffers and two
+    # tiles in flight (the TTGIR's async_wait, compile_kernels.py).
+    blocks = _tile_blocks(table, kv_start, cached_end, BLOCK_SIZE, TILE_N)
     for n0 in range(kv_start, tl.minimum(unmasked_end, cached_end), TILE_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
+        next_blocks = _tile_blocks(table, n0 + TILE_N, cached_end, BLOCK_SIZE, TILE_N)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, blocks, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
                                      cached_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
                                      stride_vc_block, stride_vc_slot, stride_vc_head, qk_scale,
                                      SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, False, SOFTCAP)
+        blocks = next_blocks
     for n0 in range(tl.maximum(unmasked_end, kv_start), cached_end, TILE_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, table, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
+        blocks = _tile_blocks(table, n0, cached_end, BLOCK_SIZE, TILE_N)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, blocks, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
                                      cached_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
                                      stride_vc_block, stride_vc_slot, stride_vc_head, qk_scale,
                                      SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, True, SOFTCAP)
@@ -412,15 +425,15 @@ def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads:
     """The launch grid and compile-time constants (with num_warps, and num_stages when given) of
     `_paged_attention_kernel` for one batch (`dtype`: the query's; `cache_dtype`: the KV cache's, where
     another; `new_kv`: the step's own keys and values read from its new ones; `merge_last`: split-KV's
-    partial results merged by each tile's last split, not by _merge_splits_kernel, for heads of up to 128
-    (Gemma 2's of 256 spilled 4 bytes so: compile_kernels.py); `arch`: the GPU's compute capability, as
-    90 for 9.0, None under the interpreter, which lays tiles out as on Hopper); the optional values
-    override the defaults (bench sweeps). The constants are shared by the batches of their kind: not to
-    be changed."""
+    partial results merged by each tile's last split, not by _merge_splits_kernel, for 16-bit heads of up
+    to 128 from Hopper on (else some variant spilled: Gemma 2's heads of 256, the Llama-3-8B shape's 16-bit
+    decode on sm_80 and float32 one on sm_90 under triton 3.6: compile_kernels.py); `arch`: the GPU's
+    compute capability, as 90 for 9.0, None under the interpreter, which lays tiles out as on Hopper); the
+    optional values override the defaults (bench sweeps). The constants are shared by the batches of their
+    kind: not to be changed."""
     constants = _attention_constants(num_tokens == num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                      sliding_window, block_m, tile_n, num_splits, num_warps, num_stages, softcap,
-                                     sinks, cache_dtype, new_kv, merge_last and num_splits > 1 and head_dim <= 128,
-                                     arch is None or arch >= 90)
+                                     sinks, cache_dtype, new_kv, merge_last, arch is None or arch >= 90)
     tiles = num_seqs if constants["DECODE"] else num_tokens // constants["BLOCK_Q"] + num_seqs
     return (tiles, num_kv_heads, num_splits), constants
 
@@ -443,8 +456,9 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
     group_pad = triton.next_power_of_2(group)
     # A decode batch (or the decodes that lead a mixed one, launched apart: paged_attention) takes 16 rows,
     # one token's query heads; prefill tiles are tall. Compiled float32 prefill tiles take twice the
-    # registers: half the rows, and with head_dim 128 half the keys, as float32 decodes with head_dim 256
-    # (Gemma 2) do (no spills on sm_80/sm_90: scripts/compile_kernels.py, which the tests run, fails on one).
+    # registers: half the rows, and with heads over 64 half the keys, as float32 decodes with heads over 64
+    # do (with 32 keys a tile, read two tiles ahead, a Llama-3-8B decode spilled 52-476 bytes on sm_90) (no
+    # spills on sm_80/sm_90: scripts/compile_kernels.py, which the tests run, fails on one).
     wide = dtype == torch.float32 and not _INTERPRETED
     fp8_cache = cache_dtype in FP8_DTYPES
     # 16-bit prefill tiles of 128 rows by 64 keys at 8 warps on Hopper: two warpgroups of 64 rows, each a
@@ -454,7 +468,8 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
     tall = hopper and not decode and not wide and head_dim <= 128
     block_m = max(block_m or (16 if decode else 32 if wide else 128 if tall else 64), group_pad, 16)
     block_q = block_m // group_pad
-    default_tile_n = 16 if wide and (head_dim > 128 or not decode and head_dim > 64) else 64 if tall else 32
+    default_tile_n = 16 if wide and head_dim > 64 else 64 if tall else 32
+    merge_last = merge_last and num_splits > 1 and head_dim <= 128 and hopper and not wide
     if decode and fp8_cache and head_dim <= 64:
         # Tiles of 16 fp8 keys for the default model's heads: with 32 or 64 (at 4 warps) triton 3.6 spilled
         # 8 bytes on sm_90, with 8 warps triton 3.8 spilled 4 (compile_kernels.py under each); a GPU sweep
