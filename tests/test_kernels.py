@@ -64,6 +64,8 @@ CASES = {
     "block-size-32": ([(50, 1), (0, 40), (70, 9)], 32, 2, 2, 64, None),
     "head-dim-128": ([(20, 1), (3, 10)], 16, 2, 2, 128, None),
     "sliding-window": ([(40, 1), (0, 30), (25, 12)], 16, 2, 2, 64, 9),
+    # a window over several tiles: every tile is masked under a window, and each reads the next one's blocks
+    "long-sliding-window": ([(200, 1), (150, 40), (0, 90)], 16, 2, 2, 64, 50),
 }
 
 
