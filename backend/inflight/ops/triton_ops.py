@@ -10,9 +10,9 @@ many tokens as sequences: one each) program s is sequence s's. The decodes that 
 engine schedules them first: `num_decodes`) are launched as a decode batch of their own, so that each
 does not take a prefill tile of BLOCK_M rows for its few query heads. Keys before a tile's
 first query are visible to all its rows, so whole tiles of them run without masks; only the tiles at
-the causal edge (or in a sliding window) are masked. The block table is read once per page of keys, a
-tile ahead, so that Triton's pipeliner keeps the next tiles' keys and values in flight. The softmax runs
-on exp2, with log2(e) folded into the scale.
+the causal edge (or in a sliding window) are masked. The block table is read once per page of keys; in the
+loop over unmasked tiles a tile ahead, so that Triton's pipeliner keeps the next tiles' keys and values in
+flight. The softmax runs on exp2, with log2(e) folded into the scale.
 
 Split-KV (flash-decoding): a decode batch too small to fill the GPU with (sequence, KV head) programs
 splits each context into NUM_SPLITS ranges of whole tiles, one program each (a third grid axis); each
@@ -296,8 +296,9 @@ def _paged_attention_kernel(
         cached_end = tl.minimum(context, kv_end)
         unmasked_end = tl.minimum(unmasked_end, cached_end // TILE_N * TILE_N)
     # Each tile's blocks are read a tile ahead: keys and values whose addresses come from a load in the same
-    # iteration were copied one tile ahead (two buffers, each waited for at once); so, three buffers and two
-    # tiles in flight (the TTGIR's async_wait, compile_kernels.py).
+    # iteration were pipelined a stage short (decode tiles not at all, prefill tiles one tile ahead); so, a
+    # tile more in flight (the TTGIR's async_wait). The masked loop reads them in the iteration: ahead there,
+    # four variants spilled 4-8 bytes (compile_kernels.py).
     blocks = _tile_blocks(table, kv_start, cached_end, BLOCK_SIZE, TILE_N)
     for n0 in range(kv_start, tl.minimum(unmasked_end, cached_end), TILE_N):
         next_blocks = _tile_blocks(table, n0 + TILE_N, cached_end, BLOCK_SIZE, TILE_N)
