@@ -180,7 +180,7 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
             tokens, seqs, splits = PHASES["decode split-KV"]
             _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size, dtype,
                                                      window, num_splits=splits, merge_last=True, **options, arch=arch)
-            if constants["MERGE_LAST"]:  # (not for heads of 256: triton_ops.attention_meta)
+            if constants["MERGE_LAST"]:  # (16-bit heads up to 128 from Hopper on: triton_ops.attention_meta)
                 yield (f"paged_attention {shape} decode split-KV merged by the last split", attention, constants,
                        dtype, multiples_of_16(attention, heads, head_dim))
             if dtype != torch.float32:  # (triton_ops reads new keys and values under 16-bit queries only)
