@@ -271,8 +271,10 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         out = torch.empty_like(query)
         new_key, new_value = new_keys_and_values(kc, vc, seqs, cu, tables)
 
+        decodes = leading_decodes(seqs)  # (counted once a step by the engine, not at each launch)
+
         def ours_with(**params):
-            params = dict(num_decodes=leading_decodes(seqs)) | params
+            params = dict(num_decodes=decodes) | params
             return triton_ops.paged_attention(query, kc, vc, cu, seq_lens, tables, scale, out=out, new_key=new_key,
                                               new_value=new_value, **params)
 

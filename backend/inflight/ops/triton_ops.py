@@ -573,6 +573,9 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     to num_stages, new_kv) are the tiles'."""
     if out is None:
         out = torch.empty_like(query)
+    if query.dtype == torch.float32 and key_cache.dtype != torch.float32 and not _INTERPRETED:
+        # over a 16-bit cache, the 16-bit kernel with a float32 output; over fp8, the bfloat16 one
+        query = query.to(torch.bfloat16 if key_cache.dtype in FP8_DTYPES else key_cache.dtype)
     d = num_decodes if num_decodes and num_decodes < seq_lens.shape[0] else 0
     if d:
         _launch(query[:d], key_cache, value_cache, cu_seqlens_q[:d + 1], seq_lens[:d], block_tables[:d], scale,
@@ -587,13 +590,11 @@ def _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables,
             sinks, out, block_m=None, tile_n=None, num_splits=None, num_warps=None, num_stages=None, new_key=None,
             new_value=None, new_kv=None, merge_last=None, first_token: int = 0):
     """One launch of the kernel (and of the split merge, where it splits) over the sequences given: their
-    query rows from `first_token` on (cu_seqlens_q starts there; the rows before are left alone)."""
+    query rows from `first_token` on (cu_seqlens_q starts there; the rows before are left alone). The query
+    is in the kernel's dtype already (paged_attention rounds a float32 one over a 16-bit cache, once)."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    if query.dtype == torch.float32 and key_cache.dtype != torch.float32 and not _INTERPRETED:
-        # over a 16-bit cache, the 16-bit kernel with a float32 output; over fp8, the bfloat16 one
-        query = query.to(torch.bfloat16 if key_cache.dtype in FP8_DTYPES else key_cache.dtype)
     if num_splits is None:
         num_splits = _default_splits(query, num_seqs, num_kv_heads)
     wanted, new_kv = new_kv, NEW_KV_FOR_PREFILL if new_kv is None else new_kv
