@@ -64,8 +64,9 @@ CASES = {
     "block-size-32": ([(50, 1), (0, 40), (70, 9)], 32, 2, 2, 64, None),
     "head-dim-128": ([(20, 1), (3, 10)], 16, 2, 2, 128, None),
     "sliding-window": ([(40, 1), (0, 30), (25, 12)], 16, 2, 2, 64, 9),
-    # a window over several tiles: every tile is masked under a window, and each reads the next one's blocks
-    "long-sliding-window": ([(200, 1), (150, 40), (0, 90)], 16, 2, 2, 64, 50),
+    # a window over several tiles: masked tiles where it begins and at the diagonal, unmasked ones between
+    # (each reading the next one's blocks), in decodes and prefill tiles
+    "long-sliding-window": ([(300, 1), (150, 40), (0, 200)], 16, 2, 2, 64, 150),
 }
 
 
@@ -153,7 +154,7 @@ def float32_error(case: str, **launch) -> float:
 
 
 @pytest.mark.parametrize("case, num_splits", [
-    (case, splits) for case in ("decode-only", "mixed", "sliding-window", "mqa", "head-dim-128")
+    (case, splits) for case in ("decode-only", "mixed", "sliding-window", "long-sliding-window", "mqa", "head-dim-128")
     for splits in (2, 4, 16, 64) if splits < 64 or case in ("decode-only", "mixed")])
 def test_split_kv_matches_torch(case, num_splits):
     """Contexts split across programs and merged (flash-decoding), split counts the engine may pick and
@@ -286,6 +287,14 @@ def test_sixteen_key_tiles_match_torch(case):
     """Tiles of 16 keys (one page of 16 slots, two of 8), what compiled float32 prefill with head_dim
     128 launches; float32 (what the interpreter computes)."""
     err = float32_error(case, tile_n=16)
+    assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
+
+
+@pytest.mark.parametrize("case", ["sliding-window", "long-sliding-window"])
+def test_sixteen_row_window_tiles_match_torch(case):
+    """Tiles of 16 rows by 16 keys, what compiled float32 prefill under a sliding window launches with heads
+    of 65 to 128: masked tiles where the window begins and at the diagonal, unmasked ones between; float32."""
+    err = float32_error(case, block_m=16, tile_n=16)
     assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
 
 

@@ -272,12 +272,13 @@ def _paged_attention_kernel(
     else:
         kv_end = tl.minimum(seq_len, context + first_q + BLOCK_Q)
     kv_start = 0
+    # Keys every row of the tile sees need no mask: from its first query on back (as far as its last query's
+    # window reaches): whole tiles of them run unmasked; the tiles after (the diagonal) and before (where the
+    # window begins) masked.
+    unmasked_end = (context + first_q + 1) // TILE_N * TILE_N
     if SLIDING_WINDOW > 0:
         kv_start = tl.maximum(0, context + first_q - SLIDING_WINDOW + 1) // TILE_N * TILE_N
-    # Keys before the tile's first query are visible to all its rows: whole tiles of them need no mask.
-    unmasked_end = kv_start
-    if SLIDING_WINDOW == 0:
-        unmasked_end = (context + first_q + 1) // TILE_N * TILE_N
+        unmasked_start = tl.cdiv(tl.maximum(0, kv_end - SLIDING_WINDOW), TILE_N) * TILE_N
     if NUM_SPLITS > 1:  # this program's share: whole tiles, in order
         chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, TILE_N), NUM_SPLITS) * TILE_N
         kv_start = kv_start + split * chunk
@@ -295,22 +296,33 @@ def _paged_attention_kernel(
     if NEW_KV:  # keys from the cache up to the step's own, which come from the new keys and values
         cached_end = tl.minimum(context, kv_end)
         unmasked_end = tl.minimum(unmasked_end, cached_end // TILE_N * TILE_N)
+    unmasked_from = kv_start
+    masked_from = tl.maximum(unmasked_end, kv_start)  # the diagonal's tiles
+    masked_end = cached_end
+    if SLIDING_WINDOW > 0:  # and the tiles where the window begins, which some rows see only in part
+        unmasked_from = tl.maximum(kv_start, unmasked_start)
+        unmasked_keys = tl.maximum(0, tl.minimum(unmasked_end, cached_end) - unmasked_from)
+        masked_from = kv_start
+        masked_end = cached_end - unmasked_keys  # (one masked loop over both, stepping over the unmasked tiles)
     # Each tile's blocks are read a tile ahead: keys and values whose addresses come from a load in the same
     # iteration were pipelined a stage short (decode tiles not at all, prefill tiles one tile ahead); so, a
     # tile more in flight (the TTGIR's async_wait). The masked loop reads them in the iteration: ahead there,
     # four variants spilled 4-8 bytes (compile_kernels.py).
-    blocks = _tile_blocks(table, kv_start, cached_end, BLOCK_SIZE, TILE_N)
-    for n0 in range(kv_start, tl.minimum(unmasked_end, cached_end), TILE_N):
+    blocks = _tile_blocks(table, unmasked_from, cached_end, BLOCK_SIZE, TILE_N)
+    for n0 in range(unmasked_from, tl.minimum(unmasked_end, cached_end), TILE_N):
         next_blocks = _tile_blocks(table, n0 + TILE_N, cached_end, BLOCK_SIZE, TILE_N)
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, blocks, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
                                      cached_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
                                      stride_vc_block, stride_vc_slot, stride_vc_head, qk_scale,
                                      SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, False, SOFTCAP)
         blocks = next_blocks
-    for n0 in range(tl.maximum(unmasked_end, kv_start), cached_end, TILE_N):
-        blocks = _tile_blocks(table, n0, cached_end, BLOCK_SIZE, TILE_N)
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, n0, blocks, key_cache_ptr, value_cache_ptr, kv_head, q_pos,
-                                     cached_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
+    for n0 in range(masked_from, masked_end, TILE_N):
+        tile_start = n0
+        if SLIDING_WINDOW > 0:
+            tile_start = tl.where(n0 < unmasked_from, n0, n0 + unmasked_keys)
+        blocks = _tile_blocks(table, tile_start, cached_end, BLOCK_SIZE, TILE_N)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, tile_start, blocks, key_cache_ptr, value_cache_ptr, kv_head,
+                                     q_pos, cached_end, dims, dim_ok, stride_kc_block, stride_kc_slot, stride_kc_head,
                                      stride_vc_block, stride_vc_slot, stride_vc_head, qk_scale,
                                      SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_FP32, True, SOFTCAP)
     if NEW_KV:  # tiles from the first key of the step's own (or of the window) on, unmasked up to the diagonal
@@ -467,7 +479,11 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
     # measured 3.1x SDPA's time on an H200; these are unmeasured yet). Before Hopper the query stays in
     # registers: the Llama-3-8B shape's spilled 32-84 bytes on sm_80, which keeps 64 by 32.
     tall = hopper and not decode and not wide and head_dim <= 128
-    block_m = max(block_m or (16 if decode else 32 if wide else 128 if tall else 64), group_pad, 16)
+    # Under a sliding window, float32 tiles of heads of 65-128 take 16 rows: with 32, since the tiles inside
+    # the window run unmasked, ptxas kept the Llama-3-8B shape's to 64 registers on sm_80 (triton 3.8) and
+    # spilled 8 bytes (with 16, 60-64 registers on both targets and tritons; Gemma 2's heads of 256 keep 32).
+    window_wide = wide and sliding_window and 64 < head_dim <= 128
+    block_m = max(block_m or (16 if decode or window_wide else 32 if wide else 128 if tall else 64), group_pad, 16)
     block_q = block_m // group_pad
     default_tile_n = 16 if wide and head_dim > 64 else 64 if tall else 32
     merge_last = merge_last and num_splits > 1 and head_dim <= 128 and hopper and not wide
