@@ -34,12 +34,18 @@ MIXES = {
     "decode 32 x 8k": [(8192, 1)] * 32,
     "decode 4 x 8k": [(8192, 1)] * 4,
     "decode 2 x 32k": [(32768, 1)] * 2,
+    "decode 32 x 8k, window 4k": [(8192, 1)] * 32,
     "prefill 8 x 2k": [(0, 2048)] * 8,
     "prefill 2 x 8k": [(0, 8192)] * 2,
     # Mixed: decodes first, as the engine schedules them (and launches them apart from the chunks' tiles).
     "mixed: 128 decodes x 1k + 1 chunk of 2k": [(1024, 1)] * 128 + [(0, 2048)],
     "mixed: 8 decodes x 8k + 1 chunk of 512": [(8192, 1)] * 8 + [(0, 512)],
 }
+
+
+# A mix's sliding window (Mistral 7B's and Gemma 2's size): the keys inside it every query sees whole, run
+# through the kernel's unmasked loop; SDPA's peer attends to the last WINDOWS[name] keys alone, the same work.
+WINDOWS = {"decode 32 x 8k, window 4k": 4096}
 
 
 def leading_decodes(seqs) -> int:
@@ -272,15 +278,17 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         new_key, new_value = new_keys_and_values(kc, vc, seqs, cu, tables)
 
         decodes = leading_decodes(seqs)  # (counted once a step by the engine, not at each launch)
+        window = WINDOWS.get(name)
 
         def ours_with(**params):
             params = dict(num_decodes=decodes) | params
-            return triton_ops.paged_attention(query, kc, vc, cu, seq_lens, tables, scale, out=out, new_key=new_key,
-                                              new_value=new_value, **params)
+            return triton_ops.paged_attention(query, kc, vc, cu, seq_lens, tables, scale, window, out=out,
+                                              new_key=new_key, new_value=new_value, **params)
 
         ours = kernel_seconds(ours_with)
-        # torch: the same sequences contiguous and padded into one batch (what SDPA can take).
-        max_len, max_q = int(seq_lens.max()), int((cu[1:] - cu[:-1]).max())
+        # torch: the same sequences contiguous and padded into one batch (what SDPA can take); under a
+        # window (decodes only), the keys inside it.
+        max_len, max_q = min(int(seq_lens.max()), window or sys.maxsize), int((cu[1:] - cu[:-1]).max())
         k = torch.randn(len(seqs), kv_heads, max_len, head_dim, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
         q = torch.randn(len(seqs), heads, max_q, head_dim, device="cuda", dtype=dtype)
@@ -292,7 +300,8 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         theirs = kernel_seconds(sdpa)
         decode = all(n == 1 for _, n in seqs)
         if decode:
-            kv_bytes = sum(c + n for c, n in seqs) * 2 * kv_heads * head_dim * kc.element_size()
+            keys = sum(min(c + n, window or sys.maxsize) for c, n in seqs)
+            kv_bytes = keys * 2 * kv_heads * head_dim * kc.element_size()
             rate = (f"{kv_bytes / ours / 1e12:.2f} TB/s ({kv_bytes / ours / bandwidth:.0%}), "
                     f"{kv_bytes / theirs / 1e12:.2f} TB/s")
         else:
@@ -309,7 +318,9 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
                             f"(max difference {error:.1e})")
         row = (f"| {name} | {ours * 1e3:.3f} | {theirs * 1e3:.3f}, {sdpa_backend(sdpa)} | {ours / theirs:.2f}x "
                f"| {rate} | {timed(ours_with) * 1e3:.3f} | {'; '.join(variants) or '-'} |")
-        if do_sweep:
+        if do_sweep and window is not None:
+            row += " (not swept: the sweep's spilling lists are of kernels without a window) |"
+        elif do_sweep:
             grid, groupings = ((SWEEP_DECODE, [("tile_n",), ("num_splits",)]) if decode
                                else (SWEEP_PREFILL, [("block_m", "tile_n"), ("new_kv",)]))
             phase = "decode" if decode else "prefill"
