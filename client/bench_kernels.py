@@ -64,25 +64,24 @@ SWEEP_DECODE = {"num_splits": [1, 4, 16, 64], "tile_n": [32, 64, 128], "num_warp
 SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3],
                  "new_kv": [False, True]}
 # The sweep variants that spill registers on sm_90 (`scripts/compile_kernels.py --sweep --targets 90 --dtypes
-# bfloat16`, 2026-12-05, block ids read a tile ahead), by triton version: the engine may not launch one, so the
-# sweep leaves them out. A variant is left out when its parameters include every item of an entry for its shape
-# and phase. With 3.8 (this machine's; a test keeps its list equal to what compiling finds), 22 of the 168, all
-# prefill: 4-warp tiles larger than 64 by 64 and a few more. With 3.6 (the GPU image's, installed beside the
-# venv for the run), 38: also decode tiles of one split with 64 keys at 3 or 4 stages (the default shape) or
-# 128 keys (the Llama-3-8B shape).
+# bfloat16`, 2026-12-05, query-head groups packed unpadded), by triton version: the engine may not launch one, so
+# the sweep leaves them out. A variant is left out when its parameters include every item of an entry for its
+# shape and phase. With 3.8 (this machine's; a test keeps its list equal to what compiling finds), 24 of the
+# 168: 4-warp prefill tiles larger than 64 by 64 and a few more, and a default-shape decode tile of 64 keys at 2
+# stages. With 3.6 (the GPU image's, installed beside the venv for the run), 37: also decode tiles of one split
+# with 64 keys at 3 stages (the default shape) or 128 keys (the Llama-3-8B shape).
 SPILLING_BY_TRITON = {
     "3.8": {
-        ("smollm2", "prefill"): [dict(block_m=128, tile_n=64, num_warps=4, num_stages=3, new_kv=False),
+        ("smollm2", "decode"): [dict(num_splits=1, tile_n=64, num_stages=2)],
+        ("smollm2", "prefill"): [dict(block_m=128, tile_n=64, num_warps=4, num_stages=3),
                                  dict(block_m=128, tile_n=128, num_warps=4)],
         ("llama3-8b", "prefill"): [dict(tile_n=128, num_warps=4), dict(block_m=128, num_warps=4),
                                    dict(block_m=128, tile_n=128, num_stages=2, new_kv=True)],
     },
     "3.6": {
-        ("smollm2", "decode"): [dict(num_splits=1, tile_n=64, num_stages=3),
-                                dict(num_splits=1, tile_n=64, num_stages=4)],
+        ("smollm2", "decode"): [dict(num_splits=1, tile_n=64, num_stages=3)],
         ("smollm2", "prefill"): [dict(tile_n=128, num_warps=4, new_kv=True),
-                                 dict(tile_n=128, num_warps=4, num_stages=3),
-                                 dict(block_m=128, tile_n=64, num_warps=4, num_stages=3, new_kv=False),
+                                 dict(block_m=128, tile_n=64, num_warps=4, num_stages=3),
                                  dict(block_m=128, tile_n=128, num_warps=4)],
         ("llama3-8b", "decode"): [dict(num_splits=1, tile_n=128)],
         ("llama3-8b", "prefill"): [dict(tile_n=64, num_warps=4, num_stages=2, new_kv=True),

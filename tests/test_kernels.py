@@ -60,6 +60,10 @@ CASES = {
     "context-block-size": ([(8, 1), (8, 5)], 8, 1, 4, 64, None),
     "context-block-size-plus-one": ([(9, 1), (9, 2)], 8, 1, 4, 64, None),
     "mqa": ([(20, 1), (0, 12), (33, 4)], 16, 1, 8, 64, None),
+    # groups that are not a power of two, packed: a tile of 128 rows holds 42 tokens' 3 heads (126 rows), or
+    # 21 tokens' 6; the chunks span tiles
+    "group-of-three": ([(20, 1), (0, 50), (33, 47)], 16, 2, 3, 64, None),
+    "group-of-six": ([(0, 30), (45, 23), (9, 1)], 16, 1, 6, 64, None),
     "mha": ([(20, 1), (0, 12)], 16, 4, 1, 64, None),
     "block-size-32": ([(50, 1), (0, 40), (70, 9)], 32, 2, 2, 64, None),
     "head-dim-128": ([(20, 1), (3, 10)], 16, 2, 2, 128, None),
@@ -269,7 +273,7 @@ def test_tiles_before_hopper_match_torch(case):
 
 def test_prefill_tiles_by_architecture():
     """16-bit prefill tiles of 128 rows by 64 keys at 8 warps from Hopper on (and under the interpreter),
-    64 by 32 before; heads of 256 and decodes keep theirs."""
+    64 by 32 at 8 warps before; heads of 256 and decodes keep theirs."""
     from inflight.ops.triton_ops import attention_meta
 
     def tile(arch, head_dim=128, tokens=2048, dtype=torch.bfloat16):
@@ -277,8 +281,30 @@ def test_prefill_tiles_by_architecture():
         return constants["BLOCK_M"], constants["TILE_N"], constants["num_warps"]
 
     assert tile(90) == tile(None) == (128, 64, 8) and tile(90, head_dim=64) == (128, 64, 8)
-    assert tile(80) == (64, 32, 8) and tile(80, head_dim=64) == (64, 32, 4)
+    assert tile(80) == (64, 32, 8) and tile(80, head_dim=64) == (64, 32, 8)
     assert tile(90, head_dim=256) == (64, 32, 8) and tile(90, tokens=4) == (16, 32, 4)
+
+
+@pytest.mark.parametrize("group", [3, 5, 6, 4, 8])
+def test_tiles_pack_groups_without_padding(group, monkeypatch):
+    """A prefill tile holds as many tokens' query heads as fit (128 rows, a group of 3: 42 tokens, 126 rows),
+    not a group padded to a power of two (32 tokens); launched alone, the first tile writes its tokens and
+    nothing of the next one's, whose heads its last rows would hold (the next tile writes them)."""
+    from inflight.ops import triton_ops
+
+    dtype = torch.float16
+    arch = triton_ops._arch(torch.device(DEVICE))
+    grid, constants = triton_ops.attention_meta(1000, 1, group, 1, 64, 16, dtype, arch=arch)
+    tokens = constants["BLOCK_Q"]
+    assert tokens == constants["BLOCK_M"] // group and (DEVICE == "cuda" or constants["BLOCK_M"] == 128)
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch([(7, 2 * tokens)], 16, 1, group, 64, dtype)
+    meta = triton_ops.attention_meta
+    monkeypatch.setattr(triton_ops, "attention_meta", lambda *a, **k: ((1, 1, 1), meta(*a, **k)[1]))
+    out = torch.full_like(query, float("nan"))
+    triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125, out=out, num_splits=1)
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, 0.125)
+    assert (out[:tokens].float() - expected[:tokens].float()).abs().max().item() <= TOLERANCE[dtype]
+    assert out[tokens:].isnan().all()
 
 
 @pytest.mark.parametrize("case", ["mixed", "chunk-mid-sequence", "context-block-size-plus-one", "sliding-window",

@@ -212,7 +212,7 @@ def _paged_attention_kernel(
     stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_bt,
     SLIDING_WINDOW: tl.constexpr,  # 0: none
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,  # query heads per KV head
+    GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # >1: each program takes 1/NUM_SPLITS of the keys, merged after (MERGE_LAST)
@@ -252,10 +252,15 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
 
+    # A tile's rows: BLOCK_Q tokens' GROUP query heads each, packed (a group of 3 takes 126 rows of 128, not
+    # 96 as a group padded to 4 did); the rows after the last whole token none (they would hold the next
+    # tile's token, which that tile writes; a decode's one token bounds its rows already).
     rows = tl.arange(0, BLOCK_M)
-    q_idx = first_q + rows // GROUP_PAD  # query token within the sequence's new tokens
-    head = kv_head * GROUP + rows % GROUP_PAD
-    row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+    q_idx = first_q + rows // GROUP  # query token within the sequence's new tokens
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = q_idx < q_len
+    if not DECODE and BLOCK_Q * GROUP < BLOCK_M:
+        row_ok = row_ok & (rows < BLOCK_Q * GROUP)
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     q_tok = (q_start + q_idx).to(tl.int64)
@@ -420,12 +425,12 @@ def _default_warps(decode: bool, head_dim: int, wide: bool, fp8_cache: bool) -> 
     """Measured on an H200 (bench_kernels.py --sweep, 2026-11-30, bfloat16, Llama-3-8B shape): 16-bit
     decode is fastest with 4 warps on all five decode mixes, head_dim 128 too (256 x 2k: 0.556 ms against
     0.882 ms with 8; the other parameters as here). Compiled float32 decodes take 4 as well (with 8,
-    ptxas on sm_80 caps them at 64 registers and spills: scripts/compile_kernels.py); prefill with
-    head_dim 128, float32 prefill tiles and prefill over an fp8 cache keep 8 (with 4, a float32 model's
-    over fp8 spilled on sm_80)."""
-    if decode:
-        return 4
-    return 8 if head_dim > 64 or wide or fp8_cache else 4
+    ptxas on sm_80 caps them at 64 registers and spills: scripts/compile_kernels.py). Prefill tiles take 8:
+    with head_dim 128, in float32 and over an fp8 cache (with 4, a float32 model's over fp8 spilled on
+    sm_80), and since 2026-12-05 the 64-row tiles of heads of 64 before Hopper too (with 4, once the
+    default model's group of 3 was packed unpadded, a float32 model's over a bfloat16 cache spilled 20
+    bytes on sm_80 under triton 3.8); Hopper's 128-row tiles take 8 (attention_meta)."""
+    return 4 if decode else 8
 
 
 def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -466,7 +471,6 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
     if new_kv and (decode or num_splits > 1):
         raise ValueError("new keys and values are read by prefill tiles only, whole (num_splits 1)")
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
     # A decode batch (or the decodes that lead a mixed one, launched apart: paged_attention) takes 16 rows,
     # one token's query heads; prefill tiles are tall. Compiled float32 prefill tiles take twice the
     # registers: half the rows, and with heads over 64 half the keys, as float32 decodes with heads over 64
@@ -483,8 +487,9 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
     # the window run unmasked, ptxas kept the Llama-3-8B shape's to 64 registers on sm_80 (triton 3.8) and
     # spilled 8 bytes (with 16, 60-64 registers on both targets and tritons; Gemma 2's heads of 256 keep 32).
     window_wide = wide and sliding_window and 64 < head_dim <= 128
-    block_m = max(block_m or (16 if decode or window_wide else 32 if wide else 128 if tall else 64), group_pad, 16)
-    block_q = block_m // group_pad
+    block_m = max(block_m or (16 if decode or window_wide else 32 if wide else 128 if tall else 64),
+                  triton.next_power_of_2(group), 16)
+    block_q = block_m // group
     default_tile_n = 16 if wide and head_dim > 64 else 64 if tall else 32
     merge_last = merge_last and num_splits > 1 and head_dim <= 128 and hopper and not wide
     if decode and fp8_cache and head_dim <= 64:
@@ -494,7 +499,7 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
         default_tile_n = 16
     constants = dict(
         SLIDING_WINDOW=sliding_window or 0,
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
         NUM_SPLITS=num_splits, DECODE=decode, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
         SOFTCAP=(softcap or 0.0) * LOG2_E, HAS_SINKS=sinks, NEW_KV=new_kv, MERGE_LAST=merge_last,
