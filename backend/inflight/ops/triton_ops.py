@@ -421,16 +421,14 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     return splits
 
 
-def _default_warps(decode: bool, head_dim: int, wide: bool, fp8_cache: bool) -> int:
-    """Measured on an H200 (bench_kernels.py --sweep, 2026-11-30, bfloat16, Llama-3-8B shape): 16-bit
-    decode is fastest with 4 warps on all five decode mixes, head_dim 128 too (256 x 2k: 0.556 ms against
-    0.882 ms with 8; the other parameters as here). Compiled float32 decodes take 4 as well (with 8,
-    ptxas on sm_80 caps them at 64 registers and spills: scripts/compile_kernels.py). Prefill tiles take 8:
-    with head_dim 128, in float32 and over an fp8 cache (with 4, a float32 model's over fp8 spilled on
-    sm_80), and since 2026-12-05 the 64-row tiles of heads of 64 before Hopper too (with 4, once the
-    default model's group of 3 was packed unpadded, a float32 model's over a bfloat16 cache spilled 20
-    bytes on sm_80 under triton 3.8); Hopper's 128-row tiles take 8 (attention_meta)."""
-    return 4 if decode else 8
+# Warps: measured on an H200 (bench_kernels.py --sweep, 2026-11-30, bfloat16, Llama-3-8B shape), 16-bit decode
+# is fastest with 4 on all five decode mixes, head_dim 128 too (256 x 2k: 0.556 ms against 0.882 ms with 8; the
+# other parameters as here). Compiled float32 decodes take 4 as well (with 8, ptxas on sm_80 caps them at 64
+# registers and spills: scripts/compile_kernels.py). Prefill tiles take 8: with head_dim 128, in float32 and
+# over an fp8 cache (with 4, a float32 model's over fp8 spilled on sm_80), Hopper's tiles of 128 rows, and
+# since 2026-12-05 the 64-row tiles of heads of 64 before Hopper too (with 4, once the default model's group of
+# 3 was packed unpadded, a float32 model's over a bfloat16 cache spilled 20 bytes on sm_80 under triton 3.8).
+DECODE_WARPS, PREFILL_WARPS = 4, 8
 
 
 def attention_meta(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -503,7 +501,7 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n or max(default_tile_n, block_size),
         NUM_SPLITS=num_splits, DECODE=decode, DOT_FP32=dtype == torch.float32 or _INTERPRETED,
         SOFTCAP=(softcap or 0.0) * LOG2_E, HAS_SINKS=sinks, NEW_KV=new_kv, MERGE_LAST=merge_last,
-        num_warps=num_warps or (8 if tall else _default_warps(decode, head_dim, wide, fp8_cache)),
+        num_warps=num_warps or (DECODE_WARPS if decode else PREFILL_WARPS),
     )
     if num_stages is not None:
         constants["num_stages"] = num_stages
