@@ -294,7 +294,7 @@ def test_tiles_pack_groups_without_padding(group, monkeypatch):
 
     dtype = torch.float16
     arch = triton_ops._arch(torch.device(DEVICE))
-    grid, constants = triton_ops.attention_meta(1000, 1, group, 1, 64, 16, dtype, arch=arch)
+    constants = triton_ops.attention_meta(1000, 1, group, 1, 64, 16, dtype, arch=arch)[1]
     tokens = constants["BLOCK_Q"]
     assert tokens == constants["BLOCK_M"] // group and (DEVICE == "cuda" or constants["BLOCK_M"] == 128)
     query, key_cache, value_cache, cu, seq_lens, tables = make_batch([(7, 2 * tokens)], 16, 1, group, 64, dtype)
