@@ -278,6 +278,7 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
 
         decodes = leading_decodes(seqs)  # (counted once a step by the engine, not at each launch)
         window = WINDOWS.get(name)
+        reach = window or sys.maxsize  # the most keys a query sees
 
         def ours_with(**params):
             params = dict(num_decodes=decodes) | params
@@ -287,7 +288,7 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         ours = kernel_seconds(ours_with)
         # torch: the same sequences contiguous and padded into one batch (what SDPA can take); under a
         # window (decodes only), the keys inside it.
-        max_len, max_q = min(int(seq_lens.max()), window or sys.maxsize), int((cu[1:] - cu[:-1]).max())
+        max_len, max_q = min(int(seq_lens.max()), reach), int((cu[1:] - cu[:-1]).max())
         k = torch.randn(len(seqs), kv_heads, max_len, head_dim, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
         q = torch.randn(len(seqs), heads, max_q, head_dim, device="cuda", dtype=dtype)
@@ -299,7 +300,7 @@ def bench_shape(shape: str, dtype, block_size: int, bandwidth: float, do_sweep: 
         theirs = kernel_seconds(sdpa)
         decode = all(n == 1 for _, n in seqs)
         if decode:
-            keys = sum(min(c + n, window or sys.maxsize) for c, n in seqs)
+            keys = sum(min(c + n, reach) for c, n in seqs)
             kv_bytes = keys * 2 * kv_heads * head_dim * kc.element_size()
             rate = (f"{kv_bytes / ours / 1e12:.2f} TB/s ({kv_bytes / ours / bandwidth:.0%}), "
                     f"{kv_bytes / theirs / 1e12:.2f} TB/s")

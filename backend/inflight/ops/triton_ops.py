@@ -2,17 +2,17 @@
 
 `paged_attention` is one launch for a ragged mix of prefill chunks and decodes, in the manner of
 vLLM's unified attention (ideas only, the code is ours): a program takes a tile of BLOCK_Q query tokens
-of one sequence times the query heads that share one KV head (packed into BLOCK_M rows, so GQA reads
-each key once per group), walks that sequence's keys tile by tile through its block table, and keeps
+of one sequence times the query heads that share one KV head (packed into BLOCK_M rows unpadded, so GQA
+reads each key once per group), walks that sequence's keys tile by tile through its block table, and keeps
 an online softmax in float32. Programs are laid out per sequence at `cu_seqlens_q[s] // BLOCK_Q + s`,
 so each finds its sequence by a binary search, with no host-side work per step; in a decode batch (as
 many tokens as sequences: one each) program s is sequence s's. The decodes that lead a mixed batch (the
 engine schedules them first: `num_decodes`) are launched as a decode batch of their own, so that each
 does not take a prefill tile of BLOCK_M rows for its few query heads. Keys before a tile's
-first query are visible to all its rows, so whole tiles of them run without masks; only the tiles at
-the causal edge (or in a sliding window) are masked. The block table is read once per page of keys; in the
-loop over unmasked tiles a tile ahead, so that Triton's pipeliner keeps the next tiles' keys and values in
-flight. The softmax runs on exp2, with log2(e) folded into the scale.
+first query (and, under a sliding window, inside its last query's window) are visible to all its rows, so
+whole tiles of them run without masks; only the tiles at the causal edge and where a window begins are
+masked. The block table is read once per page of keys; in the loop over unmasked tiles a tile ahead, so
+that Triton's pipeliner keeps the next tiles' keys and values in flight. The softmax runs on exp2, with log2(e) folded into the scale.
 
 Split-KV (flash-decoding): a decode batch too small to fill the GPU with (sequence, KV head) programs
 splits each context into NUM_SPLITS ranges of whole tiles, one program each (a third grid axis); each
