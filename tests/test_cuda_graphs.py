@@ -158,7 +158,7 @@ def test_graphs_replay_plain_decode_steps_alone():
     graphs = DecodeGraphs(lambda step: None, buffers, max_seqs=6)
     plain = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
     assert not graphs.covers(plain)  # nothing captured yet
-    graphs._graphs = {(size, False): None for size in graphs.sizes}  # (what capture() fills, on a GPU)
+    graphs._graphs = {key: None for key in graphs.keys()}  # (what capture() fills, on a GPU)
     assert graphs.covers(plain) and graphs.covers(decode_step([5] * 6, [[1]] * 6))
     assert not graphs.covers(decode_step([5] * 7, [[1]] * 7))  # beyond the largest bucket
     reordered = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
@@ -170,6 +170,52 @@ def test_graphs_replay_plain_decode_steps_alone():
     virtual = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
     virtual.embeds_at, virtual.embeds = np.array([1]), torch.zeros(1, 8)
     assert not any(graphs.covers(step) for step in (reordered, fewer, prefill, virtual))
+    # Under speculative decoding, graphs of 3 tokens a sequence take those (their logits anywhere), up to 4
+    # sequences, but no longer sequences, nor more sequences, nor virtual tokens.
+    verifying = DecodeGraphs(lambda step: None, buffers, max_seqs=6, verify_len=3, verify_seqs=4)
+    verifying._graphs = {key: None for key in verifying.keys()}
+    expected = [(1, n, False) for n in (1, 2, 4, 6)] + [(3, n, False) for n in (1, 2, 4)]
+    assert sorted(verifying.keys()) == sorted(expected)
+    assert [length * size for length, size, _ in verifying.keys()] == [12, 6, 6, 4, 3, 2, 1]  # most tokens first
+    chunks = StepInputs(np.arange(6), np.arange(6), np.arange(6), np.array([0, 3, 4, 6]), np.array([9, 5, 8]),
+                        np.array([[1], [2], [3]]), np.array([2, 3, 4, 5]))
+    assert all(verifying._query_len(step) == 3 for step in (reordered, fewer, chunks))
+    assert verifying._query_len(plain) == 1
+    wide = decode_step([5] * 5, [[1]] * 5)
+    wide.logits_at = np.array([1, 0, 2, 3, 4])
+    virtual_chunks = StepInputs(np.arange(6), np.arange(6), np.arange(6), np.array([0, 3, 4, 6]), np.array([9, 5, 8]),
+                                np.array([[1], [2], [3]]), np.array([2, 3, 5]), embeds_at=np.array([0]),
+                                embeds=torch.zeros(1, 8))
+    assert not any(verifying.covers(step) for step in (prefill, wide, virtual_chunks))  # 4 tokens; 5 sequences
+
+
+def test_uniform_step_pads_each_sequence_to_the_verify_length():
+    """A step that verifies drafts, laid out for a graph of 4 sequences of 3 tokens: each sequence's tokens
+    keep their order and context (its length less its query), its padding tokens follow them (the last
+    position again, no KV written, their logits unread), padding sequences after; a token in flight and
+    each logits row land where their token went."""
+    from inflight.cuda_graphs import uniform_step
+
+    ints = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    # three sequences: 2 tokens at positions 7-8, 1 at 4, 3 at 10-12 (the second's token in flight)
+    step = StepInputs(ints([11, 12, -1, 31, 32, 33]), ints([7, 8, 4, 10, 11, 12]), ints([23, 24, 52, 90, 91, 92]),
+                      ints([0, 2, 3, 6]), ints([9, 5, 13]), ints([[1, 2], [3, 0], [5, 6]]), ints([1, 0, 3, 4, 5]),
+                      pending_at=ints([2]), pending_rows=ints([7]), lora_ids=ints([1, 1, 0, 2, 2, 2]))
+    padded, rows = uniform_step(step, seqs=4, query_len=3)
+    assert padded.input_ids.tolist() == [11, 12, 0, -1, 0, 0, 31, 32, 33, 0, 0, 0]
+    assert padded.positions.tolist() == [7, 8, 8, 4, 4, 4, 10, 11, 12, 0, 0, 0]
+    assert padded.slot_mapping.tolist() == [23, 24, -1, 52, -1, -1, 90, 91, 92, -1, -1, -1]
+    assert padded.cu_seqlens.tolist() == [0, 3, 6, 9, 12]
+    assert padded.seq_lens.tolist() == [10, 7, 13, 3]  # contexts 7, 4, 10 (and 0) as before
+    assert (padded.seq_lens - np.diff(padded.cu_seqlens)).tolist()[:3] == \
+        (step.seq_lens - np.diff(step.cu_seqlens)).tolist()
+    assert padded.block_tables.tolist() == [[1, 2], [3, 0], [5, 6], [0, 0]]
+    assert padded.lora_ids.tolist() == [1, 1, 0, 0, 0, 0, 2, 2, 2, 0, 0, 0]
+    assert padded.pending_at.tolist() == [3] and padded.pending_rows.tolist() == [7]
+    assert rows.tolist() == [1, 0, 6, 7, 8]
+    buffers = InputBuffers(max_tokens=16, max_seqs=4, max_blocks=4, device=torch.device("cpu"))
+    loaded = buffers.load(padded, sampled=torch.arange(100, 110))
+    assert loaded.input_ids.tolist()[:6] == [11, 12, 0, 107, 0, 0]  # the token in flight, from the device
 
 
 def test_auto_device_and_dtype(tiny_models):

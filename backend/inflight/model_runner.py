@@ -105,8 +105,10 @@ class ModelRunner:
         self.lora = LoRAAdapters(self.model, config.lora_modules, dtype, self.device) if config.lora_modules else None
         self.sliding_window = self._check_attention_calls()  # every layer's, when they share one; else None
         self.max_model_len = self._max_model_len()
+        # (a step verifying drafts in a CUDA graph pads a sequence's tokens to the verify length: its
+        # table is read that far past max_model_len)
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                                    -(-self.max_model_len // self.block_size), self.device)
+                                    -(-(self.max_model_len + self._verify_len() - 1) // self.block_size), self.device)
         self.table_rows = BlockTableRows()
         if self._use_packed_weights():
             # A step samples one row a sequence: the output head needs no more rows, prompt logprobs aside.
@@ -146,7 +148,8 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         """The decode steps' graphs; None, with a warning, where the model cannot be captured (modeling code
         that waits for the GPU in its forward, as some mixtures of experts' routing does): eager decodes."""
-        graphs = DecodeGraphs(self._forward, self.buffers, self.config.max_num_seqs, lora=self.lora is not None)
+        graphs = DecodeGraphs(self._forward, self.buffers, self.config.max_num_seqs, lora=self.lora is not None,
+                              verify_len=self._verify_len(), verify_seqs=self._verify_seqs())
         try:
             graphs.capture()
         except torch.OutOfMemoryError:
@@ -156,6 +159,20 @@ class ModelRunner:
                            self.hf_config.model_type, e)
             return None
         return graphs
+
+    def _verify_len(self) -> int:
+        """Tokens a sequence in a step that verifies n-gram drafts: its last token and the drafts (1: none)."""
+        spec = self.config.speculative_config
+        return 1 if spec is None else spec.num_speculative_tokens + 1
+
+    def _verify_seqs(self) -> int:
+        """The most sequences a step that verifies drafts has: fewer than disable_by_batch_size, and each a
+        verify length within the token budget."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return 0
+        limit = self.config.max_num_seqs if spec.disable_by_batch_size is None else spec.disable_by_batch_size - 1
+        return min(limit, self.config.max_num_seqs, self.config.max_num_batched_tokens // self._verify_len())
 
     def _compile(self) -> None:
         """torch.compile the model (our attention stays a graph break: attention.py), with dynamic shapes,

@@ -12,7 +12,8 @@ does not take a prefill tile of BLOCK_M rows for its few query heads. Keys befor
 first query (and, under a sliding window, inside its last query's window) are visible to all its rows, so
 whole tiles of them run without masks; only the tiles at the causal edge and where a window begins are
 masked. The block table is read once per page of keys; in the loop over unmasked tiles a tile ahead, so
-that Triton's pipeliner keeps the next tiles' keys and values in flight. The softmax runs on exp2, with log2(e) folded into the scale.
+that Triton's pipeliner keeps the next tiles' keys and values in flight. The softmax runs on exp2, with
+log2(e) folded into the scale.
 
 Split-KV (flash-decoding): a decode batch too small to fill the GPU with (sequence, KV head) programs
 splits each context into NUM_SPLITS ranges of whole tiles, one program each (a third grid axis); each
