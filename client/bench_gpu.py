@@ -8,7 +8,9 @@ files under models/): random-weight models built from the default model's shape 
    time and kernel launches per step (torch profiler);
 3. offline output tok/s on the 1.2B shape for inflight, HF continuous batching at its best (CUDA graphs
    and async batching) and HF static batching (one batch), on a workload shaped like nano-vllm's
-   benchmark (inputs and outputs of 100 to 1024 tokens), scaled down.
+   benchmark (inputs and outputs of 100 to 1024 tokens), scaled down;
+4. the step of a served load where requests keep arriving (127 decodes and a new 512-token prompt),
+   both shapes, with the steps of prompt chunks replaying graphs and eager.
 
 With --all, the decode step and offline rate also for the other modes, one change each from the
 defaults: torch_compile, transformers' own layers, one step at a time, and eager (EXTRA_MODES: what the
@@ -64,7 +66,9 @@ MODES = {  # engine settings compared, by the name --skip takes, in the order th
 # A sampled decode step as users ask for it: per-row parameters and penalties on the device each step,
 # still overlapped with the step in flight (the `sampled` rows of the decode table).
 SAMPLED = dict(temperature=0.7, top_p=0.9, repetition_penalty=1.1)
-PARTS = (*MODES, "sampled", "greedy", "hf-cb", "hf-static")  # what --skip can leave out, to fit a session's time
+PARTS = (*MODES, "sampled", "greedy", "hf-cb", "hf-static", "arrivals")  # what --skip can leave out, to fit a
+# session's time
+ARRIVAL_TOKENS = 512  # the prompt that arrives at every step of the arrivals table
 EXTRA_MODES = ("compile", "unfused", "sync", "eager")  # measured only with --all
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True)
@@ -168,27 +172,33 @@ def greedy_agreement(ours: Greedy, reference: Greedy) -> str:
 
 
 def decode_step(model_dir: str, device: str, sequences: int, steps: int, sampling: dict | None = None,
-                **settings) -> dict:
+                arrival_tokens: int = 0, **settings) -> dict:
     """The engine's decode step with `sequences` running (prompts of 128 tokens already computed), each
-    sampling at temperature 1 or with the `sampling` parameters."""
+    sampling at temperature 1 or with the `sampling` parameters; with `arrival_tokens`, each step one of
+    them ends (aborted) and a request of a prompt of that many tokens arrives: a step of the others'
+    decodes and that prompt, as a served load's steps are when requests keep arriving."""
     from inflight import SamplingParams
 
     llm = engine(model_dir, device, measured_dtype(device), max_num_seqs=max(sequences, 8),
-                 max_num_batched_tokens=max(4096, sequences), **settings)
+                 max_num_batched_tokens=max(4096, sequences + arrival_tokens), **settings)
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True, **(sampling or dict(temperature=1.0)))
     for i, prompt in enumerate(make_workload(sequences, 5, (128, 128)).prompts):
-        llm.add_request(f"s{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True,
-                                                        **(sampling or dict(temperature=1.0))))
+        llm.add_request(f"s{i}", prompt, params)
     while llm.stats()["num_waiting"] or any(s.num_computed_tokens < s.num_prompt_tokens
                                             for s in llm.scheduler.running):
         llm.step()
+    running = [f"s{i}" for i in range(sequences)]
+    arrivals = enumerate(make_workload(3 * steps + 3, 6, (arrival_tokens, arrival_tokens)).prompts) \
+        if arrival_tokens else None
+    step = functools.partial(arrive_and_step, llm, running, arrivals, params)
     for _ in range(3):  # warm-up
-        llm.step()
+        step()
     sync()
     # Steps back to back, one wait at the end: a wait after each step would stop async scheduling from
     # launching the next step before the host reads this one's tokens, and add that time to every step.
     start = time.perf_counter()
     for _ in range(steps):
-        llm.step()
+        step()
     sync()
     result = {"wall_ms": 1000 * (time.perf_counter() - start) / steps, "gpu_ms": None, "launches": None, "top": []}
     if device == "cuda":
@@ -196,7 +206,7 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int, samplin
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                llm.step()
+                step()
             sync()
         try:
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -208,9 +218,20 @@ def decode_step(model_dir: str, device: str, sequences: int, steps: int, samplin
     for request_id in llm.unfinished_request_ids():
         llm.abort(request_id)
     llm.step()
-    del llm
+    del llm, step
     release()
     return result
+
+
+def arrive_and_step(llm, running: list[str], arrivals, params) -> None:
+    """One engine step; with `arrivals` ((number, prompt) pairs), first the oldest request of `running`
+    ends (aborted) and one of them arrives."""
+    if arrivals is not None:
+        llm.abort(running.pop(0))
+        number, prompt = next(arrivals)
+        running.append(f"a{number}")
+        llm.add_request(running[-1], prompt, params)
+    llm.step()
 
 
 def top_kernels(kernels, steps: int, count: int = 8) -> list[str]:
@@ -449,6 +470,32 @@ def decode_table(report: "Report", keys: list[str], built: dict[str, str], devic
     return targets
 
 
+def arrivals_table(report: "Report", built: dict[str, str], device: str, sequences: int, steps: int,
+                   prompt_tokens: int) -> None:
+    """Steps of a served load, where requests keep arriving: each step the decodes of `sequences` - 1
+    running sequences and one new prompt of `prompt_tokens` tokens, both shapes, on the engine's defaults
+    (the step replays the graph of its token bucket) and with those steps eager (cuda_graph_max_tokens 0)."""
+    report.add("", f"| step of {sequences - 1} decodes and a prompt of {prompt_tokens} tokens (one request ends "
+                   f"and one arrives each step) | wall (ms, {steps} steps back to back) | GPU busy (ms) | kernel "
+                   "launches |", "|---|---:|---:|---:|")
+    mode, settings = MODES["graphs"]
+    for (name, model_dir), (how, more) in itertools.product(
+            built.items(), ((f"{mode}, steps with prompt chunks from graphs", {}),
+                            (f"{mode}, steps with prompt chunks eager", dict(cuda_graph_max_tokens=0)))):
+        try:
+            r = decode_step(model_dir, device, sequences, steps, arrival_tokens=prompt_tokens, **settings, **more)
+        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+            r = failure(e)
+        report.took(f"arrivals, {name}, {how}")
+        if isinstance(r, str):
+            release()
+            report.add(f"| {name}, {how} | {r} | | |")
+            continue
+        gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
+        launches = "-" if r["launches"] is None else f"{r['launches']:.0f}"
+        report.add(f"| {name}, {how} | {r['wall_ms']:.2f} | {gpu} | {launches} |")
+
+
 def offline_table(report: "Report", keys: list[str], built: dict[str, str], device: str, work: Workload,
                   peers: set[str]) -> dict[str, float | None]:
     """The offline table on the last shape: the graphed modes of `keys` and the HF `peers` after the
@@ -553,6 +600,8 @@ def main() -> None:
         report.add("", "| target (the GPU engine issue, on an H200) | measured | met |",
                    "|---|---:|---|", *(f"| {what} | {value} | {'yes' if met else 'no'} |"
                                        for what, value, met in targets))
+        if "arrivals" not in skip:
+            arrivals_table(report, built, device, sequences, steps, 16 if args.smoke else ARRIVAL_TOKENS)
         if args.host_profile:
             for sampling, what in ((None, ""), (SAMPLED, f", {sampled_words()}")):
                 report.add("", f"host profile, {name}, decode steps of {sequences} sequences{what}:", "```",

@@ -29,11 +29,13 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 want() { [[ " ${PARTS:-tests-engine bench-gpu bench-kernels tests-kernels} " == *" $1 "* ]]; }
 # (-m "not slow": those run the default model, whose weights the device does not have.)
 # (-v: a run cut by its time limit still names what passed and what was running.)
+# TESTS_K: a pytest -k expression choosing some of them, e.g. "on_a_gpu" (the graphs of steps with prompt
+# chunks and of drafts against eager, and drafts beside graphs: what 2026-12-05 added, uncompiled before).
 want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -v --durations=15 -p no:cacheprovider -m "not slow" \
   tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py tests/test_engine_behaviour.py \
   tests/test_async_scheduling.py tests/test_lora.py tests/test_beam_search.py tests/test_speculative.py \
   tests/test_prompt_embeds.py tests/test_sliding_window.py \
-  -k "(cuda or graphs or auto or padded or bucket or step_inputs or gpu or pipeline) and not more_model_types"
+  -k "${TESTS_K:-(cuda or graphs or auto or padded or bucket or step_inputs or gpu or pipeline) and not more_model_types}"
 # The other model types (README "Models") on CUDA: their kernels' softcap and sinks compiled, and whether
 # each captures in CUDA graphs (the warnings summary names those whose decode steps ran eagerly).
 want tests-models && part tests-models "${MODELS_S:-240}" python3 -m pytest -q -p no:cacheprovider \

@@ -166,6 +166,37 @@ class HFReference:
         return self._cache[key]
 
 
+class EagerGraph:
+    """A captured graph's stand-in on a CPU: a replay runs the forward over what the input buffers hold
+    now, into the same output tensor, as a CUDA graph's replay does (through fresh views: the CPU attention
+    keeps its plan by the views' identity)."""
+
+    def __init__(self, graphs, shape):
+        self._run = lambda: graphs._forward(graphs.step_tensors(shape))
+        graphs.step_tensors(shape, padding=True)
+        self.logits = self._run()
+
+    def replay(self):
+        self.logits.copy_(self._run())
+
+
+def graphs_on_a_cpu(llm, max_tokens: int | None = None):
+    """The engine's step graphs as capture() makes them on a GPU (up to `max_tokens` tokens of a step with
+    prompt chunks: the setting's by default), each an EagerGraph, so that a CPU runs the steps through the
+    graphs' padded layouts and buffers."""
+    from inflight.cuda_graphs import StepGraphs
+
+    runner = llm.runner
+    graphs = StepGraphs(runner._forward, runner.buffers, runner.config.max_num_seqs, lora=runner.lora is not None,
+                        verify_len=runner._verify_len(), verify_seqs=runner._verify_seqs(),
+                        max_tokens=runner.config.cuda_graph_max_tokens if max_tokens is None else max_tokens)
+    for shape in graphs.shapes():
+        graph = EagerGraph(graphs, shape)
+        graphs._graphs[shape] = (graph, graph.logits)
+    runner.graphs = graphs
+    return graphs
+
+
 @contextlib.contextmanager
 def concurrently(calls, timeout: float):
     """Run each call on a thread of its own while the body runs; wait for all of them at the end, and

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import graphs_on_a_cpu, random_prompts
 from inflight import LLM, SamplingParams
 from inflight.cuda_graphs import bucket_sizes
 from inflight.input_buffers import BlockTableRows, InputBuffers, StepInputs
@@ -148,18 +148,21 @@ def test_padded_decode_step_reads_harmless_rows():
         buffers.load(decode_step([5], [[1, 2, 3, 4, 5]]))
 
 
-def test_graphs_replay_plain_decode_steps_alone():
-    """What a captured graph can run (DecodeGraphs.covers, decided on the host): a decode step of at most
-    the largest bucket's sequences, each sampling its own row in order, no virtual prompt token; not a
-    prefill chunk, a step asking for other logits, a larger batch, nor anything before capture."""
-    from inflight.cuda_graphs import DecodeGraphs
+def test_which_graph_runs_a_step():
+    """What a captured graph can run (StepGraphs.covers, decided on the host): a decode step of at most
+    the largest bucket's sequences, each sampling its own row in order; under speculative decoding a step
+    of sequences of at most the verify length (their logits anywhere); with cuda_graph_max_tokens, a step
+    of any kind up to the largest token bucket whose logits rows its bucket keeps. Never a step with
+    virtual prompt tokens, nor anything before capture."""
+    from inflight.cuda_graphs import GraphShape, StepGraphs, token_buckets
 
     buffers = InputBuffers(max_tokens=32, max_seqs=8, max_blocks=4, device=torch.device("cpu"))
-    graphs = DecodeGraphs(lambda step: None, buffers, max_seqs=6)
+    graphs = StepGraphs(lambda step: None, buffers, max_seqs=6, max_tokens=0)
     plain = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
     assert not graphs.covers(plain)  # nothing captured yet
-    graphs._graphs = {key: None for key in graphs.keys()}  # (what capture() fills, on a GPU)
-    assert graphs.covers(plain) and graphs.covers(decode_step([5] * 6, [[1]] * 6))
+    graphs._graphs = {shape: None for shape in graphs.shapes()}  # (what capture() fills, on a GPU)
+    assert graphs.shapes() == [GraphShape(n, n, 1, None) for n in (6, 4, 2, 1)]  # the most tokens first
+    assert graphs._shape(plain) == GraphShape(4, 4, 1, None) and graphs.covers(decode_step([5] * 6, [[1]] * 6))
     assert not graphs.covers(decode_step([5] * 7, [[1]] * 7))  # beyond the largest bucket
     reordered = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
     reordered.logits_at = np.array([0, 2, 1])
@@ -170,23 +173,106 @@ def test_graphs_replay_plain_decode_steps_alone():
     virtual = decode_step([5, 17, 3], [[7, 0], [2, 9], [4, 0]])
     virtual.embeds_at, virtual.embeds = np.array([1]), torch.zeros(1, 8)
     assert not any(graphs.covers(step) for step in (reordered, fewer, prefill, virtual))
-    # Under speculative decoding, graphs of 3 tokens a sequence take those (their logits anywhere), up to 4
-    # sequences, but no longer sequences, nor more sequences, nor virtual tokens.
-    verifying = DecodeGraphs(lambda step: None, buffers, max_seqs=6, verify_len=3, verify_seqs=4)
-    verifying._graphs = {key: None for key in verifying.keys()}
-    expected = [(1, n, False) for n in (1, 2, 4, 6)] + [(3, n, False) for n in (1, 2, 4)]
-    assert sorted(verifying.keys()) == sorted(expected)
-    assert [length * size for length, size, _ in verifying.keys()] == [12, 6, 6, 4, 3, 2, 1]  # most tokens first
+    # Under speculative decoding, graphs of 3 tokens a sequence, up to 4 sequences.
+    verifying = StepGraphs(lambda step: None, buffers, max_seqs=6, verify_len=3, verify_seqs=4, max_tokens=0)
+    verifying._graphs = {shape: None for shape in verifying.shapes()}
+    assert [(s.tokens, s.seqs, s.query_len) for s in verifying.shapes()] == \
+        [(12, 4, 3), (6, 6, 1), (6, 2, 3), (4, 4, 1), (3, 1, 3), (2, 2, 1), (1, 1, 1)]
     chunks = StepInputs(np.arange(6), np.arange(6), np.arange(6), np.array([0, 3, 4, 6]), np.array([9, 5, 8]),
                         np.array([[1], [2], [3]]), np.array([2, 3, 4, 5]))
-    assert all(verifying._query_len(step) == 3 for step in (reordered, fewer, chunks))
-    assert verifying._query_len(plain) == 1
+    assert all(verifying._shape(step) == GraphShape(12, 4, 3, None) for step in (reordered, fewer, chunks))
+    assert verifying._shape(plain).query_len == 1
     wide = decode_step([5] * 5, [[1]] * 5)
     wide.logits_at = np.array([1, 0, 2, 3, 4])
     virtual_chunks = StepInputs(np.arange(6), np.arange(6), np.arange(6), np.array([0, 3, 4, 6]), np.array([9, 5, 8]),
                                 np.array([[1], [2], [3]]), np.array([2, 3, 5]), embeds_at=np.array([0]),
                                 embeds=torch.zeros(1, 8))
     assert not any(verifying.covers(step) for step in (prefill, wide, virtual_chunks))  # 4 tokens; 5 sequences
+    # Steps with prompt chunks: buckets of tokens over max_seqs sequences, as many logits rows as both allow.
+    assert token_buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert token_buckets(300) == [16, 32, 64, 128, 256, 300] and token_buckets(0) == []
+    ragged = StepGraphs(lambda step: None, buffers, max_seqs=6, max_tokens=32)
+    ragged._graphs = {shape: None for shape in ragged.shapes()}
+    assert [s for s in ragged.shapes() if s.query_len == 0] == [GraphShape(32, 6, 0, 6), GraphShape(16, 6, 0, 6)]
+    assert ragged._shape(prefill) == GraphShape(16, 6, 0, 6) and ragged._shape(plain).query_len == 1
+    assert all(ragged._shape(step) == GraphShape(16, 6, 0, 6) for step in (reordered, fewer, chunks))
+    long_chunk = StepInputs(np.arange(20), np.arange(20), np.arange(20), np.array([0, 1, 20]), np.array([9, 19]),
+                            np.array([[1], [2]]), np.arange(7))  # 7 logits rows (prompt logprobs, say)
+    assert not ragged.covers(long_chunk)  # more logits rows than a bucket keeps
+    long_chunk.logits_at = np.array([0, 19])
+    assert ragged._shape(long_chunk) == GraphShape(32, 6, 0, 6)
+    assert not ragged.covers(virtual)
+    # (no bucket of exactly max_seqs tokens: the attention would take it for a decode batch)
+    assert StepGraphs(lambda step: None, buffers, max_seqs=16, max_tokens=32).token_buckets == [32]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "pipelined"])
+def test_steps_with_prompt_chunks_replay_graphs_of_their_token_bucket(tiny_models, hf_reference, async_scheduling):
+    """On a GPU a step with prompt chunks (alone, or after decodes) of up to cuda_graph_max_tokens tokens
+    replays the graph of its token bucket over max_num_seqs sequences (cuda_graphs.ragged_step). Run here
+    with the graphs' replays as eager forwards over the same buffers, under chunked prefill, preemption and
+    the prefix cache: every output is HF's, the steps of chunks and decodes together were replayed with
+    padding tokens and sequences, and a step wanting more logits rows than its bucket keeps (prompt
+    logprobs) ran eagerly, with the prompt logprobs of the engine without graphs."""
+    model = tiny_models["llama"]
+    prompts = random_prompts(10, 1, 90, vocab=512, seed=13)
+    settings = dict(num_kv_blocks=28, max_num_seqs=6, max_num_batched_tokens=48, async_scheduling=async_scheduling)
+    llm = LLM(model, **settings)
+    graphs = graphs_on_a_cpu(llm)
+    assert graphs.token_buckets == [16, 32, 48] and graphs.sizes == [1, 2, 4, 6]
+    replay, replayed = graphs.replay, []
+
+    def recording_replay(inputs, sampled=None):
+        shape = graphs._shape(inputs)
+        if shape is not None:
+            replayed.append((shape, np.diff(inputs.cu_seqlens).tolist()))
+        return replay(inputs, sampled)
+
+    graphs.replay = recording_replay
+    for round_ in range(2):  # (the second finds the prompts' blocks in the prefix cache)
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == [hf_reference(model, p, GREEDY.max_tokens) for p in prompts], round_
+    ragged = [(shape, counts) for shape, counts in replayed if shape.query_len == 0]
+    assert graphs.ragged_replays == len(ragged) > 0
+    assert any(1 in counts and max(counts) > 1 for _, counts in ragged), "decodes beside a chunk were meant to replay"
+    assert any(sum(counts) < shape.tokens for shape, counts in ragged)
+    assert len({shape.tokens for shape, _ in ragged}) > 1, "steps were meant to replay several buckets"
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    llm.block_manager.check_all_free()
+    logprobs = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    replays, ragged_replays = graphs.replays, graphs.ragged_replays
+    (out,) = llm.generate([prompts[1]], logprobs)
+    (expected,) = LLM(model, **settings).generate([prompts[1]], logprobs)
+    assert out.token_ids == expected.token_ids and graphs.replays > replays  # (its decodes)
+    assert graphs.ragged_replays == ragged_replays  # (its chunks want a row a token)
+    assert [{k: (v.rank, round(v.logprob, 4)) for k, v in entry.items()} if entry else entry
+            for entry in out.prompt_logprobs] == \
+        [{k: (v.rank, round(v.logprob, 4)) for k, v in entry.items()} if entry else entry
+         for entry in expected.prompt_logprobs]
+
+
+def test_ragged_step_pads_tokens_and_sequences_that_attention_leaves_alone():
+    """A step with prompt chunks laid out for a graph of 16 tokens over 5 sequences: its tokens keep their
+    places, the padding tokens after them write no KV and belong to no sequence (the offsets end at its
+    last token), the padding sequences have no tokens, and its logits rows come first."""
+    from inflight.cuda_graphs import GraphShape, ragged_step
+
+    ints = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    step = StepInputs(ints([5, 6, 7, 8, 9]), ints([3, 0, 1, 2, 3]), ints([19, 32, 33, 34, 35]), ints([0, 1, 5]),
+                      ints([4, 4]), ints([[1], [2]]), ints([0, 4]), pending_at=ints([0]), pending_rows=ints([2]))
+    padded = ragged_step(step, GraphShape(16, 5, 0, 5))
+    assert padded.input_ids.tolist() == [5, 6, 7, 8, 9] + [0] * 11
+    assert padded.positions.tolist() == [3, 0, 1, 2, 3] + [0] * 11
+    assert padded.slot_mapping.tolist() == [19, 32, 33, 34, 35] + [-1] * 11
+    assert padded.cu_seqlens.tolist() == [0, 1, 5, 5, 5, 5] and padded.seq_lens.tolist() == [4, 4, 0, 0, 0]
+    assert padded.block_tables.tolist() == [[1], [2]] and padded.logits_at.tolist() == [0, 4, 0, 0, 0]
+    assert padded.pending_at.tolist() == [0] and padded.lora_ids is None
+    buffers = InputBuffers(max_tokens=16, max_seqs=5, max_blocks=4, device=torch.device("cpu"))
+    buffers.tables(buffers.host)[:] = 7  # (a row not written keeps what it held)
+    loaded = buffers.load(padded, sampled=torch.tensor([40, 41, 42]))
+    assert loaded.input_ids.tolist()[:5] == [42, 6, 7, 8, 9]
+    assert buffers.tables(buffers.host)[:, 0].tolist() == [1, 2, 7, 7, 7]
 
 
 def test_uniform_step_pads_each_sequence_to_the_verify_length():
@@ -224,6 +310,15 @@ def test_auto_device_and_dtype(tiny_models):
     assert (llm.config.max_num_seqs, llm.config.max_num_batched_tokens) == (64, 512)
 
 
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2048"])
+def test_cuda_graph_max_tokens_is_checked(value):
+    from inflight.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens must be an integer of at least 0"):
+        EngineConfig("m", device="cpu", cuda_graph_max_tokens=value)
+    assert EngineConfig("m", device="cpu", cuda_graph_max_tokens=0).cuda_graph_max_tokens == 0
+
+
 def test_batch_limits_default_per_device():
     """Unset, the batch limits suit the device: a GPU's step costs about the same for 64 or 256 decodes."""
     from inflight.config import EngineConfig
@@ -258,6 +353,24 @@ def test_graphs_equal_eager_in_bfloat16(tiny_models, family):
 
 
 @needs_cuda
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "pipelined"])
+def test_graphs_of_steps_with_prompt_chunks_equal_eager_on_a_gpu(tiny_models, async_scheduling):
+    """float32 on the GPU: steps with prompt chunks (alone and beside decodes, chunked, preempted) replayed
+    from graphs of their token buckets give the tokens of eager steps; max_num_seqs 16 leaves out the
+    bucket of 16 tokens (the attention would take it for a decode batch)."""
+    prompts = random_prompts(24, 1, 150, vocab=512, seed=21)
+    settings = dict(device="cuda", dtype="float32", num_kv_blocks=48, max_num_seqs=16, max_num_batched_tokens=64,
+                    async_scheduling=async_scheduling)
+    graphed = LLM(tiny_models["llama"], **settings)
+    assert graphed.runner.graphs.token_buckets == [32, 64]
+    outs = graphed.generate(prompts, GREEDY)
+    assert graphed.runner.graphs.ragged_replays > 0 and graphed.stats()["num_preemptions"] > 0
+    graphed.block_manager.check_all_free()
+    eager = LLM(tiny_models["llama"], cuda_graphs=False, **settings)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(prompts, GREEDY)]
+
+
+@needs_cuda
 def test_auto_is_the_gpu_in_bfloat16(tiny_models, monkeypatch):
     import inflight.config
 
@@ -266,24 +379,29 @@ def test_auto_is_the_gpu_in_bfloat16(tiny_models, monkeypatch):
     assert (llm.config.device, llm.runner.dtype, llm.runner.graphs is not None) == ("cuda", torch.bfloat16, True)
 
 
-def test_a_model_that_cannot_be_captured_decodes_eagerly(tiny_models, monkeypatch, caplog):
+@pytest.mark.parametrize("failing", ["all", "with prompt chunks"])
+def test_a_model_that_cannot_be_captured_runs_eagerly(tiny_models, monkeypatch, caplog, failing):
     """Where capturing fails (modeling code that waits for the GPU in its forward pass, as some mixtures of
-    experts route tokens), the engine starts with eager decode steps and says why, rather than not at
-    all. Here on a CPU, with a capture that fails as CUDA's does."""
-    from inflight import model_runner
+    experts route tokens), the engine starts with eager steps and says why, rather than not at all; where
+    only the graphs of steps with prompt chunks fail, it keeps the others. Here on a CPU, with a capture
+    that fails as CUDA's does."""
+    from inflight import cuda_graphs, model_runner
 
-    class FailingGraphs:
-        def __init__(self, *args, **kwargs):
-            pass
-
+    class FailingGraphs(cuda_graphs.StepGraphs):
         def capture(self):
-            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            if failing == "all" or self.token_buckets:
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
     monkeypatch.setattr(model_runner.ModelRunner, "_use_cuda_graphs", lambda self: True)
-    monkeypatch.setattr(model_runner, "DecodeGraphs", FailingGraphs)
+    monkeypatch.setattr(model_runner, "StepGraphs", FailingGraphs)
     with caplog.at_level("WARNING", logger="inflight.model_runner"):
         llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", num_kv_blocks=32)
-    assert llm.runner.graphs is None
-    assert "decode steps run eagerly: CUDA error: operation not permitted" in caplog.text
+    if failing == "all":
+        assert llm.runner.graphs is None
+        assert "its steps run eagerly: CUDA error: operation not permitted" in caplog.text
+    else:
+        assert llm.runner.graphs.sizes and not llm.runner.graphs.token_buckets
+        assert "prompt chunks could not be captured for model type llama, so those steps run eagerly" in caplog.text
+        llm.runner.graphs = None  # (nothing captured on a CPU to replay)
     out = llm.generate([[5, 6, 7]], GREEDY)[0]
     assert len(out.token_ids) == GREEDY.max_tokens

@@ -69,8 +69,12 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     rows = [f"| tiny (smoke), {mode} |" for mode in modes]
     rows.append(f"| tiny (smoke), {modes[0]}, sampling with temperature 0.7, top_p 0.9, repetition_penalty 1.1 |")
     rows += [f"| inflight, {mode} (" for mode in modes[:3]] + ["| HF continuous batching", "| HF static batching"]
+    # The steps of a served load, a prompt arriving at each: with its chunks replaying graphs and eager.
+    rows += [f"| tiny (smoke), {modes[0]}, steps with prompt chunks {how} |" for how in ("from graphs", "eager")]
     for row in rows:
         assert row in text, text
+    assert "| step of 7 decodes and a prompt of 16 tokens (one request ends and one arrives each step) |" in text
+    assert "] arrivals, tiny (smoke), " in result.stderr
     assert "torch_compile" not in text, text
     # The host's profile of decode steps, at temperature 1 and with the sampled rows' parameters.
     headings = re.findall(r"^host profile, tiny \(smoke\), decode steps of 8 sequences([^\n]*):$", text, re.M)

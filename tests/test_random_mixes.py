@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import concurrently
+from conftest import concurrently, graphs_on_a_cpu
 from inflight import LLM, SamplingParams, faults
 from lora_adapters import make_lora_adapters
 
@@ -39,6 +39,9 @@ CONFIGS = {
     "drafts": dict(async_scheduling=False, speculative_config=NGRAM),
     "drafts-pipelined": dict(async_scheduling=True, speculative_config=NGRAM),
     "adapters": dict(async_scheduling=True, speculative_config=NGRAM, adapters=True),  # (lora_modules: a fixture's)
+    # Every step a graph covers run through its padded layout and buffers (graphs_on_a_cpu: a GPU's CUDA
+    # graphs, replayed as eager forwards); the requests alone run without.
+    "graphs": dict(async_scheduling=True, speculative_config=NGRAM, adapters=True, graphs=True),
 }
 
 
@@ -275,9 +278,11 @@ def test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, tmp_pa
     model, settings = tiny_models[family], dict(CONFIGS[config])
     adapters = make_lora_adapters(model, tmp_path_factory.mktemp("lora")) if settings.pop("adapters", False) else {}
     settings["lora_modules"] = adapters or None
+    graphed = settings.pop("graphs", False)
     requests = random_requests(seed, list(adapters))
     # (Mistral's sequences hold fewer blocks: a smaller pool still preempts)
     llm = LLM(model, **{**TIGHT, "num_kv_blocks": 12 if family == "mistral" else TIGHT["num_kv_blocks"]}, **settings)
+    graphs = graphs_on_a_cpu(llm) if graphed else None
     given_back = count_blocks_given_back(llm)
     got, aborted = run_mix(llm, requests, seed)
     llm.block_manager.check_all_free()
@@ -290,6 +295,9 @@ def test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, tmp_pa
         assert llm.num_pipelined_steps > 0
     if "speculative_config" in settings:
         assert stats["spec_decode_draft_tokens_total"] > 0
+    if graphs is not None:
+        assert graphs.replays > graphs.verify_replays + graphs.ragged_replays and graphs.verify_replays > 0 \
+            and graphs.ragged_replays > 0, "decode steps, steps verifying drafts and steps with chunks: all replayed"
 
 
 @pytest.mark.parametrize("seed", range(2))

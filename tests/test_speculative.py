@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free, concurrently, serve
+from conftest import assert_all_blocks_free, concurrently, graphs_on_a_cpu, serve
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
 from inflight.sampler import filter_probs
@@ -395,34 +395,6 @@ def test_async_scheduling_pipelines_large_batches_and_drafts_for_small_ones(tiny
     llm.block_manager.check_all_free()
 
 
-class EagerGraph:
-    """A captured graph's stand-in on a CPU: a replay runs the forward over what the input buffers hold
-    now, into the same output tensor, as a CUDA graph's replay does (through fresh views: the CPU attention
-    keeps its plan by the views' identity)."""
-
-    def __init__(self, graphs, key):
-        self._run = lambda: graphs._forward(graphs.step_tensors(key))
-        graphs.step_tensors(key, padding=True)
-        self.logits = self._run()
-
-    def replay(self):
-        self.logits.copy_(self._run())
-
-
-def graphs_on_a_cpu(llm: LLM):
-    """The runner's graphs as capture() makes them on a GPU, each bucket an EagerGraph."""
-    from inflight.cuda_graphs import DecodeGraphs
-
-    runner = llm.runner
-    graphs = DecodeGraphs(runner._forward, runner.buffers, runner.config.max_num_seqs,
-                          verify_len=runner._verify_len(), verify_seqs=runner._verify_seqs())
-    for key in graphs.keys():
-        graph = EagerGraph(graphs, key)
-        graphs._graphs[key] = (graph, graph.logits)
-    runner.graphs = graphs
-    return graphs
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["one-at-a-time", "pipelined"])
 def test_steps_verifying_drafts_replay_graphs_of_padded_sequences(tiny_models, hf_reference, async_scheduling):
     """On a GPU a step whose sequences have at most num_speculative_tokens + 1 tokens (a last token and its
@@ -435,12 +407,13 @@ def test_steps_verifying_drafts_replay_graphs_of_padded_sequences(tiny_models, h
     params = [SamplingParams(temperature=0, max_tokens=24 + 4 * i, ignore_eos=True) for i in range(7)]
     llm = LLM(model, num_kv_blocks=96, max_num_seqs=8, async_scheduling=async_scheduling,
               speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
-    graphs = graphs_on_a_cpu(llm)
+    graphs = graphs_on_a_cpu(llm, max_tokens=0)  # (the steps with prompt chunks eager)
     assert graphs.verify_sizes == [1, 2, 4, 8] and graphs.verify_len == 4
     replay, replayed = graphs.replay, []
 
     def recording_replay(inputs, sampled=None):
-        replayed.append(np.diff(inputs.cu_seqlens).tolist())
+        if graphs.covers(inputs):
+            replayed.append(np.diff(inputs.cu_seqlens).tolist())
         return replay(inputs, sampled)
 
     graphs.replay = recording_replay
@@ -448,7 +421,7 @@ def test_steps_verifying_drafts_replay_graphs_of_padded_sequences(tiny_models, h
     for prompt, p, out in zip(prompts, params, outs):
         assert out.outputs[0].token_ids == hf_reference(model, prompt, p.max_tokens)
     verified = [counts for counts in replayed if max(counts) > 1]
-    assert graphs.verify_replays == len(verified) > 0
+    assert graphs.verify_replays == len(verified) > 0 and graphs.ragged_replays == 0
     assert any(min(counts) < max(counts) for counts in verified), "a sequence was meant to be padded"
     assert any(len(counts) not in graphs.verify_sizes for counts in verified), "a batch was meant to be padded"
     assert llm.stats()["spec_decode_accepted_tokens_total"] > 0

@@ -81,8 +81,10 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output; default: the model's limit, capped by the pool
     enable_prefix_caching: bool = True
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N
-    # Decode steps replay CUDA graphs captured at start-up (cuda_graphs.py); no effect on a CPU.
+    # Steps replay CUDA graphs captured at start-up (cuda_graphs.py): decode steps, steps verifying drafts,
+    # and steps with prompt chunks of up to cuda_graph_max_tokens tokens (0: none of those); no effect on a CPU.
     cuda_graphs: bool = True
+    cuda_graph_max_tokens: int = 2048
     # On a CPU, linear layers run through oneDNN with weights packed at start-up (cpu_runtime.py);
     # no effect on a GPU, under tensor parallelism or with torch_compile (whose inductor packs its own).
     packed_weights: bool = True
@@ -151,6 +153,9 @@ class EngineConfig:
         positive("max_model_len", allow_none=True)
         positive("num_threads", allow_none=True)
         positive("max_consecutive_failed_steps")
+        graph_tokens = self.cuda_graph_max_tokens
+        if isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0:
+            raise ValueError(f"cuda_graph_max_tokens must be an integer of at least 0, got {graph_tokens!r}")
         positive("tensor_parallel_size")
         for name in ("cuda_graphs", "packed_weights", "torch_compile", "enable_prefix_caching", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):

@@ -1,29 +1,41 @@
-"""CUDA graphs of decode steps, and of steps that verify speculative drafts.
+"""CUDA graphs of engine steps: decode steps, steps that verify speculative drafts, and steps with
+prompt chunks of up to cuda_graph_max_tokens tokens.
 
-A decode step through transformers' modules is about forty kernel launches a layer, each issued by
-Python: on a GPU the host, not the GPU, sets the step's pace. At start-up each bucket of batch sizes
-(1, 2, 4, 8, then every 16 up to max_num_seqs) is captured once: the forward through the model's own
-modules with our attention, to the float32 logits of every row. A decode step then loads its inputs
-into the runner's InputBuffers, padded to the next bucket, and replays that bucket's graph.
+A step through transformers' modules is about forty kernel launches a layer, each issued by Python: on
+a GPU the host, not the GPU, sets the pace of any step that is not thousands of tokens. At start-up a
+graph of each shape below is captured once: the forward through the model's own modules with our
+attention, to float32 logits. A step then loads its inputs into the runner's InputBuffers, padded to
+its graph's shape, and replays the graph.
 
-Under speculative decoding a step that judges drafts computes each decoding sequence's last token and
-its drafts, up to num_speculative_tokens + 1 tokens a sequence (the verify length). Its buckets are
-captured too, each sequence given the verify length (`uniform_step`): a sequence with fewer tokens (fewer
-drafts, or none) is padded after its last one with tokens that write no KV and whose logits nobody reads;
-its real tokens attend exactly as they would alone, since a token sees only the keys before it. Without
-these graphs every step with drafts ran eagerly, its host time many times a decode step's.
+- Decode steps, one token a sequence: a graph for each bucket of batch sizes (1, 2, 4, 8, then every 16
+  up to max_num_seqs), padded with sequences of one token; every row's logits.
+- Under speculative decoding, steps that judge drafts (each decoding sequence's last token and its
+  drafts: up to num_speculative_tokens + 1 tokens, the verify length): the same buckets, each sequence
+  given the verify length (`uniform_step`). A sequence with fewer tokens is padded after its last one
+  with tokens that write no KV and whose logits nobody reads; its own tokens attend exactly as they
+  would alone, since a token sees only the keys before it.
+- Any other step (prompt chunks, with or without decodes beside them), of up to cuda_graph_max_tokens
+  tokens: a graph for each bucket of token counts (16, 32, ..., 256, then every 256), over max_num_seqs
+  sequences (`ragged_step`): the padding tokens belong to no sequence and the padding sequences have no
+  tokens, so the attention kernel leaves both alone; the logits of as many rows as the bucket's tokens or
+  sequences allow (the fewer), at the step's logits_at. In these graphs the attention launches a step's
+  decodes in prefill tiles (how many decodes lead the batch changes from step to step; eager steps launch
+  them apart).
 
 Everything that varies between steps is read from those device buffers: token ids, positions, cache
-slots, sequence lengths, block tables. A graph fixes only its bucket's shape: the launch grids, the
-split count of split-KV decode (triton_ops.decode_splits takes the bucket's size, never a context
-length) and the block-table row width (the buffers' max_blocks). All graphs share one memory pool,
-captured largest first so that the smaller ones reuse its memory.
+slots, sequence offsets and lengths, block tables, the rows whose logits are kept. A graph fixes only its
+shape: the launch grids, the split count of split-KV decode (triton_ops.decode_splits takes the bucket's
+size, never a context length) and the block-table row width (the buffers' max_blocks). All graphs share
+one memory pool, captured the most tokens first so that the smaller ones reuse its memory, and write
+their logits into one output tensor (a step's are read, by the sampler's kernels queued after its
+replay, before the next replay writes its own; a tensor each took over a GB of a 1.2B model's memory).
 """
 
 import bisect
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,6 +48,26 @@ logger = logging.getLogger(__name__)
 def bucket_sizes(max_seqs: int) -> list[int]:
     """The batch sizes captured: 1, 2, 4, 8, then every 16, and max_seqs itself."""
     return sorted({n for n in (1, 2, 4, 8) if n < max_seqs} | set(range(16, max_seqs, 16)) | {max_seqs})
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The token counts captured for steps with prompt chunks: 16, 32, 64, 128, 256, then every 256, and
+    max_tokens itself (none for 0)."""
+    if max_tokens <= 0:
+        return []
+    return sorted({n for n in (16, 32, 64, 128) if n < max_tokens} | set(range(256, max_tokens, 256)) | {max_tokens})
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """What one graph computes: `tokens` over `seqs` sequences, each of `query_len` tokens (0: any), and the
+    logits of `logits` rows at logits_at (None: of every token)."""
+
+    tokens: int
+    seqs: int
+    query_len: int
+    logits: int | None
+    lora: bool = False
 
 
 def uniform_step(inputs: StepInputs, seqs: int, query_len: int) -> tuple[StepInputs, np.ndarray]:
@@ -70,97 +102,153 @@ def uniform_step(inputs: StepInputs, seqs: int, query_len: int) -> tuple[StepInp
     return padded, rows[inputs.logits_at]
 
 
-class DecodeGraphs:
+def ragged_step(inputs: StepInputs, shape: GraphShape) -> StepInputs:
+    """`inputs` padded to a graph of `shape` (query_len 0): its tokens keep their places, the padding
+    tokens after them write no KV and belong to no sequence, the padding sequences after its own have no
+    tokens (their block-table rows are not read, so not written), and the logits rows past its own are
+    the first token's, unread."""
+    tokens, real = len(inputs.input_ids), len(inputs.seq_lens)
+
+    def padded(values: np.ndarray, length: int, fill: int) -> np.ndarray:
+        out = np.full(length, fill, dtype=np.int64)
+        out[:len(values)] = values
+        return out
+
+    return StepInputs(padded(inputs.input_ids, shape.tokens, 0), padded(inputs.positions, shape.tokens, 0),
+                      padded(inputs.slot_mapping, shape.tokens, -1), padded(inputs.cu_seqlens, shape.seqs + 1, tokens),
+                      padded(inputs.seq_lens, shape.seqs, 0), inputs.block_tables[:real],
+                      padded(inputs.logits_at, shape.logits, 0), pending_at=inputs.pending_at,
+                      pending_rows=inputs.pending_rows,
+                      lora_ids=None if inputs.lora_ids is None else padded(inputs.lora_ids, shape.tokens, 0))
+
+
+class StepGraphs:
     def __init__(self, forward: Callable[[StepTensors], torch.Tensor], buffers: InputBuffers, max_seqs: int,
-                 lora: bool = False, verify_len: int = 1, verify_seqs: int = 0):
+                 lora: bool = False, verify_len: int = 1, verify_seqs: int = 0, max_tokens: int = 0):
         """`verify_len`: tokens a sequence in a step that verifies drafts (num_speculative_tokens + 1; 1:
-        no drafts), captured for batches of up to `verify_seqs` sequences."""
-        self._forward = forward  # step tensors -> float32 logits, one row per token
+        no drafts), captured for batches of up to `verify_seqs` sequences; `max_tokens`: the most tokens of
+        a step with prompt chunks that a graph runs (0: none does)."""
+        # step tensors (, out=) -> float32 logits, a row per token or per logits_at (written into `out`)
+        self._forward = forward
         self._buffers = buffers
         self.sizes = bucket_sizes(max_seqs)
         self.verify_len = verify_len
         self.verify_sizes = bucket_sizes(verify_seqs) if verify_len > 1 and verify_seqs > 0 else []
-        # With LoRA adapters, each bucket twice: steps with an adapter, and steps of the base model alone,
+        # (A bucket of exactly max_seqs tokens would launch the attention's decode kernel, which takes every
+        # sequence for one token: left out, its steps go to the next bucket.)
+        self.token_buckets = [n for n in token_buckets(min(max_tokens, buffers.max_tokens)) if n != max_seqs]
+        self._max_seqs = max_seqs
+        # With LoRA adapters, each shape twice: steps with an adapter, and steps of the base model alone,
         # which then pay nothing for the adapters (lora.py).
         self._variants = (False, True) if lora else (False,)
-        # (query length, batch size, LoRA) -> the graph and its logits
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[GraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps run by a graph
         self.verify_replays = 0  # of which verifying drafts
+        self.ragged_replays = 0  # of which with prompt chunks
 
-    def keys(self) -> list[tuple[int, int, bool]]:
+    def shapes(self) -> list[GraphShape]:
         """The graphs to capture, the most tokens first (all share one memory pool)."""
-        shapes = [(1, size) for size in self.sizes] + [(self.verify_len, size) for size in self.verify_sizes]
-        return [(length, size, lora) for length, size in sorted(shapes, key=lambda s: -s[0] * s[1])
-                for lora in self._variants]
+        uniform = [(size, 1) for size in self.sizes] + [(size, self.verify_len) for size in self.verify_sizes]
+        shapes = [GraphShape(size * length, size, length, None, lora) for size, length in uniform
+                  for lora in self._variants]
+        shapes += [GraphShape(tokens, self._max_seqs, 0, min(tokens, self._max_seqs), lora)
+                   for tokens in self.token_buckets for lora in self._variants]
+        return sorted(shapes, key=lambda shape: -shape.tokens)
 
-    def step_tensors(self, key: tuple[int, int, bool], padding: bool = False) -> StepTensors:
-        """The device views a graph of `key` reads, for every row's logits (new view objects each call);
-        `padding`: with a step of padding alone loaded first (it writes no KV), to capture."""
-        length, size, lora = key
+    def step_tensors(self, shape: GraphShape, padding: bool = False) -> StepTensors:
+        """The device views a graph of `shape` reads (new view objects each call); `padding`: with a step of
+        padding alone loaded first (it writes no KV), to capture."""
         if padding:
-            self._buffers.load(uniform_step(empty_step(lora), size, length)[0])
-        return self._buffers.views(length * size, size, self._buffers.max_blocks, None, lora,
-                                   size if length == 1 else 0)
+            self._buffers.load(self._padded(empty_step(shape.lora), shape)[0])
+        return self._buffers.views(shape.tokens, shape.seqs, self._buffers.max_blocks, shape.logits, shape.lora,
+                                   shape.seqs if shape.query_len == 1 else 0)
 
     @torch.inference_mode()
     def capture(self) -> None:
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
-        for key in self.keys():
-            tensors = self.step_tensors(key, padding=True)
-            self._forward(tensors)  # compiles this bucket's kernels outside the capture
+        output = None
+        for shape in self.shapes():
+            tensors = self.step_tensors(shape, padding=True)
+            logits = self._forward(tensors)  # compiles this shape's kernels outside the capture
+            if output is None:  # (the most rows any graph keeps, by the vocabulary)
+                rows = max(s.tokens if s.logits is None else s.logits for s in self.shapes())
+                output = torch.empty(rows, logits.shape[1], dtype=torch.float32, device=logits.device)
+            del logits
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(tensors)
-            self._graphs[key] = (graph, logits)
+                logits = self._forward(tensors, out=output[:shape.tokens if shape.logits is None else shape.logits])
+            self._graphs[shape] = (graph, logits)
         torch.cuda.synchronize()
-        verify = (f" and {len(self.verify_sizes)} of steps verifying drafts ({self.verify_len} tokens a sequence, "
-                  f"1 to {self.verify_sizes[-1]} sequences)" if self.verify_sizes else "")
-        logger.info("CUDA graphs: %d decode batch sizes (1 to %d)%s%s captured in %.1f s, %.0f MiB",
-                    len(self.sizes), self.sizes[-1], verify,
-                    ", with and without LoRA," if len(self._variants) > 1 else "",
-                    time.perf_counter() - started, (free_before - torch.cuda.mem_get_info()[0]) / 2**20)
+        kinds = [f"{len(self.sizes)} decode batch sizes (1 to {self.sizes[-1]})"]
+        if self.verify_sizes:
+            kinds.append(f"{len(self.verify_sizes)} of steps verifying drafts ({self.verify_len} tokens a sequence, "
+                         f"1 to {self.verify_sizes[-1]} sequences)")
+        if self.token_buckets:
+            kinds.append(f"{len(self.token_buckets)} of steps with prompt chunks ({self.token_buckets[0]} to "
+                         f"{self.token_buckets[-1]} tokens)")
+        logger.info("CUDA graphs: %s%s captured in %.1f s, %.0f MiB", ", ".join(kinds),
+                    ", with and without LoRA," if len(self._variants) > 1 else "", time.perf_counter() - started,
+                    (free_before - torch.cuda.mem_get_info()[0]) / 2**20)
 
     def covers(self, inputs: StepInputs) -> bool:
-        return self._query_len(inputs) is not None
+        return self._shape(inputs) is not None
 
-    def _query_len(self, inputs: StepInputs) -> int | None:
-        """The query length of the graphs that can run the step, if any: 1 for a decode step of at most the
-        largest bucket, sampling every row in order; the verify length for a step of at most the largest
-        verify bucket whose sequences have no more tokens than that (any logits). Never a step with
-        virtual prompt tokens (a prompt's last token may come as a vector: prompt_embeds.py)."""
+    def _shape(self, inputs: StepInputs) -> GraphShape | None:
+        """The shape of the graph that runs the step, if one does: a decode step of at most the largest
+        bucket, sampling every row in order; a step of at most the largest verify bucket whose sequences
+        have no more tokens than the verify length (any logits); else a step of at most the largest token
+        bucket and as many logits rows as its bucket keeps. Never a step with virtual prompt tokens (a
+        prompt's last token may come as a vector: prompt_embeds.py)."""
         seqs = len(inputs.seq_lens)
         if not self._graphs or seqs == 0 or inputs.embeds is not None:
             return None
+        lora = inputs.lora_ids is not None
         if seqs <= self.sizes[-1] and inputs.is_decode and bool((inputs.logits_at == np.arange(seqs)).all()):
-            return 1
+            size = self.sizes[bisect.bisect_left(self.sizes, seqs)]
+            return GraphShape(size, size, 1, None, lora)
         if self.verify_sizes and seqs <= self.verify_sizes[-1] \
                 and int(np.diff(inputs.cu_seqlens).max()) <= self.verify_len:
-            return self.verify_len
+            size = self.verify_sizes[bisect.bisect_left(self.verify_sizes, seqs)]
+            return GraphShape(size * self.verify_len, size, self.verify_len, None, lora)
+        tokens, logits = len(inputs.input_ids), len(inputs.logits_at)
+        for bucket in self.token_buckets[bisect.bisect_left(self.token_buckets, tokens):]:
+            if min(bucket, self._max_seqs) >= logits:
+                return GraphShape(bucket, self._max_seqs, 0, min(bucket, self._max_seqs), lora)
         return None
 
-    def graph(self, size: int, lora: bool = False, query_len: int = 1) -> torch.cuda.CUDAGraph:
-        """The graph captured for steps of `size` sequences (a bucket's size) of `query_len` tokens each."""
-        return self._graphs[query_len, size, lora][0]
+    @staticmethod
+    def _padded(inputs: StepInputs, shape: GraphShape) -> tuple[StepInputs, np.ndarray | None]:
+        """The step laid out for a graph of `shape`, and the graph's logits rows of its logits_at, where
+        they are not the first ones in order."""
+        if shape.query_len == 0:
+            return ragged_step(inputs, shape), None
+        return uniform_step(inputs, shape.seqs, shape.query_len)
 
-    def replay(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's logits [len(logits_at), vocab]: a decode step's a view of the graph's output, valid
-        until its next replay."""
-        length = self._query_len(inputs)
-        seqs = len(inputs.seq_lens)
-        sizes = self.sizes if length == 1 else self.verify_sizes
-        size = sizes[bisect.bisect_left(sizes, seqs)]
-        graph, logits = self._graphs[length, size, inputs.lora_ids is not None]
+    def graph(self, size: int, lora: bool = False) -> torch.cuda.CUDAGraph:
+        """The graph captured for decode steps of `size` sequences (a bucket's size)."""
+        return self._graphs[GraphShape(size, size, 1, None, lora)][0]
+
+    def replay(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The step's logits [len(logits_at), vocab] from its graph, None where no graph covers it: unless
+        its sequences were padded to the verify length, a view of the graphs' output, valid until the next
+        replay."""
+        shape = self._shape(inputs)
+        if shape is None:
+            return None
+        graph, logits = self._graphs[shape]
         self.replays += 1
-        if length == 1:
-            self._buffers.load(inputs, pad_seqs=size, sampled=sampled)
+        if shape.query_len == 1:
+            self._buffers.load(inputs, pad_seqs=shape.seqs, sampled=sampled)
             graph.replay()
-            return logits[:seqs]
-        padded, rows = uniform_step(inputs, size, length)
+            return logits[:len(inputs.seq_lens)]
+        padded, rows = self._padded(inputs, shape)
         self._buffers.load(padded, sampled=sampled)
         graph.replay()
+        if rows is None:
+            self.ragged_replays += 1
+            return logits[:len(inputs.logits_at)]
         self.verify_replays += 1
         return logits[to_device(rows, logits.device)]

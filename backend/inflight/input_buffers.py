@@ -221,7 +221,7 @@ class InputBuffers:
         if self._copied is not None:
             self._copied.synchronize()
         tokens, seqs = len(inputs.input_ids), len(inputs.seq_lens)
-        width = inputs.block_tables.shape[1]
+        table_rows, width = inputs.block_tables.shape  # (fewer rows than sequences: the others are not read)
         host = self._host
         for name in ("input_ids", "positions", "slot_mapping", "logits_at", "pending_at", "pending_rows"):
             values = getattr(inputs, name)
@@ -233,7 +233,7 @@ class InputBuffers:
         host[begin:begin + seqs + 1] = inputs.cu_seqlens
         begin = self._offsets["seq_lens"][0]
         host[begin:begin + seqs] = inputs.seq_lens
-        self.tables(host)[:seqs, :width] = inputs.block_tables
+        self.tables(host)[:table_rows, :width] = inputs.block_tables
         rows = seqs if pad_seqs is None else pad_seqs
         if rows > seqs:
             assert tokens == seqs, "only decode steps are padded"
@@ -244,7 +244,7 @@ class InputBuffers:
             self._field(host, "seq_lens")[pad] = 1
             self.tables(host)[pad, 0] = 0
         if self.device is not self.host:
-            used = self._offsets["block_tables"][0] + rows * self.max_blocks
+            used = self._offsets["block_tables"][0] + max(table_rows, pad_seqs or 0) * self.max_blocks
             self.device[:used].copy_(self.host[:used], non_blocking=True)
             self._copied.record()
         pending = len(inputs.pending_at)

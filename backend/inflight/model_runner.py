@@ -18,7 +18,7 @@ from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, Attent
 from .config import EngineConfig
 from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available
 from .compile_warmup import compile_shape_classes
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import StepGraphs
 from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
 from .input_buffers import (BlockTableRows, InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill,
                             to_device)
@@ -145,20 +145,27 @@ class ModelRunner:
                               self.world_size)
         return common_sliding_window(calls)
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        """The decode steps' graphs; None, with a warning, where the model cannot be captured (modeling code
-        that waits for the GPU in its forward, as some mixtures of experts' routing does): eager decodes."""
-        graphs = DecodeGraphs(self._forward, self.buffers, self.config.max_num_seqs, lora=self.lora is not None,
-                              verify_len=self._verify_len(), verify_seqs=self._verify_seqs())
-        try:
-            graphs.capture()
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as e:
-            logger.warning("CUDA graphs could not be captured for model type %s, so decode steps run eagerly: %s",
-                           self.hf_config.model_type, e)
-            return None
-        return graphs
+    def _capture_graphs(self) -> StepGraphs | None:
+        """The steps' graphs; where those of steps with prompt chunks fail to capture, the others alone;
+        None, with a warning, where the model cannot be captured at all (modeling code that waits for the GPU
+        in its forward, as some mixtures of experts' routing does): eager steps."""
+        max_tokens = self.config.cuda_graph_max_tokens
+        while True:
+            graphs = StepGraphs(self._forward, self.buffers, self.config.max_num_seqs, lora=self.lora is not None,
+                                verify_len=self._verify_len(), verify_seqs=self._verify_seqs(), max_tokens=max_tokens)
+            try:
+                graphs.capture()
+                return graphs
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as e:
+                if not graphs.token_buckets:
+                    logger.warning("CUDA graphs could not be captured for model type %s, so its steps run eagerly: "
+                                   "%s", self.hf_config.model_type, e)
+                    return None
+                logger.warning("CUDA graphs of steps with prompt chunks could not be captured for model type %s, so "
+                               "those steps run eagerly: %s", self.hf_config.model_type, e)
+                max_tokens = 0
 
     def _verify_len(self) -> int:
         """Tokens a sequence in a step that verifies n-gram drafts: its last token and the drafts (1: none)."""
@@ -337,11 +344,12 @@ class ModelRunner:
         """Logits [len(logits_at), vocab], float32; valid until the next step."""
         self.copy_blocks(inputs.block_copies)
         self.token_history.step_ran(self.buffers.tables(self.buffers.device), inputs.seq_lens)
-        if self.graphs is not None and self.graphs.covers(inputs):
-            return self.graphs.replay(inputs, sampled)
-        return self._forward(self.buffers.load(inputs, sampled=sampled))
+        logits = self.graphs.replay(inputs, sampled) if self.graphs is not None else None
+        return logits if logits is not None else self._forward(self.buffers.load(inputs, sampled=sampled))
 
-    def _forward(self, step: StepTensors, calls: list | None = None) -> torch.Tensor:
+    def _forward(self, step: StepTensors, calls: list | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits, a row per token or per step.logits_at: a new tensor, or written into `out` (the CUDA
+        graphs' one output, cuda_graphs.py)."""
         if self.lora is not None:
             self.lora.begin_step(step.lora_ids)
         self.token_history.write(step.slot_mapping, step.input_ids)
@@ -366,7 +374,7 @@ class ModelRunner:
             logits_to_keep=0 if step.logits_at is None else step.logits_at,
             inflight_context=context,
         )
-        return output.logits[0].float()
+        return output.logits[0].float() if out is None else out.copy_(output.logits[0])
 
     def close(self) -> None:
         """Nothing to release in-process; the tensor-parallel runner stops its workers."""
