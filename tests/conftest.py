@@ -182,11 +182,15 @@ class EagerGraph:
 
 def graphs_on_a_cpu(llm, max_tokens: int | None = None):
     """The engine's step graphs as capture() makes them on a GPU (up to `max_tokens` tokens of a step with
-    prompt chunks: the setting's by default), each an EagerGraph, so that a CPU runs the steps through the
-    graphs' padded layouts and buffers."""
+    prompt chunks: the setting's by default), each an EagerGraph, over input buffers staged as a GPU's
+    (host and device buffers apart), so that a CPU runs the steps through the graphs' padded layouts and
+    the buffers' copies."""
     from inflight.cuda_graphs import StepGraphs
+    from inflight.input_buffers import InputBuffers
 
     runner = llm.runner
+    held = runner.buffers
+    runner.buffers = InputBuffers(held.max_tokens, held.max_seqs, held.max_blocks, held.device.device, staged=True)
     graphs = StepGraphs(runner._forward, runner.buffers, runner.config.max_num_seqs, lora=runner.lora is not None,
                         verify_len=runner._verify_len(), verify_seqs=runner._verify_seqs(),
                         max_tokens=runner.config.cuda_graph_max_tokens if max_tokens is None else max_tokens)

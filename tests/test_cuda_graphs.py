@@ -148,6 +148,27 @@ def test_padded_decode_step_reads_harmless_rows():
         buffers.load(decode_step([5], [[1, 2, 3, 4, 5]]))
 
 
+def test_staged_buffers_carry_the_tables_packed_to_the_step_width():
+    """A GPU's buffers (host and device apart; here both on the CPU): a step's block tables cross packed to
+    its width (its rows times its longest table, not times the rows' capacity) and are spread into the rows
+    the kernels read; a padded decode step's padding rows read block 0; a later, narrower step's rows are
+    right where it reads them."""
+    buffers = InputBuffers(max_tokens=32, max_seqs=8, max_blocks=6, device=torch.device("cpu"), staged=True)
+    assert buffers.device is not buffers.host and buffers.device_tables.shape == (8, 6)
+    staged = buffers._field(buffers.device, "block_tables")
+    staged.fill_(-5)  # (what the device holds beyond what a step sends stays as it was)
+    wide = buffers.load(decode_step([5, 40, 3], [[7, 0, 0], [2, 9, 8], [4, 0, 0]]))
+    assert wide.block_tables.tolist() == [[7, 0, 0], [2, 9, 8], [4, 0, 0]]
+    assert staged[:9].tolist() == [7, 0, 0, 2, 9, 8, 4, 0, 0] and staged[9:].eq(-5).all()
+    padded = buffers.load(decode_step([5, 17], [[3, 0], [1, 6]]), pad_seqs=4)
+    assert padded.block_tables[:, :2].tolist() == [[3, 0], [1, 6], [0, 0], [0, 0]]
+    assert staged[:8].tolist() == [3, 0, 1, 6, 0, 0, 0, 0]
+    assert buffers.device_tables[1, :3].tolist() == [1, 6, 8]  # (past the step's width: not sent, not read)
+    narrow = buffers.load(decode_step([9], [[5]]))
+    assert narrow.block_tables.tolist() == [[5]] and buffers.device_tables[0, :2].tolist() == [5, 0]
+    assert narrow.input_ids.tolist() == [100] and narrow.seq_lens.tolist() == [9]
+
+
 def test_which_graph_runs_a_step():
     """What a captured graph can run (StepGraphs.covers, decided on the host): a decode step of at most
     the largest bucket's sequences, each sampling its own row in order; under speculative decoding a step

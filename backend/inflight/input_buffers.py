@@ -7,8 +7,9 @@ never move, which is what CUDA graphs need: a captured step reads its inputs fro
 (cuda_graphs.py). On a CPU the device buffer is the host buffer.
 
 Every field has a fixed place sized for the largest step (max_num_batched_tokens tokens,
-max_num_seqs sequences, a block table row long enough for max_model_len); the block table comes last,
-so a step copies only the rows it uses.
+max_num_seqs sequences, a block table row long enough for max_model_len); the block tables come last,
+packed to the step's width, so a step copies only what it uses, and one copy on the device spreads them
+into the rows the kernels read (InputBuffers.device_tables).
 """
 
 from dataclasses import dataclass, field
@@ -180,7 +181,10 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) ->
 
 
 class InputBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
+                 staged: bool | None = None):
+        """`staged`: host and device buffers apart, a step's values copied from one to the other (None: on
+        a GPU; a CPU's device buffer is its host buffer, unless a test asks)."""
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         sizes = dict(input_ids=max_tokens, positions=max_tokens, slot_mapping=max_tokens, logits_at=max_tokens,
                      lora_ids=max_tokens, cu_seqlens=max_seqs + 1, seq_lens=max_seqs, pending_at=max_seqs,
@@ -190,9 +194,16 @@ class InputBuffers:
             self._offsets[name] = (start, start + size)
             start += size
         on_gpu = device.type == "cuda"
+        staged = on_gpu if staged is None else staged
         self.host = torch.zeros(start, dtype=torch.int64, pin_memory=on_gpu)
-        self.device = torch.zeros(start, dtype=torch.int64, device=device) if on_gpu else self.host
+        self.device = torch.zeros(start, dtype=torch.int64, device=device) if staged else self.host
         self._host = self.host.numpy()
+        # The block tables the kernels read: [max_seqs, max_blocks], a row for each sequence of a step. Staged,
+        # a step's tables cross as its rows packed to the step's width (the longest table), then spread
+        # into their rows on the device: a row as long as max_model_len allows (8,192 ids for 128k tokens)
+        # would otherwise cross whole, 8 MB for 128 sequences, a step's GPU waiting for it.
+        self.device_tables = (torch.zeros(max_seqs, max_blocks, dtype=torch.int64, device=device) if staged
+                              else self.tables(self.host))
         # The pinned buffer is rewritten only once the GPU has taken the last step's values from it.
         self._copied = torch.cuda.Event() if on_gpu else None
 
@@ -221,7 +232,7 @@ class InputBuffers:
         if self._copied is not None:
             self._copied.synchronize()
         tokens, seqs = len(inputs.input_ids), len(inputs.seq_lens)
-        table_rows, width = inputs.block_tables.shape  # (fewer rows than sequences: the others are not read)
+        given_rows, width = inputs.block_tables.shape  # (fewer rows than sequences: the others are not read)
         host = self._host
         for name in ("input_ids", "positions", "slot_mapping", "logits_at", "pending_at", "pending_rows"):
             values = getattr(inputs, name)
@@ -233,7 +244,6 @@ class InputBuffers:
         host[begin:begin + seqs + 1] = inputs.cu_seqlens
         begin = self._offsets["seq_lens"][0]
         host[begin:begin + seqs] = inputs.seq_lens
-        self.tables(host)[:table_rows, :width] = inputs.block_tables
         rows = seqs if pad_seqs is None else pad_seqs
         if rows > seqs:
             assert tokens == seqs, "only decode steps are padded"
@@ -242,11 +252,23 @@ class InputBuffers:
                 self._field(host, name)[pad] = value
             self._field(host, "cu_seqlens")[seqs + 1:rows + 1] = np.arange(seqs + 1, rows + 1)
             self._field(host, "seq_lens")[pad] = 1
-            self.tables(host)[pad, 0] = 0
+        # The tables' rows: the step's, and a padded decode step's padding sequences' (they read their row's
+        # first block id: block 0).
+        table_rows, table_width = max(given_rows, pad_seqs or 0), max(width, 1 if rows > seqs else 0)
+        if self.device is self.host:  # the kernels read the tables where they are written
+            tables = self.tables(host)
+        else:  # packed to the step's width, spread into their rows once on the device
+            begin = self._offsets["block_tables"][0]
+            tables = host[begin:begin + table_rows * table_width].reshape(table_rows, table_width)
+        tables[:given_rows, :width] = inputs.block_tables
+        tables[given_rows:table_rows, :table_width] = 0
         if self.device is not self.host:
-            used = self._offsets["block_tables"][0] + max(table_rows, pad_seqs or 0) * self.max_blocks
+            used = self._offsets["block_tables"][0] + table_rows * table_width
             self.device[:used].copy_(self.host[:used], non_blocking=True)
-            self._copied.record()
+            if self._copied is not None:
+                self._copied.record()
+            packed = self._field(self.device, "block_tables")[:table_rows * table_width]
+            self.device_tables[:table_rows, :table_width].copy_(packed.view(table_rows, table_width))
         pending = len(inputs.pending_at)
         if pending:  # tokens the previous step sampled, straight from the device
             at = self._field(self.device, "pending_at")[:pending]
@@ -268,6 +290,6 @@ class InputBuffers:
         field = lambda name, n: self._field(self.device, name)[:n]  # noqa: E731
         return StepTensors(field("input_ids", tokens), field("positions", tokens), field("slot_mapping", tokens),
                            field("cu_seqlens", seqs + 1), field("seq_lens", seqs),
-                           self.tables(self.device)[:seqs, :width],
+                           self.device_tables[:seqs, :width],
                            None if logits is None else field("logits_at", logits),
                            field("lora_ids", tokens) if lora else None, seqs if num_decodes is None else num_decodes)

@@ -343,7 +343,7 @@ class ModelRunner:
     def run(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(logits_at), vocab], float32; valid until the next step."""
         self.copy_blocks(inputs.block_copies)
-        self.token_history.step_ran(self.buffers.tables(self.buffers.device), inputs.seq_lens)
+        self.token_history.step_ran(self.buffers.device_tables, inputs.seq_lens)
         logits = self.graphs.replay(inputs, sampled) if self.graphs is not None else None
         return logits if logits is not None else self._forward(self.buffers.load(inputs, sampled=sampled))
 
