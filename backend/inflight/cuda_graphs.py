@@ -15,7 +15,7 @@ its graph's shape, and replays the graph.
   with tokens that write no KV and whose logits nobody reads; its own tokens attend exactly as they
   would alone, since a token sees only the keys before it.
 - Any other step (prompt chunks, with or without decodes beside them), of up to cuda_graph_max_tokens
-  tokens: a graph for each bucket of token counts (16, 32, ..., 256, then every 256), over max_num_seqs
+  tokens: a graph for each bucket of token counts (16, 32, 64, 128, 256, then every 256), over max_num_seqs
   sequences (`ragged_step`): the padding tokens belong to no sequence and the padding sequences have no
   tokens, so the attention kernel leaves both alone; the logits of as many rows as the bucket's tokens or
   sequences allow (the fewer), at the step's logits_at. In these graphs the attention launches a step's

@@ -15,7 +15,7 @@ token ids. The masks are built once a step, one per distinct column layout (most
 The cost grows with the sum of the adapters' ranks, every token of a step with an adapter paying for
 every adapter loaded: meant for a handful of adapters (eight of rank 16 add 128 columns to layers
 thousands wide). A step without any adapter computes nothing more than the base model (with CUDA
-graphs, each decode bucket is captured twice: with its LoRA layers and without).
+graphs, each graph is captured twice: with its LoRA layers and without).
 
 The hooks run on whatever computes the layer (transformers' nn.Linear, the CPU's packed layers); layers
 with hooks are not merged by fused_layers, which keeps each projection's own output for its hook.
