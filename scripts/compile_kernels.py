@@ -162,6 +162,17 @@ def resource_usage(ptx: str) -> dict[str, int]:
 
 # phase: (tokens, sequences, KV splits) of the launch compiled
 PHASES = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
+VERIFY_LEN = 5  # a step verifying 4 drafts a sequence: its tiles hold a sequence each (triton_ops.verify_launch)
+
+
+def launches(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype):
+    """(phase, tokens, sequences, KV splits, launch parameters) of every launch compiled for a shape whose
+    queries are `dtype` over a `cache_dtype` cache: the PHASES, and steps verifying drafts (whole and split)."""
+    for phase, (tokens, seqs, splits) in PHASES.items():
+        yield phase, tokens, seqs, splits, {}
+    launch = triton_ops.verify_launch(VERIFY_LEN, heads // kv_heads, head_dim, dtype, cache_dtype)
+    for phase, splits in (("verify", 1), ("verify split-KV", 8)) if launch is not None else ():
+        yield phase, 8 * VERIFY_LEN, 8, splits, launch
 
 
 def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_size: int = 16, arch: int = 90):
@@ -172,9 +183,10 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
     for dtype in dtypes:
         for shape in shapes:
             heads, kv_heads, head_dim, window, options = SHAPES[shape]
-            for phase, (tokens, seqs, splits) in PHASES.items():
+            for phase, tokens, seqs, splits, launch in launches(heads, kv_heads, head_dim, dtype, dtype):
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         dtype, window, num_splits=splits, **options, arch=arch)
+                                                         dtype, window, num_splits=splits, **launch, **options,
+                                                         arch=arch)
                 yield (f"paged_attention {shape} {phase}", attention, constants, dtype,
                        multiples_of_16(attention, heads, head_dim))
             tokens, seqs, splits = PHASES["decode split-KV"]
@@ -200,9 +212,9 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
             continue
         for shape in cache_dtype_shapes:
             heads, kv_heads, head_dim, window, _ = SHAPES[shape]
-            for phase, (tokens, seqs, splits) in PHASES.items():
+            for phase, tokens, seqs, splits, launch in launches(heads, kv_heads, head_dim, query_dtype, cache_dtype):
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         query_dtype, window, num_splits=splits,
+                                                         query_dtype, window, num_splits=splits, **launch,
                                                          cache_dtype=cache_dtype, arch=arch)
                 yield (f"paged_attention {shape} {phase}", attention, constants, (query_dtype, cache_dtype, out_dtype),
                        multiples_of_16(attention, heads, head_dim))

@@ -168,6 +168,59 @@ def test_split_kv_matches_torch(case, num_splits):
     assert err <= TOLERANCE[torch.float32], f"max abs error {err:.2e}"
 
 
+# Steps verifying drafts as a CUDA graph replays them: every sequence padded to the verify length (its
+# padding tokens' rows unread), some over long contexts, one with a window.
+VERIFY_CASES = {
+    "group-of-three": ([(0, 5), (37, 5), (130, 5), (16, 5)], 16, 2, 3, 64, None),
+    "group-of-four": ([(200, 4), (9, 4), (63, 4)], 16, 2, 4, 64, None),
+    "window": ([(120, 5), (3, 5), (60, 5)], 16, 1, 4, 64, 50),
+}
+
+
+@pytest.mark.parametrize("dtype", [d for d in TOLERANCE if d != torch.float32],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
+@pytest.mark.parametrize("case", VERIFY_CASES)
+def test_steps_verifying_drafts_take_a_tile_a_sequence(case, num_splits, dtype):
+    """A 16-bit batch of sequences of one query length (a padded step verifying drafts: query_len): a tile
+    of 16 or 32 rows a sequence (verify_launch), its context whole or split as a decode batch's (None: as
+    the engine chooses, on a GPU from the batch's shape), within the dtype's tolerance of the torch
+    reference."""
+    from inflight.ops import triton_ops
+
+    seqs, block_size, kv_heads, group, head_dim, window = VERIFY_CASES[case]
+    query_len = seqs[0][1]
+    query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
+                                                                     dtype)
+    # (float32 ones, and over a cache of another dtype, launch as any step: prefill tiles, whole; smaller or
+    # split ones spilled compiled)
+    assert triton_ops.verify_launch(query_len, group, head_dim, torch.float32, torch.float32) is None
+    assert triton_ops.verify_launch(query_len, group, head_dim, dtype, torch.float8_e5m2) is None
+    launch = triton_ops.verify_launch(query_len, group, head_dim, dtype, dtype)
+    assert launch == dict(block_m=16 if query_len * group <= 16 else 32, num_warps=triton_ops.DECODE_WARPS, tile_n=64)
+    launched, meta = [], triton_ops.attention_meta
+
+    def recorded(*args, **kwargs):
+        grid, constants = meta(*args, **kwargs)
+        launched.append((constants["BLOCK_M"], constants["BLOCK_Q"], constants["NUM_SPLITS"], constants["num_warps"],
+                         constants["TILE_N"]))
+        return grid, constants
+
+    scale = head_dim ** -0.5
+    expected = torch_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_ops, "attention_meta", recorded)
+        got = triton_ops.paged_attention(query, key_cache, value_cache, cu, seq_lens, tables, scale, window,
+                                         num_splits=num_splits, query_len=query_len)
+    err = (got.float() - expected.float()).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
+    (block_m, block_q, splits, warps, tile_n), = launched
+    assert block_q >= query_len and dict(block_m=block_m, num_warps=warps, tile_n=tile_n) == launch
+    engine_splits = triton_ops.decode_splits(len(seqs), kv_heads, triton_ops._multiprocessors(None)) \
+        if DEVICE == "cuda" else 1
+    assert splits == (engine_splits if num_splits is None else num_splits)
+
+
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case, num_splits", [("decode-only", 2), ("decode-only", 16), ("mixed", 4),
                                               ("sliding-window", 4), ("mqa", 2), ("head-dim-128", 4)])

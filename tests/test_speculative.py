@@ -428,11 +428,40 @@ def test_steps_verifying_drafts_replay_graphs_of_padded_sequences(tiny_models, h
     llm.block_manager.check_all_free()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreted on a CPU; on a GPU the bfloat16 drafting test")
+def test_the_triton_attention_is_told_a_verify_steps_query_length(tiny_models, hf_reference, monkeypatch):
+    """Through the Triton kernels (interpreted here): a step verifying drafts replayed from its graph tells
+    the attention its sequences' one query length (16-bit, it then takes a tile a sequence and splits the
+    contexts: test_kernels.py); every other step, none. Outputs are HF's."""
+    from inflight.ops import triton_ops
+
+    monkeypatch.setenv("INFLIGHT_ATTENTION", "triton")
+    told, attend = [], triton_ops.paged_attention
+
+    def recording(*args, query_len=None, **kwargs):
+        told.append(query_len)
+        return attend(*args, query_len=query_len, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "paged_attention", recording)
+    model = tiny_models["llama"]
+    prompts = _repeating_prompts(3, 512, seed=4)
+    llm = LLM(model, num_kv_blocks=64, max_num_seqs=4, speculative_config={"num_speculative_tokens": 2,
+                                                                          "prompt_lookup_min": 1})
+    assert llm.runner.attention_impl == "triton"
+    graphs = graphs_on_a_cpu(llm, max_tokens=0)
+    told.clear()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_reference(model, p, 12) for p in prompts]
+    layers = llm.runner.num_layers
+    assert graphs.verify_replays > 0 and told.count(3) == layers * graphs.verify_replays
+    assert set(told) == {None, 3}
+
+
 @ON_A_GPU
 def test_drafts_on_a_gpu_beside_cuda_graphs(tiny_models):
     """On a GPU (float32, CUDA graphs for decode steps and those verifying drafts, async scheduling on by
-    default): the
-    CPU's greedy outputs, with n-gram drafts, and with drafts given with the requests."""
+    default): the CPU's greedy outputs, with n-gram drafts, and with drafts given with the requests; in
+    bfloat16, the outputs without drafts."""
     model = tiny_models["llama"]
     prompts = _repeating_prompts(8, 512, seed=5)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -444,6 +473,15 @@ def test_drafts_on_a_gpu_beside_cuda_graphs(tiny_models):
     assert llm.stats()["spec_decode_accepted_tokens_total"] > 0
     assert llm.runner.graphs.verify_replays > 0, "steps verifying drafts were meant to replay graphs"
     llm.block_manager.check_all_free()
+    # bfloat16: the steps verifying drafts take a tile a sequence, contexts split (triton_ops.verify_launch);
+    # the tokens of the same engine without drafts (the tiny models' logits are peaked: rounding alone does
+    # not flip them, as test_graphs_equal_eager_in_bfloat16 relies on too)
+    settings = dict(device="cuda", dtype="bfloat16", num_kv_blocks=64)
+    plain = [o.outputs[0].token_ids for o in LLM(model, **settings).generate(prompts, params)]
+    drafting = LLM(model, speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1}, **settings)
+    assert [o.outputs[0].token_ids for o in drafting.generate(prompts, params)] == plain
+    assert drafting.runner.graphs.verify_replays > 0
+    drafting.block_manager.check_all_free()
     pipelined = LLM(model, device="cuda", dtype="float32", num_kv_blocks=64)
     assert pipelined.config.async_scheduling
     given = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,

@@ -32,6 +32,7 @@ class AttentionContext:
     block_tables: torch.Tensor  # [S, max_blocks]
     impl: str  # "triton" | "torch"
     num_decodes: int | None = None  # the sequences that lead the batch with one token each (None: unknown)
+    query_len: int | None = None  # every sequence's query tokens, where they are all alike (a padded verify step)
     calls: list["AttentionCall"] | None = None  # when set, each layer's call is recorded here, nothing attended
 
 
@@ -67,7 +68,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     out = ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.cu_seqlens_q, ctx.seq_lens,
                               ctx.block_tables, scaling if scaling is not None else q.shape[-1] ** -0.5,
                               sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux, impl=ctx.impl,
-                              new_key=k, new_value=v, num_decodes=ctx.num_decodes)
+                              new_key=k, new_value=v, num_decodes=ctx.num_decodes, query_len=ctx.query_len)
     return out.unsqueeze(0), None
 
 

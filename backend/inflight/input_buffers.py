@@ -149,6 +149,7 @@ class StepTensors:
     num_decodes: int  # the sequences that lead the batch with one token each (StepInputs.num_decodes)
     embeds_at: torch.Tensor | None = None  # [V] the positions of virtual prompt tokens (prompt_embeds.py)
     embeds: torch.Tensor | None = None  # [V, hidden] their vectors
+    query_len: int | None = None  # every sequence's tokens, where a graph padded them alike (cuda_graphs.py)
 
 
 def empty_step(lora: bool = False) -> StepInputs:

@@ -361,6 +361,7 @@ class ModelRunner:
             block_tables=step.block_tables,
             impl=self.attention_impl,
             num_decodes=step.num_decodes,
+            query_len=step.query_len,
             calls=calls,
         )
         if step.embeds is None:

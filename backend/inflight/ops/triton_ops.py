@@ -509,10 +509,28 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
     return constants
 
 
-def _default_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int) -> int:
-    if query.device.type != "cuda" or query.shape[0] != num_seqs:  # split decode batches on a GPU only
+def _default_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int, query_len: int | None = None) -> int:
+    """Decode batches split on a GPU (and steps of `query_len` tokens a sequence, verifying drafts)."""
+    if query.device.type != "cuda" or (query.shape[0] != num_seqs and not query_len):
         return 1
     return decode_splits(num_seqs, num_kv_heads, _multiprocessors(query.device.index))
+
+
+def verify_launch(query_len: int, group: int, head_dim: int, dtype: torch.dtype,
+                  cache_dtype: torch.dtype) -> dict | None:
+    """The launch of a step verifying drafts (each sequence padded to the verify length, `query_len`) whose
+    queries are `dtype`, 16-bit over a cache of their own dtype: a tile holds one sequence's query heads,
+    16 rows or the next power of two up to 64, at the decode's warps, of 64 keys for heads of up to 64 and
+    32 for larger ones (under triton 3.6 the default model's spilled 4-8 bytes with 32, Gemma 2's heads of
+    256 60 with 64 under 3.8; with the prefill tiles' 8 warps and 64 keys, windowed variants spilled
+    8-12), its context split as a decode batch's. None (the prefill tiles, whole, as any step's) past 64
+    rows, for float32 queries (as small at 8 warps Gemma 2's heads of 256 spilled 12-16 bytes, at 4 warps
+    others 660-864, split prefill tiles of Gemma 2 80) and over a cache of another dtype (the default
+    model's over fp8 spilled 8 bytes: compile_kernels.py)."""
+    rows = max(16, triton.next_power_of_2(query_len * group))
+    if rows > 64 or dtype == torch.float32 or cache_dtype != dtype:
+        return None
+    return dict(block_m=rows, num_warps=DECODE_WARPS, tile_n=64 if head_dim <= 64 else 32)
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
@@ -582,7 +600,7 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
                     sliding_window=None, softcap=None, sinks=None, out=None, block_m: int | None = None,
                     tile_n: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
                     num_stages: int | None = None, new_key=None, new_value=None, new_kv: bool | None = None,
-                    merge_last: bool | None = None, num_decodes: int | None = None):
+                    merge_last: bool | None = None, num_decodes: int | None = None, query_len: int | None = None):
     """`new_key`, `new_value` [T, Hkv, D]: the step's keys and values (also written into the cache);
     `new_kv`: whether prefill tiles read the step's own from them (None: NEW_KV_FOR_PREFILL, where it can);
     `merge_last`: whether split contexts are merged by their last split (None: MERGE_IN_LAST_SPLIT);
@@ -590,7 +608,9 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     decodes first). Those are launched as a decode batch of their own (a program a sequence, its context
     split where the batch is small) and the others as prefill tiles, which would give each decode a tile
     of BLOCK_M rows with as many used as the query heads of a KV head; the launch parameters given (block_m
-    to num_stages, new_kv) are the tiles'."""
+    to num_stages, new_kv) are the tiles'. `query_len`: every sequence has exactly that many query tokens
+    (a step verifying drafts, replayed from a CUDA graph: cuda_graphs.uniform_step): a tile then holds one
+    sequence's (verify_launch) and contexts split as a decode batch's are, from the batch's shape."""
     if out is None:
         out = torch.empty_like(query)
     if query.dtype == torch.float32 and key_cache.dtype != torch.float32 and not _INTERPRETED:
@@ -601,6 +621,13 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         _launch(query[:d], key_cache, value_cache, cu_seqlens_q[:d + 1], seq_lens[:d], block_tables[:d], scale,
                 sliding_window, softcap, sinks, out[:d], new_kv=False, merge_last=merge_last)
         cu_seqlens_q, seq_lens, block_tables = cu_seqlens_q[d:], seq_lens[d:], block_tables[d:]
+    launch = verify_launch(query_len, query.shape[1] // key_cache.shape[2], query.shape[2], query.dtype,
+                           key_cache.dtype) if query_len and query_len > 1 and not d else None
+    if launch is not None:
+        block_m, num_warps, tile_n = block_m or launch["block_m"], num_warps or launch["num_warps"], \
+            tile_n or launch["tile_n"]
+        if num_splits is None:
+            num_splits = _default_splits(query, seq_lens.shape[0], key_cache.shape[2], query_len)
     return _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window,
                    softcap, sinks, out, block_m, tile_n, num_splits, num_warps, num_stages, new_key, new_value,
                    new_kv, merge_last, first_token=d)
