@@ -162,17 +162,13 @@ def resource_usage(ptx: str) -> dict[str, int]:
 
 # phase: (tokens, sequences, KV splits) of the launch compiled
 PHASES = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
-VERIFY_LEN = 5  # a step verifying 4 drafts a sequence: its tiles hold a sequence each (triton_ops.verify_launch)
-
-
-def launches(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype):
-    """(phase, tokens, sequences, KV splits, launch parameters) of every launch compiled for a shape whose
-    queries are `dtype` over a `cache_dtype` cache: the PHASES, and steps verifying drafts (whole and split)."""
+def launches(dtype: torch.dtype, cache_dtype: torch.dtype):
+    """(phase, tokens, sequences, KV splits) of every launch compiled for a shape whose queries are `dtype`
+    over a `cache_dtype` cache: the PHASES, and steps verifying drafts, split (triton_ops.verify_steps_split)."""
     for phase, (tokens, seqs, splits) in PHASES.items():
-        yield phase, tokens, seqs, splits, {}
-    launch = triton_ops.verify_launch(VERIFY_LEN, heads // kv_heads, head_dim, dtype, cache_dtype)
-    for phase, splits in (("verify", 1), ("verify split-KV", 8)) if launch is not None else ():
-        yield phase, 8 * VERIFY_LEN, 8, splits, launch
+        yield phase, tokens, seqs, splits
+    if triton_ops.verify_steps_split(5, dtype, cache_dtype):  # (5 tokens a sequence: 4 drafts)
+        yield "verify split-KV", 8 * 5, 8, 8
 
 
 def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_size: int = 16, arch: int = 90):
@@ -183,10 +179,9 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
     for dtype in dtypes:
         for shape in shapes:
             heads, kv_heads, head_dim, window, options = SHAPES[shape]
-            for phase, tokens, seqs, splits, launch in launches(heads, kv_heads, head_dim, dtype, dtype):
+            for phase, tokens, seqs, splits in launches(dtype, dtype):
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         dtype, window, num_splits=splits, **launch, **options,
-                                                         arch=arch)
+                                                         dtype, window, num_splits=splits, **options, arch=arch)
                 yield (f"paged_attention {shape} {phase}", attention, constants, dtype,
                        multiples_of_16(attention, heads, head_dim))
             tokens, seqs, splits = PHASES["decode split-KV"]
@@ -212,9 +207,9 @@ def variants(dtypes: list[torch.dtype], shapes: list[str] = list(SHAPES), block_
             continue
         for shape in cache_dtype_shapes:
             heads, kv_heads, head_dim, window, _ = SHAPES[shape]
-            for phase, tokens, seqs, splits, launch in launches(heads, kv_heads, head_dim, query_dtype, cache_dtype):
+            for phase, tokens, seqs, splits in launches(query_dtype, cache_dtype):
                 _, constants = triton_ops.attention_meta(tokens, seqs, heads, kv_heads, head_dim, block_size,
-                                                         query_dtype, window, num_splits=splits, **launch,
+                                                         query_dtype, window, num_splits=splits,
                                                          cache_dtype=cache_dtype, arch=arch)
                 yield (f"paged_attention {shape} {phase}", attention, constants, (query_dtype, cache_dtype, out_dtype),
                        multiples_of_16(attention, heads, head_dim))

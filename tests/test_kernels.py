@@ -181,29 +181,25 @@ VERIFY_CASES = {
                          ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
 @pytest.mark.parametrize("case", VERIFY_CASES)
-def test_steps_verifying_drafts_take_a_tile_a_sequence(case, num_splits, dtype):
-    """A 16-bit batch of sequences of one query length (a padded step verifying drafts: query_len): a tile
-    of 16 or 32 rows a sequence (verify_launch), its context whole or split as a decode batch's (None: as
-    the engine chooses, on a GPU from the batch's shape), within the dtype's tolerance of the torch
-    reference."""
+def test_steps_verifying_drafts_split_their_contexts(case, num_splits, dtype):
+    """A 16-bit batch of sequences of one query length (a padded step verifying drafts: query_len): prefill
+    tiles, each context whole or split as a decode batch's (None: as the engine chooses, on a GPU from the
+    batch's shape), within the dtype's tolerance of the torch reference."""
     from inflight.ops import triton_ops
 
     seqs, block_size, kv_heads, group, head_dim, window = VERIFY_CASES[case]
     query_len = seqs[0][1]
     query, key_cache, value_cache, cu, seq_lens, tables = make_batch(seqs, block_size, kv_heads, group, head_dim,
                                                                      dtype)
-    # (float32 ones, and over a cache of another dtype, launch as any step: prefill tiles, whole; smaller or
-    # split ones spilled compiled)
-    assert triton_ops.verify_launch(query_len, group, head_dim, torch.float32, torch.float32) is None
-    assert triton_ops.verify_launch(query_len, group, head_dim, dtype, torch.float8_e5m2) is None
-    launch = triton_ops.verify_launch(query_len, group, head_dim, dtype, dtype)
-    assert launch == dict(block_m=16 if query_len * group <= 16 else 32, num_warps=triton_ops.DECODE_WARPS, tile_n=64)
+    # (float32 ones, and over a cache of another dtype, launch as any step: whole; split, some spilled)
+    assert triton_ops.verify_steps_split(query_len, dtype, dtype) and not triton_ops.verify_steps_split(1, dtype, dtype)
+    assert not triton_ops.verify_steps_split(query_len, torch.float32, torch.float32)
+    assert not triton_ops.verify_steps_split(query_len, dtype, torch.float8_e5m2)
     launched, meta = [], triton_ops.attention_meta
 
     def recorded(*args, **kwargs):
         grid, constants = meta(*args, **kwargs)
-        launched.append((constants["BLOCK_M"], constants["BLOCK_Q"], constants["NUM_SPLITS"], constants["num_warps"],
-                         constants["TILE_N"]))
+        launched.append((constants["DECODE"], constants["NUM_SPLITS"]))
         return grid, constants
 
     scale = head_dim ** -0.5
@@ -214,11 +210,9 @@ def test_steps_verifying_drafts_take_a_tile_a_sequence(case, num_splits, dtype):
                                          num_splits=num_splits, query_len=query_len)
     err = (got.float() - expected.float()).abs().max().item()
     assert err <= TOLERANCE[dtype], f"max abs error {err:.2e}"
-    (block_m, block_q, splits, warps, tile_n), = launched
-    assert block_q >= query_len and dict(block_m=block_m, num_warps=warps, tile_n=tile_n) == launch
     engine_splits = triton_ops.decode_splits(len(seqs), kv_heads, triton_ops._multiprocessors(None)) \
         if DEVICE == "cuda" else 1
-    assert splits == (engine_splits if num_splits is None else num_splits)
+    assert launched == [(False, engine_splits if num_splits is None else num_splits)]
 
 
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=lambda d: str(d).removeprefix("torch."))
@@ -867,9 +861,13 @@ def test_kernels_compile_for_gpus():
     # merges), 12 over a 16-bit cache of another dtype, each for 2 targets; over fp8 e5m2 caches 18 and 2 KV
     # writes for both, over e4m3 as many for sm_90 alone (sm_80 does not convert it); prefill reading new keys
     # and values, 5 shapes in 2 16-bit dtypes, and split decodes merged by the last split, 4 shapes (not
-    # Gemma 2's heads of 256) in 2 16-bit dtypes, for sm_90 alone; the sampler's top-p kernel for both
-    assert len(rows) == 2 * (3 * 19 + 12) + 2 * (18 + 2) + (18 + 2) + 2 * 5 + 2 * 4 + 2
+    # Gemma 2's heads of 256) in 2 16-bit dtypes, for sm_90 alone; the sampler's top-p kernel for both; steps
+    # verifying drafts, split, for 5 shapes in 2 16-bit dtypes and 2 over a cache of the query's dtype with a
+    # float32 output (triton_ops.verify_steps_split), for both
+    assert len(rows) == 2 * (3 * 19 + 12) + 2 * (18 + 2) + (18 + 2) + 2 * 5 + 2 * 4 + 2 + 2 * (2 * 5 + 2)
     assert not any("FAILED" in row for row in rows)
+    verify = [row for row in rows if " verify " in row]
+    assert len(verify) == 2 * (2 * 5 + 2) and not any(row.split("|")[3].strip() == "fp32" for row in verify)
     assert sum("new-kv" in row for row in rows) == 10 and all("sm_90" in row for row in rows if "new-kv" in row)
     merged = [row for row in rows if "merged by the last" in row]
     assert len(merged) == 8 and all("sm_90" in row and "fp32" not in row for row in merged)

@@ -473,7 +473,7 @@ def test_drafts_on_a_gpu_beside_cuda_graphs(tiny_models):
     assert llm.stats()["spec_decode_accepted_tokens_total"] > 0
     assert llm.runner.graphs.verify_replays > 0, "steps verifying drafts were meant to replay graphs"
     llm.block_manager.check_all_free()
-    # bfloat16: the steps verifying drafts take a tile a sequence, contexts split (triton_ops.verify_launch);
+    # bfloat16: the steps verifying drafts take a tile a sequence, contexts split (triton_ops.verify_steps_split);
     # the tokens of the same engine without drafts (the tiny models' logits are peaked: rounding alone does
     # not flip them, as test_graphs_equal_eager_in_bfloat16 relies on too)
     settings = dict(device="cuda", dtype="bfloat16", num_kv_blocks=64)

@@ -13,8 +13,8 @@ its graph's shape, and replays the graph.
   drafts: up to num_speculative_tokens + 1 tokens, the verify length): the same buckets, each sequence
   given the verify length (`uniform_step`). A sequence with fewer tokens is padded after its last one
   with tokens that write no KV and whose logits nobody reads; its own tokens attend exactly as they
-  would alone, since a token sees only the keys before it. The Triton attention gives each sequence a
-  tile of its own and splits its context as a decode batch's (triton_ops.verify_launch).
+  would alone, since a token sees only the keys before it. The Triton attention splits their contexts
+  as a decode batch's (triton_ops.verify_steps_split).
 - Any other step (prompt chunks, with or without decodes beside them), of up to cuda_graph_max_tokens
   tokens: a graph for each bucket of token counts (16, 32, 64, 128, 256, then every 256), over max_num_seqs
   sequences (`ragged_step`): the padding tokens belong to no sequence and the padding sequences have no
@@ -163,7 +163,7 @@ class StepGraphs:
             self._buffers.load(self._padded(empty_step(shape.lora), shape)[0])
         tensors = self._buffers.views(shape.tokens, shape.seqs, self._buffers.max_blocks, shape.logits, shape.lora,
                                       shape.seqs if shape.query_len == 1 else 0)
-        if shape.query_len > 1:  # (the attention then takes a tile a sequence, its context split)
+        if shape.query_len > 1:  # (the attention then splits their contexts: triton_ops.verify_steps_split)
             tensors.query_len = shape.query_len
         return tensors
 

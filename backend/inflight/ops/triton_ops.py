@@ -516,21 +516,14 @@ def _default_splits(query: torch.Tensor, num_seqs: int, num_kv_heads: int, query
     return decode_splits(num_seqs, num_kv_heads, _multiprocessors(query.device.index))
 
 
-def verify_launch(query_len: int, group: int, head_dim: int, dtype: torch.dtype,
-                  cache_dtype: torch.dtype) -> dict | None:
-    """The launch of a step verifying drafts (each sequence padded to the verify length, `query_len`) whose
-    queries are `dtype`, 16-bit over a cache of their own dtype: a tile holds one sequence's query heads,
-    16 rows or the next power of two up to 64, at the decode's warps, of 64 keys for heads of up to 64 and
-    32 for larger ones (under triton 3.6 the default model's spilled 4-8 bytes with 32, Gemma 2's heads of
-    256 60 with 64 under 3.8; with the prefill tiles' 8 warps and 64 keys, windowed variants spilled
-    8-12), its context split as a decode batch's. None (the prefill tiles, whole, as any step's) past 64
-    rows, for float32 queries (as small at 8 warps Gemma 2's heads of 256 spilled 12-16 bytes, at 4 warps
-    others 660-864, split prefill tiles of Gemma 2 80) and over a cache of another dtype (the default
-    model's over fp8 spilled 8 bytes: compile_kernels.py)."""
-    rows = max(16, triton.next_power_of_2(query_len * group))
-    if rows > 64 or dtype == torch.float32 or cache_dtype != dtype:
-        return None
-    return dict(block_m=rows, num_warps=DECODE_WARPS, tile_n=64 if head_dim <= 64 else 32)
+def verify_steps_split(query_len: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether a step verifying drafts (each sequence padded to the verify length, `query_len`) whose queries
+    are `dtype` has its contexts split as a decode batch's: 16-bit over a cache of their own dtype, in the
+    prefill tiles as they are. Tiles sized to a sequence's query heads (16 to 64 rows) spilled in some shape
+    at some size (Gemma 2's heads of 256 at 64 rows 24-108 bytes, Llama-3-8B's at 16 on sm_80 8, gpt-oss's at
+    32 4-8, the default model's at 16 under triton 3.6 4-8), and float32 or fp8 ones split (Gemma 2's 80
+    bytes on sm_80: compile_kernels.py)."""
+    return query_len > 1 and dtype in (torch.float16, torch.bfloat16) and cache_dtype == dtype
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
@@ -609,8 +602,8 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     split where the batch is small) and the others as prefill tiles, which would give each decode a tile
     of BLOCK_M rows with as many used as the query heads of a KV head; the launch parameters given (block_m
     to num_stages, new_kv) are the tiles'. `query_len`: every sequence has exactly that many query tokens
-    (a step verifying drafts, replayed from a CUDA graph: cuda_graphs.uniform_step): a tile then holds one
-    sequence's (verify_launch) and contexts split as a decode batch's are, from the batch's shape."""
+    (a step verifying drafts, replayed from a CUDA graph: cuda_graphs.uniform_step): its contexts are then
+    split as a decode batch's are, from the batch's shape (verify_steps_split)."""
     if out is None:
         out = torch.empty_like(query)
     if query.dtype == torch.float32 and key_cache.dtype != torch.float32 and not _INTERPRETED:
@@ -621,13 +614,8 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         _launch(query[:d], key_cache, value_cache, cu_seqlens_q[:d + 1], seq_lens[:d], block_tables[:d], scale,
                 sliding_window, softcap, sinks, out[:d], new_kv=False, merge_last=merge_last)
         cu_seqlens_q, seq_lens, block_tables = cu_seqlens_q[d:], seq_lens[d:], block_tables[d:]
-    launch = verify_launch(query_len, query.shape[1] // key_cache.shape[2], query.shape[2], query.dtype,
-                           key_cache.dtype) if query_len and query_len > 1 and not d else None
-    if launch is not None:
-        block_m, num_warps, tile_n = block_m or launch["block_m"], num_warps or launch["num_warps"], \
-            tile_n or launch["tile_n"]
-        if num_splits is None:
-            num_splits = _default_splits(query, seq_lens.shape[0], key_cache.shape[2], query_len)
+    if num_splits is None and query_len and not d and verify_steps_split(query_len, query.dtype, key_cache.dtype):
+        num_splits = _default_splits(query, seq_lens.shape[0], key_cache.shape[2], query_len)
     return _launch(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window,
                    softcap, sinks, out, block_m, tile_n, num_splits, num_warps, num_stages, new_key, new_value,
                    new_kv, merge_last, first_token=d)
