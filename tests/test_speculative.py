@@ -431,8 +431,8 @@ def test_steps_verifying_drafts_replay_graphs_of_padded_sequences(tiny_models, h
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreted on a CPU; on a GPU the bfloat16 drafting test")
 def test_the_triton_attention_is_told_a_verify_steps_query_length(tiny_models, hf_reference, monkeypatch):
     """Through the Triton kernels (interpreted here): a step verifying drafts replayed from its graph tells
-    the attention its sequences' one query length (16-bit, it then takes a tile a sequence and splits the
-    contexts: test_kernels.py); every other step, none. Outputs are HF's."""
+    the attention its sequences' one query length (16-bit, it then splits their contexts as a decode
+    batch's: test_kernels.py); every other step, none. Outputs are HF's."""
     from inflight.ops import triton_ops
 
     monkeypatch.setenv("INFLIGHT_ATTENTION", "triton")
@@ -473,7 +473,7 @@ def test_drafts_on_a_gpu_beside_cuda_graphs(tiny_models):
     assert llm.stats()["spec_decode_accepted_tokens_total"] > 0
     assert llm.runner.graphs.verify_replays > 0, "steps verifying drafts were meant to replay graphs"
     llm.block_manager.check_all_free()
-    # bfloat16: the steps verifying drafts take a tile a sequence, contexts split (triton_ops.verify_steps_split);
+    # bfloat16: the steps verifying drafts split their contexts (triton_ops.verify_steps_split);
     # the tokens of the same engine without drafts (the tiny models' logits are peaked: rounding alone does
     # not flip them, as test_graphs_equal_eager_in_bfloat16 relies on too)
     settings = dict(device="cuda", dtype="bfloat16", num_kv_blocks=64)
