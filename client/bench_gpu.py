@@ -449,18 +449,10 @@ def decode_table(report: "Report", keys: list[str], built: dict[str, str], devic
         mode, settings = MODES[key]
         if sampling:
             mode += ", " + sampled_words()
-        try:
-            r = decode_step(model_dir, device, sequences, steps, sampling, **settings)
-        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
-            r = failure(e)
-        report.took(f"decode step, {name}, {mode}")
-        if isinstance(r, str):
-            release()  # once the traceback, which holds the failed step's engine, is gone
-            report.add(f"| {name}, {mode} | {r} | | |")
+        r = step_row(report, f"decode step, {name}, {mode}", f"{name}, {mode}",
+                     lambda: decode_step(model_dir, device, sequences, steps, sampling, **settings))
+        if r is None:
             continue
-        gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
-        launches = "-" if r["launches"] is None else f"{r['launches']:.0f}"
-        report.add(f"| {name}, {mode} | {r['wall_ms']:.2f} | {gpu} | {launches} |")
         top += [f"{name}, {mode}:"] + [f"  {line}" for line in r["top"]] if r["top"] else []
         if key in TARGET_MODES and not sampling:
             targets.append((f"decode step of {sequences} sequences, {name}, {mode}: at most 4 ms",
@@ -482,18 +474,27 @@ def arrivals_table(report: "Report", built: dict[str, str], device: str, sequenc
     for (name, model_dir), (how, more) in itertools.product(
             built.items(), ((f"{mode}, steps with prompt chunks from graphs", {}),
                             (f"{mode}, steps with prompt chunks eager", dict(cuda_graph_max_tokens=0)))):
-        try:
-            r = decode_step(model_dir, device, sequences, steps, arrival_tokens=prompt_tokens, **settings, **more)
-        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
-            r = failure(e)
-        report.took(f"arrivals, {name}, {how}")
-        if isinstance(r, str):
-            release()
-            report.add(f"| {name}, {how} | {r} | | |")
-            continue
-        gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
-        launches = "-" if r["launches"] is None else f"{r['launches']:.0f}"
-        report.add(f"| {name}, {how} | {r['wall_ms']:.2f} | {gpu} | {launches} |")
+        step_row(report, f"arrivals, {name}, {how}", f"{name}, {how}",
+                 lambda: decode_step(model_dir, device, sequences, steps, arrival_tokens=prompt_tokens, **settings,
+                                     **more))
+
+
+def step_row(report: "Report", what: str, label: str, measure) -> dict | None:
+    """A table row of one step measurement (`measure()`: decode_step's dict): wall, GPU busy and launches,
+    or the error that stopped it (then None)."""
+    try:
+        r = measure()
+    except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+        r = failure(e)
+    report.took(what)
+    if isinstance(r, str):
+        release()  # once the traceback, which holds the failed step's engine, is gone
+        report.add(f"| {label} | {r} | | |")
+        return None
+    gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
+    launches = "-" if r["launches"] is None else f"{r['launches']:.0f}"
+    report.add(f"| {label} | {r['wall_ms']:.2f} | {gpu} | {launches} |")
+    return r
 
 
 def offline_table(report: "Report", keys: list[str], built: dict[str, str], device: str, work: Workload,

@@ -162,6 +162,8 @@ def resource_usage(ptx: str) -> dict[str, int]:
 
 # phase: (tokens, sequences, KV splits) of the launch compiled
 PHASES = {"decode": (64, 64, 1), "decode split-KV": (8, 8, 8), "prefill": (2048, 4, 1)}
+
+
 def launches(dtype: torch.dtype, cache_dtype: torch.dtype):
     """(phase, tokens, sequences, KV splits) of every launch compiled for a shape whose queries are `dtype`
     over a `cache_dtype` cache: the PHASES, and steps verifying drafts, split (triton_ops.verify_steps_split)."""

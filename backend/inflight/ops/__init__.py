@@ -52,7 +52,7 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     triton_ops.NEW_KV_FOR_PREFILL). num_decodes: how many sequences lead the batch with one query token each,
     which the Triton kernel launches apart from the prefill tiles (the torch implementation finds its
     decodes itself). query_len: every sequence has exactly that many query tokens (a padded step verifying
-    drafts), which the Triton kernel launches in tiles of one sequence each, contexts split."""
+    drafts), whose contexts the Triton kernel splits as a decode batch's."""
     module = _module(impl, query.device.type)
     args = (query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window, softcap,
             sinks, out)
