@@ -1,6 +1,8 @@
 """The GPU path's host side: step inputs built without per-token Python, persistent input buffers, the
 padding a captured decode graph reads, the graphs' batch-size buckets; on a GPU, graphs against eager."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -426,3 +428,55 @@ def test_a_model_that_cannot_be_captured_runs_eagerly(tiny_models, monkeypatch, 
         llm.runner.graphs = None  # (nothing captured on a CPU to replay)
     out = llm.generate([[5, 6, 7]], GREEDY)[0]
     assert len(out.token_ids) == GREEDY.max_tokens
+
+
+# -- the KV pool's room for the largest step (step_memory.py) ------------------------------------------
+@pytest.mark.parametrize("max_seqs", [8, 100], ids=["rows-of-max_num_seqs", "rows-of-every-token"])
+def test_the_largest_step_writes_no_kv_and_samples_as_many_rows_as_a_step_can(tiny_models, max_seqs):
+    """The step run before the pool is sized: max_num_batched_tokens tokens over block 0 that leave the
+    pool and the token history as they were, their last min(max_num_seqs, tokens) rows sampled through
+    every filter to tokens of the vocabulary."""
+    from inflight.step_memory import largest_step, run_largest_step
+
+    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", num_kv_blocks=4, max_num_batched_tokens=64)
+    runner = llm.runner
+    runner.kv_cache.uniform_()
+    runner.token_history._blocks.random_(3, 512)
+    pool, history = runner._kv_bytes.clone(), runner.token_history._blocks.clone()
+    tokens = run_largest_step(runner._forward, largest_step(64, max_seqs, runner.block_size, runner.device))
+    assert tokens.shape == (min(max_seqs, 64),)
+    assert 0 <= int(tokens.min()) and int(tokens.max()) < runner.hf_config.vocab_size
+    assert torch.equal(runner._kv_bytes, pool) and torch.equal(runner.token_history._blocks, history)
+
+
+def test_a_gpus_pool_leaves_room_for_the_largest_step(tiny_models, monkeypatch):
+    """On a GPU the pool's budget is its share of the free memory less the largest step's peak, and a share
+    too small for that step is refused naming the limits to lower. (The GPU's memory calls faked here.)"""
+    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", num_kv_blocks=4)
+    runner = llm.runner
+    free, step = 1000 * runner.bytes_per_block, 300 * runner.bytes_per_block + 5
+    runner.config = dataclasses.replace(runner.config, num_kv_blocks=None, kv_cache_memory_fraction=0.5)
+    runner.device = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
+    monkeypatch.setattr(runner, "_largest_step_bytes", lambda: step)
+    assert runner._pool_size() == 199  # (500 blocks' bytes less 300 blocks' and 5 bytes)
+    step = 600 * runner.bytes_per_block
+    with pytest.raises(ValueError, match="max_num_batched_tokens.*max_num_seqs.*lower those limits or raise"):
+        runner._pool_size()
+
+
+@needs_cuda
+def test_the_largest_steps_memory_is_measured_and_fits_beside_the_pool_on_a_gpu(tiny_models):
+    """bfloat16 on the GPU, the pool sized from the free memory: the largest step's peak holds at least its
+    float32 logits and probabilities, and a request of that step's size sampling through every filter,
+    with logprobs, runs beside the pool."""
+    from inflight.step_memory import WIDEST_SAMPLING
+
+    llm = LLM(tiny_models["llama"], device="cuda", dtype="bfloat16", kv_cache_memory_fraction=0.05,
+              max_num_seqs=16, max_num_batched_tokens=256)
+    runner = llm.runner
+    assert runner._largest_step_bytes() >= 2 * 16 * runner.hf_config.vocab_size * 4
+    params = dataclasses.replace(WIDEST_SAMPLING, max_tokens=4, logprobs=5, ignore_eos=True)
+    [out] = llm.generate([random_prompts(1, 256, 256, vocab=512)[0]], params)
+    assert len(out.token_ids) == 4
+    llm.block_manager.check_all_free()

@@ -27,6 +27,7 @@ from .lora import LoRAAdapters
 from .model_support import UnsupportedModel, attention_chunk, check_attention_calls, common_sliding_window, refuse
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
+from .step_memory import largest_step, peak_bytes, run_largest_step
 from .token_history import TokenHistory
 
 logger = logging.getLogger(__name__)
@@ -92,18 +93,15 @@ class ModelRunner:
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, self.device.type, capability)
         ops.prepare(self.attention_impl, self.device.type, self.kv_dtype)
-        self.num_blocks = self._pool_size()
-        # One tensor for the whole pool: [layer, key/value, block, slot, kv head, head dim].
-        # (fp8 through bytes: torch's fills and indexed copies do not take every fp8 dtype on every device)
-        self._kv_bytes = torch.zeros(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                                     self.head_dim * self.kv_dtype.itemsize, dtype=torch.uint8, device=self.device)
-        self.kv_cache = self._kv_bytes.view(self.kv_dtype)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
-        self.token_history = TokenHistory(self.num_blocks, self.block_size, hf_config.vocab_size, self.device)
         self._model_call = self.model
+        self.lora = None
+        # The first forward passes (what the attention layers ask; on a GPU, the largest step's memory) run
+        # over a pool of one block, into which they write nothing; then the pool is sized and allocated.
+        self._allocate_pool(1)
+        self.sliding_window = self._check_attention_calls()  # every layer's, when they share one; else None
+        self._allocate_pool(self._pool_size())
         # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
         self.lora = LoRAAdapters(self.model, config.lora_modules, dtype, self.device) if config.lora_modules else None
-        self.sliding_window = self._check_attention_calls()  # every layer's, when they share one; else None
         self.max_model_len = self._max_model_len()
         # (a step verifying drafts in a CUDA graph pads a sequence's tokens to the verify length: its
         # table is read that far past max_model_len)
@@ -126,6 +124,18 @@ class ModelRunner:
             compile_attention_kernels(self._forward, self.buffers, config.max_num_seqs, config.max_num_batched_tokens,
                                       self.num_kv_heads, self.block_size, num_sms)
         self.graphs = self._capture_graphs() if self._use_cuda_graphs() else None
+
+    def _allocate_pool(self, num_blocks: int) -> None:
+        """The KV pool of `num_blocks` blocks, in place of any before, and its tokens' ids (token_history.py)."""
+        self.num_blocks = num_blocks
+        self._kv_bytes = self.kv_cache = self.kv_caches = self.token_history = None  # (the old pool freed first)
+        # One tensor for the whole pool: [layer, key/value, block, slot, kv head, head dim].
+        # (fp8 through bytes: torch's fills and indexed copies do not take every fp8 dtype on every device)
+        self._kv_bytes = torch.zeros(self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
+                                     self.head_dim * self.kv_dtype.itemsize, dtype=torch.uint8, device=self.device)
+        self.kv_cache = self._kv_bytes.view(self.kv_dtype)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        self.token_history = TokenHistory(num_blocks, self.block_size, self.hf_config.vocab_size, self.device)
 
     @torch.inference_mode()
     def _check_attention_calls(self) -> int | None:
@@ -287,23 +297,45 @@ class ModelRunner:
         return self.block_size * (2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize + 8)
 
     def _pool_size(self) -> int:
+        """The pool's blocks: the setting's, or as many as its budget holds (kv_cache_memory, or a share of
+        the free memory; on a GPU, less what the largest step takes beside the pool: step_memory.py)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        budget = cfg.kv_cache_memory
+        budget, step_bytes = cfg.kv_cache_memory, 0
         if budget is None:
             fraction = cfg.kv_cache_memory_fraction or cfg.DEFAULT_MEMORY_FRACTION[self.device.type]
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
+                step_bytes = self._largest_step_bytes()
             else:
                 free = psutil.virtual_memory().available
-            budget = int(free * fraction)
+            budget = int(free * fraction) - step_bytes
+            if step_bytes and budget < self.bytes_per_block:
+                raise ValueError(
+                    f"a step of max_num_batched_tokens ({cfg.max_num_batched_tokens}) tokens sampling max_num_seqs "
+                    f"({cfg.max_num_seqs}) rows takes {step_bytes / 2**30:.2f} GiB beside the KV cache, which leaves "
+                    f"no block of the share kv_cache_memory_fraction {fraction} of the {free / 2**30:.2f} GiB free: "
+                    "lower those limits or raise the share")
         blocks = self._smallest_over_ranks(budget // self.bytes_per_block)  # every rank holds the same block ids
         if blocks < 1:
             raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", blocks, self.block_size,
-                    blocks * self.bytes_per_block / 2**30, str(self.kv_dtype).removeprefix("torch."))
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)%s", blocks, self.block_size,
+                    blocks * self.bytes_per_block / 2**30, str(self.kv_dtype).removeprefix("torch."),
+                    f"; {step_bytes / 2**30:.2f} GiB left for the largest step" if step_bytes else "")
         return blocks
+
+    def _largest_step_bytes(self) -> int:
+        """What the largest step's forward and sampling take on the GPU beside the pool (step_memory.py): run
+        now over the pool of one block. A GPU too small for it says so here, not in a request."""
+        step = largest_step(self.config.max_num_batched_tokens, self.config.max_num_seqs, self.block_size,
+                            self.device)
+        try:
+            return peak_bytes(lambda: run_largest_step(self._forward, step), self.device)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(f"a step of max_num_batched_tokens ({self.config.max_num_batched_tokens}) tokens "
+                             f"sampling max_num_seqs ({self.config.max_num_seqs}) rows does not fit in this GPU's "
+                             f"memory beside the weights: lower those limits ({e})") from e
 
     def _smallest_over_ranks(self, value: int) -> int:
         """`value` on one rank; under tensor parallelism, the smallest of every rank's."""
