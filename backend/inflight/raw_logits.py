@@ -32,9 +32,12 @@ def check_size(params: SamplingParams, num_prompt_tokens: int, vocab_size: int) 
 
 
 def to_host(rows: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of `rows` on the host, made without waiting for the device."""
-    rows = rows.float()
-    return rows if rows.device.type == "cpu" else rows.to("cpu", non_blocking=True)
+    """A float32 copy of `rows` on the host, made without waiting for the device. A copy on a CPU too: the
+    rows may view an output that the next step rewrites in place (a CUDA graph's, as the tests' graphs on
+    a CPU do) before this step's are read."""
+    if rows.device.type == "cpu":
+        return rows.float() if rows.dtype != torch.float32 else rows.clone()
+    return rows.float().to("cpu", non_blocking=True)
 
 
 def own_row(row: torch.Tensor) -> np.ndarray:
