@@ -320,7 +320,7 @@ def test_tiles_before_hopper_match_torch(case):
 
 def test_prefill_tiles_by_architecture():
     """16-bit prefill tiles of 128 rows by 64 keys at 8 warps from Hopper on (and under the interpreter),
-    64 by 32 at 8 warps before; heads of 256 and decodes keep theirs."""
+    64 by 32 at 8 warps before; heads of 256 and decodes keep theirs; never fewer keys than a block's."""
     from inflight.ops.triton_ops import attention_meta
 
     def tile(arch, head_dim=128, tokens=2048, dtype=torch.bfloat16):
@@ -330,6 +330,10 @@ def test_prefill_tiles_by_architecture():
     assert tile(90) == tile(None) == (128, 64, 8) and tile(90, head_dim=64) == (128, 64, 8)
     assert tile(80) == (64, 32, 8) and tile(80, head_dim=64) == (64, 32, 8)
     assert tile(90, head_dim=256) == (64, 32, 8) and tile(90, tokens=4) == (16, 32, 4)
+    # (a tile reads whole pages: a sweep's tile of 16 keys over blocks of 32 is refused, not compiled)
+    assert attention_meta(2048, 4, 32, 8, 128, 32, torch.bfloat16, arch=90)[1]["TILE_N"] == 64
+    with pytest.raises(ValueError, match="tile_n must be a power of two of at least the block size"):
+        attention_meta(2048, 4, 32, 8, 128, 32, torch.bfloat16, tile_n=16, arch=90)
 
 
 @pytest.mark.parametrize("group", [3, 5, 6, 4, 8])

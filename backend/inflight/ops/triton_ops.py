@@ -469,6 +469,9 @@ def _attention_constants(decode: bool, num_heads: int, num_kv_heads: int, head_d
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if new_kv and (decode or num_splits > 1):
         raise ValueError("new keys and values are read by prefill tiles only, whole (num_splits 1)")
+    if tile_n is not None and (tile_n < block_size or tile_n & (tile_n - 1)):
+        # (a tile reads whole pages: its block table entries are TILE_N // BLOCK_SIZE)
+        raise ValueError(f"tile_n must be a power of two of at least the block size ({block_size}), got {tile_n}")
     group = num_heads // num_kv_heads
     # A decode batch (or the decodes that lead a mixed one, launched apart: paged_attention) takes 16 rows,
     # one token's query heads; prefill tiles are tall. Compiled float32 prefill tiles take twice the
