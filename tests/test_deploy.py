@@ -79,7 +79,9 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     # The host's profile of decode steps, at temperature 1 and with the sampled rows' parameters.
     headings = re.findall(r"^host profile, tiny \(smoke\), decode steps of 8 sequences([^\n]*):$", text, re.M)
     assert headings == ["", ", sampling with temperature 0.7, top_p 0.9, repetition_penalty 1.1"], text
-    assert len(re.findall(r"engine\.py:\d+\(step\)", text)) >= 2 and text.count("Ordered by: internal time") == 2
+    # (The model runner's run, not the engine's step: Python 3.12's cProfile, the GPU machine's, loses the
+    # frames above the model's forward in these steps, the engine's step among them; 3.11's keeps them.)
+    assert len(re.findall(r"model_runner\.py:\d+\(run\)", text)) >= 2 and text.count("Ordered by: internal time") == 2
     # Each part of the host's step timed without the profiler, the parts within the whole; within them, the
     # input copies (a CPU's too), graph launches and waits for the GPU (none on a CPU).
     for table in re.findall(r"\| host time a step .*?\| whole step \(median\) \| [\d.]+ \|", text, re.S):
