@@ -1,10 +1,12 @@
 """The Triton-free pieces of the serving layer: request parsing, the engine thread and process, the
 metrics and the serving profile."""
 
+import dataclasses
 import gc
 import json
 import os
 import pickle
+import random
 import signal
 import threading
 import time
@@ -21,7 +23,7 @@ from inflight.serving.engine_process import EngineProcess
 from inflight.serving.engine_thread import EngineThread
 from inflight.serving.metrics import TritonMetrics
 from inflight.serving.profile import PARTS, ServingProfile
-from inflight.serving.request import for_outputs, parse_request, with_word_bias
+from inflight.serving.request import KNOWN_INPUTS, VLLM_PARAMETERS, for_outputs, parse_request, with_word_bias
 from inflight.structured_output import canonical_spec
 from inflight.config import EngineConfig
 from inflight.serving.settings import place_instance, resolve_lora_modules, split_settings
@@ -211,6 +213,74 @@ def test_completions_answered_each_on_their_own_or_all_in_one_response():
 def test_parse_errors_name_the_problem(inputs, words):
     with pytest.raises(ValueError, match=words):
         parse_request(inputs)
+
+
+def test_parse_joins_sampling_parameters_lists_with_tensorrtllms_inputs():
+    """Stop strings, stop ids and bad words given both ways add up (a single stop string, as vLLM takes
+    it, is one)."""
+    parsed = parse_request({"text_input": text("hi"), "end_id": np.array([2], np.int32),
+                            "stop_words": np.array([b"END"], dtype=np.object_),
+                            "bad_words": np.array([b"darn"], dtype=np.object_),
+                            "sampling_parameters": text('{"stop": "###", "stop_token_ids": [5], "bad_words": ["x"]}')})
+    p = parsed.params
+    assert (p.stop, p.stop_token_ids, p.bad_words) == (["###", "END"], [5, 2], ["x", "darn"])
+
+
+@pytest.mark.parametrize("inputs, words", [
+    ({"stop_words": np.array([b"END"], dtype=np.object_), "sampling_parameters": text('{"stop": false}')},
+     "stop must be a list, got False"),
+    ({"end_id": np.array([2], np.int32), "sampling_parameters": text('{"stop_token_ids": NaN}')},
+     "stop_token_ids must be a list, got nan"),
+    ({"input_ids": np.array([[1, 2]], np.int32), "beam_width": np.array([b"2"], dtype=np.object_)}, "beam_width"),
+])
+def test_parse_refuses_mistyped_values_beside_inputs_that_extend_them(inputs, words):
+    """Found by random requests (below): these were internal errors (TypeError), not the client's."""
+    with pytest.raises(ValueError, match=words):
+        parse_request({"text_input": text("hi"), **inputs} if "input_ids" not in inputs else inputs)
+
+
+def random_input(rng: random.Random) -> np.ndarray:
+    """An input tensor of any kind a client could send: strings (JSON among them), numbers of each type
+    with NaN, infinities and extremes, empty, two-dimensional."""
+    values = [None, True, 0, -1, 7, 2**63, 0.5, float("nan"), float("inf"), "", "a", "[1]", [], [1, "x"], {"a": 1}]
+    kind = rng.choice(["bytes", "int32", "int64", "float32", "bool", "empty", "2d", "object int"])
+    if kind == "bytes":
+        return text(rng.choice([b"hi", b"", b"\xff", json.dumps(rng.choice(values)).encode()]))
+    if kind in ("int32", "int64"):
+        return np.array([rng.choice([0, 1, -1, 5, 2**31 - 1])], dtype=kind)
+    if kind == "float32":
+        return np.array([rng.choice([0.0, 0.5, -1.0, np.nan, np.inf, 1e30])], dtype=np.float32)
+    if kind == "bool":
+        return np.array([rng.random() < 0.5])
+    if kind == "empty":
+        return np.zeros((0,), dtype=rng.choice([np.int32, np.object_, np.float32]))
+    if kind == "object int":
+        return np.array([3], dtype=np.object_)
+    return np.ones((rng.randint(1, 3), rng.randint(0, 3)), dtype=rng.choice([np.int32, np.float32, np.object_]))
+
+
+def test_random_requests_are_parsed_or_refused_with_a_value_error():
+    """Requests of random inputs and sampling parameters (every field, with values of every JSON type):
+    each is parsed or refused with a ValueError naming the problem, which the model turns into the
+    client's error, never another exception (an internal error)."""
+    values = [None, True, False, 0, 3, -2, 2**64 + 1, 0.5, -3.5, float("nan"), float("inf"), "", "1", "yes", "x",
+              [], [1, 2], ["a", None], {}, {"regex": "a+"}]
+    names = sorted({f.name for f in dataclasses.fields(SamplingParams)} | VLLM_PARAMETERS)
+    parsed = 0
+    for seed in range(4000):
+        rng = random.Random(seed)
+        inputs = {rng.choice(["text_input", "input_ids"]): rng.choice([text("hello"), np.array([[1, 2, 3]], np.int32)])}
+        inputs.update({rng.choice(sorted(KNOWN_INPUTS)): random_input(rng) for _ in range(rng.randint(0, 4))})
+        chosen = {rng.choice(names): rng.choice(values) for _ in range(rng.randint(1, 5))}
+        if rng.random() < 0.6:
+            inputs["sampling_parameters"] = text(json.dumps(chosen))
+        parameters = chosen if "sampling_parameters" not in inputs and rng.random() < 0.5 else None
+        try:
+            parse_request(inputs, parameters)
+            parsed += 1
+        except ValueError:
+            pass
+    assert parsed > 100  # (some of them valid: the checks past the first are reached too)
 
 
 def test_parse_tensorrtllm_prompt_embedding_table():

@@ -137,6 +137,15 @@ def _check_words(field: str, words: list, settings: ServingSettings) -> None:
                              f"{settings.max_word_chars} (max_word_chars)")
 
 
+def _joined(values: dict, name: str, more: list) -> list:
+    """A list from sampling_parameters (`values[name]`, a string already one item of it) followed by
+    `more`, what an input of TensorRT-LLM's adds to it."""
+    given = values.get(name, [])
+    if not isinstance(given, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {given!r}")
+    return [*given, *more]
+
+
 def _guide(inputs: dict[str, np.ndarray], max_bytes: int) -> dict:
     """TensorRT-LLM's guided decoding inputs as a structured_outputs value."""
     if "guided_decoding_guide_type" not in inputs:
@@ -352,12 +361,11 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         given[target] = (name, value)
         values[target] = value
     if "end_id" in inputs:
-        values["stop_token_ids"] = list(values.get("stop_token_ids", [])) + [_scalar("end_id", inputs["end_id"])]
+        values["stop_token_ids"] = _joined(values, "stop_token_ids", [_scalar("end_id", inputs["end_id"])])
     if "stop_words" in inputs:
-        values["stop"] = list(values.get("stop", [])) + _word_list("stop_words", inputs["stop_words"], settings)
+        values["stop"] = _joined(values, "stop", _word_list("stop_words", inputs["stop_words"], settings))
     if "bad_words" in inputs:
-        values["bad_words"] = list(values.get("bad_words", [])) + _word_list("bad_words", inputs["bad_words"],
-                                                                             settings)
+        values["bad_words"] = _joined(values, "bad_words", _word_list("bad_words", inputs["bad_words"], settings))
     for name in ("stop", "bad_words"):
         if isinstance(values.get(name), (list, tuple)):
             _check_words(name, values[name], settings)
@@ -392,7 +400,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
         raise ValueError("input 'beam_search_diversity_rate' must be 0: diverse beam search is not supported")
     # TensorRT-LLM's beam_width input returns every beam unless num_return_sequences says fewer; with
     # input_ids, each in a response of its own (its output_ids), as num_return_sequences' completions.
-    beams_by_input = "beam_width" in inputs and values.get("beam_width", 1) > 1
+    beam_width = values.get("beam_width", 1)  # (not an integer: SamplingParams refuses it below)
+    beams_by_input = "beam_width" in inputs and isinstance(beam_width, int) and beam_width > 1
     if beams_by_input and "num_return_sequences" not in inputs:
         values.setdefault("n", values["beam_width"])
     per_completion = "num_return_sequences" in inputs or (beams_by_input and isinstance(prompt, list))
