@@ -780,6 +780,19 @@ def test_empty_prompt_is_rejected(llm):
             llm.add_request("e", prompt, SamplingParams())
 
 
+def test_a_text_prompt_the_tokenizer_encodes_beyond_the_models_vocabulary_is_refused_alone(tiny_models):
+    """The tiny models' tokenizer (the default model's, 49,152 tokens) has ids their 512-token vocabulary
+    lacks: a text prompt encoded into them is refused when added (random requests found it failing the
+    step, and every request in it, at the embedding), and the requests beside it run."""
+    llm = LLM(tiny_models["llama"], num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"the tokenizer encoded the prompt into token id \d+, beyond the "
+                                         r"model's vocab_size \(512\)"):
+        llm.add_request("text", "hello world", SamplingParams())
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 3 and out.error is None
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
 def test_generate_refuses_a_batch_with_a_bad_prompt_and_leaves_nothing_behind(llm):
     with pytest.raises(ValueError, match="prompt 2"):
         llm.generate([PROMPT, PROMPT, ""], SamplingParams(max_tokens=3))

@@ -198,6 +198,9 @@ class LLMEngine:
             # (a prompt to truncate is encoded whole: its length is no reason to refuse it)
             limit = None if params.truncate_prompt_tokens else self.max_model_len
             token_ids = self.encode(prompt, max_tokens=limit, limit_name="max_model_len")
+            if token_ids and max(token_ids) >= vocab:  # (a tokenizer with tokens the model does not have)
+                raise ValueError(f"the tokenizer encoded the prompt into token id {max(token_ids)}, beyond the "
+                                 f"model's vocab_size ({vocab})")
         elif isinstance(prompt, dict):
             if params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs cannot be measured for a prompt given as embeddings")
