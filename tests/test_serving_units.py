@@ -227,16 +227,16 @@ def test_parse_joins_sampling_parameters_lists_with_tensorrtllms_inputs():
 
 
 @pytest.mark.parametrize("inputs, words", [
-    ({"stop_words": np.array([b"END"], dtype=np.object_), "sampling_parameters": text('{"stop": false}')},
-     "stop must be a list, got False"),
-    ({"end_id": np.array([2], np.int32), "sampling_parameters": text('{"stop_token_ids": NaN}')},
-     "stop_token_ids must be a list, got nan"),
+    ({"text_input": text("hi"), "stop_words": np.array([b"END"], dtype=np.object_),
+      "sampling_parameters": text('{"stop": false}')}, "stop must be a list, got False"),
+    ({"text_input": text("hi"), "end_id": np.array([2], np.int32),
+      "sampling_parameters": text('{"stop_token_ids": NaN}')}, "stop_token_ids must be a list, got nan"),
     ({"input_ids": np.array([[1, 2]], np.int32), "beam_width": np.array([b"2"], dtype=np.object_)}, "beam_width"),
 ])
 def test_parse_refuses_mistyped_values_beside_inputs_that_extend_them(inputs, words):
     """Found by random requests (below): these were internal errors (TypeError), not the client's."""
     with pytest.raises(ValueError, match=words):
-        parse_request({"text_input": text("hi"), **inputs} if "input_ids" not in inputs else inputs)
+        parse_request(inputs)
 
 
 def random_input(rng: random.Random) -> np.ndarray:
