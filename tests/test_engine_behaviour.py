@@ -1,6 +1,7 @@
 """Sampling parameters, stop conditions, detokenization, aborts and threads, on the default model."""
 
 import dataclasses
+import random
 import threading
 from pathlib import Path
 
@@ -791,6 +792,51 @@ def test_a_text_prompt_the_tokenizer_encodes_beyond_the_models_vocabulary_is_ref
     [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 3 and out.error is None
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+EXTREMES = {  # sampling parameters at and past their limits (the tiny models' vocabulary: 512)
+    "min_tokens": [0, 3, 30], "temperature": [0.0, 1e-9, 5.0, 1e6], "top_k": [-1, 1, 511, 512, 10**9],
+    "top_p": [1e-9, 0.9], "min_p": [0.5, 1.0], "seed": [0, 2**64 - 1], "repetition_penalty": [1e-9, 1e9],
+    "presence_penalty": [-2.0, 2.0], "frequency_penalty": [-2.0, 2.0], "ignore_eos": [True, False],
+    "stop": [["a"], ["", "b"]], "stop_token_ids": [[0], [511], [512], [-1]], "bad_words": [["hello"], [""]],
+    "no_repeat_ngram_size": [1, 1000], "logit_bias": [{5: 100.0}, {5: -1e30}, {511: 1e30}, {512: 1.0},
+                                                      {3: float("nan")}, {3: float("inf")}],
+    "allowed_token_ids": [[], [5], [512], list(range(600))], "truncate_prompt_tokens": [-1, 0, 1, 10**6],
+    "skip_special_tokens": [False], "detokenize": [False], "logprobs": [0, 20, 512, 513],
+    "prompt_logprobs": [0, 20, 600], "return_context_logits": [True], "return_generation_logits": [True],
+    "n": [2, 7], "beam_width": [2, 4], "length_penalty": [-1.0, float("nan")], "early_stopping": ["never", "x"],
+    "draft_token_ids": [[], [5, 6], [512], list(range(3, 70))], "include_stop_str_in_output": [True],
+    "structured_outputs": [{"regex": "[a-z]+"}, {"choice": []}, {"json": {"type": "integer"}}],
+}
+
+
+def test_random_sampling_parameters_at_their_extremes_run_or_are_refused_alone(tiny_models):
+    """Requests with one to three parameters at or past their limits, over engines of random pools and
+    budgets: each is refused with a ValueError when added or runs to its end; no step fails (a text
+    prompt encoded beyond the vocabulary once failed every request of its step), every block comes back."""
+    rng, ran, refused = random.Random(0), 0, 0
+    for _ in range(16):
+        llm = LLM(tiny_models["llama"], num_kv_blocks=rng.choice([20, 200]), block_size=8, max_model_len=128,
+                  max_num_seqs=rng.choice([2, 6]), max_num_batched_tokens=rng.choice([16, 64]),
+                  async_scheduling=rng.random() < 0.5)
+        for i in range(8):
+            chosen = dict(rng.sample(sorted(EXTREMES.items()), rng.randint(1, 3)))
+            try:
+                values = {name: rng.choice(choices) for name, choices in chosen.items()}
+                params = SamplingParams(max_tokens=rng.choice([1, 4, 12]), **values)
+                prompt = [rng.randrange(3, 512) for _ in range(rng.randint(1, 40))] if rng.random() < 0.7 else \
+                    rng.choice(["hello world", [512], [-1], list(range(3, 300))])  # (refused unless truncated)
+                llm.add_request(f"r{i}", prompt, params)
+                ran += 1
+            except ValueError:
+                refused += 1
+        for _ in range(2000):
+            if not llm.has_unfinished():
+                break
+            assert not [d.error for d in llm.step() if d.error and d.error_kind != "invalid"]
+        assert not llm.has_unfinished()
+        llm.block_manager.check_all_free()
+    assert ran > 30 and refused > 30
 
 
 def test_generate_refuses_a_batch_with_a_bad_prompt_and_leaves_nothing_behind(llm):
