@@ -182,6 +182,8 @@ def test_ngram_drafts_never_propose_a_virtual_token(tiny_models, tiny_reference)
     ({"prompt_embeds": torch.zeros(3, 63)}, None, r"rows of the model's hidden size \(64\)"),
     ({"prompt_embeds": torch.zeros(3)}, None, r"floats of shape \[rows, hidden size\]"),
     ({"prompt_embeds": torch.zeros(3, 64, dtype=torch.long)}, None, r"floats of shape"),
+    ({"prompt_embeds": None}, None, r"floats of shape \[rows, hidden size\], got NoneType"),
+    ({"prompt_token_ids": [512], "prompt_embedding_table": "rows"}, None, r"floats of shape .*, got str"),
     ({"prompt_embeds": torch.full((2, 64), float("nan"))}, None, "not finite"),
     ({"prompt_embeds": torch.zeros(3, 64), "prompt_token_ids": [1]}, None, "give it alone"),
     ({"prompt_token_ids": [1, 2]}, None, "needs 'prompt_embeds', or 'prompt_token_ids' with"),
@@ -190,7 +192,7 @@ def test_ngram_drafts_never_propose_a_virtual_token(tiny_models, tiny_reference)
     ({"prompt_token_ids": [512], "prompt_embedding_table": torch.zeros(2000, 64)}, None, "more than a prompt can hold"),
     ({"prompt_embeds": torch.zeros(3, 64), "images": []}, None, "a prompt dict takes"),
     ({"prompt_embeds": torch.zeros(3, 64)}, SamplingParams(prompt_logprobs=1), "prompt_logprobs cannot be measured"),
-], ids=["hidden size", "one dimension", "integers", "NaN", "both forms", "no table", "table unused",
+], ids=["hidden size", "one dimension", "integers", "none", "a string", "NaN", "both forms", "no table", "table unused",
         "beyond the table", "too many rows", "unknown key", "prompt logprobs"])
 def test_bad_embeddings_are_refused_by_name(tiny_models, prompt, params, message):
     llm = LLM(tiny_models["llama"], num_kv_blocks=16, max_model_len=256)

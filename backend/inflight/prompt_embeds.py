@@ -65,7 +65,10 @@ def resolve(prompt: dict, vocab_size: int, hidden_size: int, dtype: torch.dtype,
 
 def _table(name: str, values, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
     """[rows, hidden] (or [1, rows, hidden]) floats as a CPU tensor of the model's dtype."""
-    table = torch.as_tensor(values).detach().to("cpu")
+    try:
+        table = torch.as_tensor(values).detach().to("cpu")
+    except (TypeError, RuntimeError, ValueError):  # (not numbers: None, a string, ragged rows)
+        raise ValueError(f"{name} must be floats of shape [rows, hidden size], got {type(values).__name__}") from None
     if table.ndim == 3 and table.shape[0] == 1:
         table = table[0]
     if table.ndim != 2 or not table.dtype.is_floating_point:
