@@ -412,6 +412,31 @@ def test_settings_split_and_unknown_keys():
         assert getattr(split_settings({"model": "m", name: 0})[1], name) == 0
 
 
+def test_random_settings_are_taken_or_refused_with_a_value_error():
+    """model.json's settings, serving's and the engine's, with values of every JSON type: each set is
+    taken or refused with a ValueError naming the setting (the model then fails to load saying so), never
+    another exception; a share of memory must be a number (a list was a TypeError, true passed as 1)."""
+    from inflight.serving.settings import ServingSettings
+
+    values = [None, True, False, 0, 1, -1, 16, 2**40, 0.5, 1.5, float("nan"), float("inf"), "", "auto", "cuda", "x",
+              "bfloat16", [], [0, 0], {}, {"method": "ngram"}, {"a": "b"}]
+    names = sorted({f.name for f in dataclasses.fields(ServingSettings)}
+                   | {f.name for f in dataclasses.fields(EngineConfig)} - {"model"})
+    taken = 0
+    for seed in range(3000):
+        rng = random.Random(seed)
+        settings = {rng.choice(names): rng.choice(values) for _ in range(rng.randint(1, 3))}
+        try:
+            EngineConfig.from_dict(split_settings({"model": "m", **settings})[0])
+            taken += 1
+        except ValueError:
+            pass
+    assert taken > 50
+    for fraction in ([0, 0], True, "0.5"):
+        with pytest.raises(ValueError, match="kv_cache_memory_fraction must be in"):
+            EngineConfig(model="m", kv_cache_memory_fraction=fraction)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_sends_overlap_the_next_step_unless_a_cpu_engine_shares_the_process(device):
     """Left to the device (null): a CPU engine on a thread of the model's process waits for its step's

@@ -181,7 +181,7 @@ class EngineConfig:
             raise ValueError(f"set one of num_kv_blocks, kv_cache_memory and kv_cache_memory_fraction, "
                              f"not {' and '.join(pool_sizes)}")
         frac = self.kv_cache_memory_fraction
-        if frac is not None and not 0.0 < frac <= 1.0:
+        if frac is not None and (isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 1.0):
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {frac!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running sequence must be able to decode in the same step.
