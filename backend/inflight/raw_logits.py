@@ -36,7 +36,7 @@ def to_host(rows: torch.Tensor) -> torch.Tensor:
     rows may view an output that the next step rewrites in place (a CUDA graph's, as the tests' graphs on
     a CPU do) before this step's are read."""
     if rows.device.type == "cpu":
-        return rows.float() if rows.dtype != torch.float32 else rows.clone()
+        return rows.to(torch.float32, copy=True)
     return rows.float().to("cpu", non_blocking=True)
 
 
