@@ -2,7 +2,9 @@
 streaming, N streams at once, each sending its next request when one ends), with the time to first
 token and inter-token latency seen by the clients, exactness (greedy, token ids in and out: every
 stream must equal offline), a cancellation storm, the KV blocks free after, and where the serving
-process spent its time (backend/inflight/serving/profile.py).
+process spent its time (backend/inflight/serving/profile.py). Beside the Python clients, perf_analyzer
+(Triton's C++ client, `.tools/perf`) streams the same requests at each stream count: its time to first
+token and inter-token latency as genai-perf works them out from its export.
 
 On a GPU it serves a random-weight model of the 1.2B Llama shape of `make bench-gpu` (throughput does
 not depend on the weights' values); `--smoke` serves a tiny one on CPU with a few requests (the tests
@@ -29,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "backend"), str(ROOT / "client")]
 
+import perf_analyzer  # noqa: E402
 from bench import agreeing_tokens, make_workload  # noqa: E402
 from bench_gpu import SHAPES, SMOKE_SHAPE, Report, build_model, release  # noqa: E402
 
@@ -167,6 +170,19 @@ def exactness(records: list[dict], expected: list[list[int]]) -> str:
     return f"{exact}/{len(records)} ({agreeing / max(total, 1):.1%})"
 
 
+def measure_perf_analyzer(server, work, streams: int, offline: float, where: str) -> str:
+    """perf_analyzer streaming the workload at `streams` concurrent requests: its table row."""
+    before = server.serving_profile()
+    run = perf_analyzer.stream_token_ids(server.grpc_url, streams, work.prompts, work.output_lens, timeout=1200)
+    time.sleep(2 * server.settings["metrics_interval_s"])  # the profile's last report
+    step_wall, _, step_count = (a - b for a, b in zip(server.serving_profile()["engine_step"], before["engine_step"]))
+    step = step_wall / max(step_count, 1)
+    rate = run.output_tokens / run.seconds
+    itl_ratio = f"{statistics.median(run.itl) / step:.2f}" if run.itl and step else "-"
+    return (f"| perf_analyzer | {streams} | {where} | {rate:,.0f} | {rate / offline:.1%} | {percentiles(run.ttft)} | "
+            f"{percentiles(run.itl)} | {1000 * step:.2f} | {itl_ratio} | {run.responses / run.output_tokens:.2f} |")
+
+
 def offline_streamed(llm, prompts: list[list[int]], params: list) -> float:
     """Seconds to run the requests offline through add_request/step, a delta a token as a streamed
     server's engine makes them (token ids alone: detokenize false, as the served clients' outputs)."""
@@ -246,7 +262,7 @@ def main() -> None:
                    "streamed | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | mean engine step (ms) | ITL p50 / step | "
                    "responses per token | exact (tokens before a first difference) |",
                    "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-        profiles, storms = [], []
+        profiles, storms, c_client = [], [], []
         for engine_process, sender_threads in variants:
             where = "own process" if engine_process else "thread"
             with TritonServer(model=model_dir, serving_profile=True, metrics_interval_s=1.0,
@@ -272,6 +288,9 @@ def main() -> None:
                                f"{exactness(records, expected)} |")
                     profiles.append((f"{n} streams, engine: {where}, sender threads {sender_threads or 'default'}",
                                      profile_table(before, after, seconds)))
+                    if perf_analyzer.available():
+                        c_client.append(measure_perf_analyzer(server, work, n, offline[n],
+                                                              f"{where} | {sender_threads or 'default'}"))
                 # The cancellation storm: every 4th request cancelled after its 2nd response, at the most streams.
                 records, _ = serve_workload(server.grpc_url, work.prompts, work.output_lens, max(streams),
                                             args.client_processes, True)
@@ -284,6 +303,16 @@ def main() -> None:
                               f"{len(records)} requests cancelled mid-stream; the others: "
                               f"{exactness(finished, expected)} exact; every KV block free after")
         report.add("", *storms)
+        if c_client:
+            report.add("", "perf_analyzer 2.51 (C++ client, the same requests streamed as token ids; it asks for "
+                       "every output, the text too), as genai-perf works out its figures (ITL: a request's time "
+                       "from its first response to its last, over its tokens after the first):", "",
+                       "| client | streams | engine | sender threads | output tok/s | share of offline | "
+                       "TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | mean engine step (ms) | ITL p50 / step | "
+                       "responses per token |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|", *c_client)
+        else:
+            report.add("", f"perf_analyzer: not run ({perf_analyzer.PERF / 'bin'} has none: make setup-serving, "
+                       "or the bundle of scripts/pack_tritonserver.sh)")
         for what, table in profiles:
             report.add("", f"serving profile, {what} (wall seconds summed over threads and the engine process):",
                        "", table)

@@ -48,13 +48,14 @@ want bench-gpu && part bench-gpu "${BENCH_S:-300}" python3 client/bench_gpu.py -
 want bench-kernels && part bench-kernels "${KERNELS_S:-90}" python3 client/bench_kernels.py
 # SWEEP_ARGS: a part of the sweep, e.g. "--shapes smollm2 --mixes prefill" (bench_kernels.py --help).
 want sweep && part sweep "${SWEEP_S:-300}" python3 client/bench_kernels.py --sweep ${SWEEP_ARGS:-}
-# The served measurement (issue: serving on a GPU): tritonserver from the bundle of
+# The served measurement (issue: serving on a GPU): tritonserver and perf_analyzer from the bundle of
 # scripts/pack_tritonserver.sh, carried as .serving/.
 if want served; then
-  mkdir -p /tmp/tritonserver /tmp/site && tar -C /tmp/tritonserver -xJf .serving/tritonserver.tar.xz \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tritonserver/stub-numpy .serving/stub/*.whl \
+  mkdir -p /tmp/tritonserver/stub-numpy /tmp/site .tools/perf && tar -C /tmp/tritonserver -xJf .serving/tritonserver.tar.xz \
+    && tar -C /tmp/tritonserver/stub-numpy -xJf .serving/stub/numpy-1.26.4.tar.xz \
     && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .serving/client/*.whl \
-    && tar -C /tmp/site -xJf .serving/client/tritonclient-2.51.0.tar.xz
+    && tar -C /tmp/site -xJf .serving/client/tritonclient-2.51.0.tar.xz \
+    && tar -C .tools/perf -xJf .serving/perf.tar.xz  # (perf_analyzer: bench_served.py's C++ client)
   export PYTHONPATH=/tmp/site:$PYTHONPATH TRITONSERVER_HOME=/tmp/tritonserver
   libdir=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
   export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

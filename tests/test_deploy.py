@@ -4,6 +4,7 @@ for a GPU per rank), and `make bench-gpu` and the served benchmark run their ste
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,6 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     tiny shapes) keeps it working in between, and its tables carry every row, none of them failed, and
     the targets' verdicts."""
     import subprocess
-    import sys
 
     out = tmp_path / "bench-gpu.md"
     # Every mode but torch_compile's (half the run's time on a CI host; its engine is tested elsewhere),
@@ -101,7 +101,6 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
 def test_bench_gpu_runs_the_issues_set_unless_asked_for_all():
     """`make bench-gpu` measures what the GPU engine issue asks for in its five minutes, the engine's
     defaults; --all adds the other modes; --skip leaves out any, the defaults included."""
-    import sys
 
     sys.path.insert(0, str(ROOT / "client"))
     from bench_gpu import MODES, selected_modes
@@ -115,7 +114,6 @@ def test_bench_gpu_runs_the_issues_set_unless_asked_for_all():
 def test_greedy_agreement_tells_close_runs_from_different_ones():
     """bench-gpu's 16-bit greedy check: two runs are close when, at their first difference, each one's
     token is among the other's likeliest there (both ways), as vLLM's tests judge."""
-    import sys
 
     sys.path.insert(0, str(ROOT / "client"))
     from bench_gpu import Greedy, greedy_agreement
@@ -134,9 +132,8 @@ def test_bench_served_runs_through_tritonserver_on_cpu(tmp_path):
     """client/bench_served.py (the serving path at GPU rates) in its smoke mode: a tiny model offline and
     through a real tritonserver (the engine in its own process, the default; both placements serve in
     test_server.py), the cancellation storm and the profile; every served stream equals offline token
-    for token."""
+    for token; perf_analyzer streams the same requests."""
     import subprocess
-    import sys
 
     out = tmp_path / "served.md"
     result = subprocess.run([sys.executable, str(ROOT / "client" / "bench_served.py"), "--smoke", "--streams", "4",
@@ -150,6 +147,60 @@ def test_bench_served_runs_through_tritonserver_on_cpu(tmp_path):
     assert len(storms) == 1 and storms[0][0] == storms[0][1], text
     assert "every KV block free after" in text
     assert "| send_response |" in text and "| engine_step |" in text
+    # perf_analyzer (the setup installs it) streamed the same 8 requests: a row of figures, each token counted
+    c_client = re.findall(r"^\| perf_analyzer \| 4 \| own process \| default \| ([\d,]+) \| .*\| ([\d.]+) \|$", text,
+                          re.MULTILINE)
+    assert len(c_client) == 1 and float(c_client[0][0].replace(",", "")) > 0 and 0 < float(c_client[0][1]) <= 1, text
+
+
+def test_perf_analyzers_export_read_as_genai_perf_does():
+    """client/perf_analyzer.py's figures from perf_analyzer's export (nanoseconds): the time to the first
+    response, and a request's first-to-last response time over its tokens after the first (coalesced
+    responses count every token they brought: the output length is known, EOS being ignored)."""
+    sys.path.insert(0, str(ROOT / "client"))
+    from perf_analyzer import streamed_run
+
+    ms = 1_000_000
+    export = {"experiments": [{"requests": [
+        {"timestamp": 100 * ms, "request_inputs": {"max_tokens": 5},
+         "response_timestamps": [130 * ms, 140 * ms, 170 * ms]},  # 5 tokens in 3 responses
+        {"timestamp": 110 * ms, "request_inputs": {"max_tokens": 1}, "response_timestamps": [125 * ms]},
+    ]}]}
+    run = streamed_run(export)
+    assert (run.requests, run.output_tokens, run.responses) == (2, 6, 4)
+    assert run.seconds == pytest.approx(0.070)  # first sent at 100 ms, last response at 170
+    assert run.ttft == pytest.approx([0.030, 0.015])
+    assert run.itl == pytest.approx([0.040 / 4])  # (a request of one token has no gap)
+    export["experiments"][0]["requests"][1]["response_timestamps"] = []
+    with pytest.raises(ValueError, match="no response"):
+        streamed_run(export)
+
+
+def test_perf_analyzer_runs_again_when_its_export_is_cut_short(monkeypatch):
+    """perf_analyzer 2.51 at times exits (successfully) with its export cut short: the run is made again,
+    up to EXPORT_ATTEMPTS times, then refused by name."""
+    sys.path.insert(0, str(ROOT / "client"))
+    import json
+    import subprocess
+
+    import perf_analyzer
+
+    good = {"experiments": [{"requests": [{"timestamp": 0, "request_inputs": {"max_tokens": 2},
+                                           "response_timestamps": [10, 30]}]}]}
+    exports = []
+
+    def fake_run(command, **kwargs):
+        path = Path(command[command.index("--profile-export-file") + 1])
+        path.write_text(exports.pop(0))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(perf_analyzer.subprocess, "run", fake_run)
+    exports[:] = ["", json.dumps(good)[:40], json.dumps(good)]  # nothing, then cut, then whole
+    assert perf_analyzer.stream_token_ids("url", 1, [[1, 2]], [2], timeout=1).output_tokens == 2
+    assert not exports
+    exports[:] = [""] * perf_analyzer.EXPORT_ATTEMPTS
+    with pytest.raises(RuntimeError, match="cut short 3 times"):
+        perf_analyzer.stream_token_ids("url", 1, [[1, 2]], [2], timeout=1)
 
 
 def _client_that_fails(results) -> None:
@@ -167,7 +218,6 @@ def test_bench_served_stops_waiting_when_a_client_process_dies():
     at once, naming its exit code, instead of after the half-hour wait for its records; records of
     clients that end normally all arrive."""
     import multiprocessing
-    import sys
     import time
 
     sys.path.insert(0, str(ROOT / "client"))
@@ -209,7 +259,6 @@ def test_the_model_loads_beside_packages_needing_a_newer_numpy(tmp_path, referen
     the engine process's, whose numpy is the environment's own), the model loads (its stub hides them,
     and says so) and serves."""
     import os
-    import sys
 
     sys.path.insert(0, str(ROOT / "client"))
     from conftest import PROMPTS, assert_all_blocks_free, greedy
