@@ -20,6 +20,7 @@ import multiprocessing
 import queue
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -170,10 +171,16 @@ def exactness(records: list[dict], expected: list[list[int]]) -> str:
     return f"{exact}/{len(records)} ({agreeing / max(total, 1):.1%})"
 
 
-def measure_perf_analyzer(server, work, streams: int, offline: float, where: str) -> str:
-    """perf_analyzer streaming the workload at `streams` concurrent requests: its table row."""
+def measure_perf_analyzer(server, work, streams: int, offline: float, where: str, timeout: float) -> str:
+    """perf_analyzer streaming the workload at `streams` concurrent requests: its table row (what went
+    wrong instead, if it failed: the measurements after it still run)."""
     before = server.serving_profile()
-    run = perf_analyzer.stream_token_ids(server.grpc_url, streams, work.prompts, work.output_lens, timeout=1200)
+    try:
+        run = perf_analyzer.stream_token_ids(server.grpc_url, streams, work.prompts, work.output_lens, timeout)
+    except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+        print(f"perf_analyzer at {streams} streams: {e}", file=sys.stderr)
+        said = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        return f"| perf_analyzer | {streams} | {where} | failed: {said[:80]} ... {said[-160:]} |"
     time.sleep(2 * server.settings["metrics_interval_s"])  # the profile's last report
     step_wall, _, step_count = (a - b for a, b in zip(server.serving_profile()["engine_step"], before["engine_step"]))
     step = step_wall / max(step_count, 1)
@@ -288,9 +295,10 @@ def main() -> None:
                                f"{exactness(records, expected)} |")
                     profiles.append((f"{n} streams, engine: {where}, sender threads {sender_threads or 'default'}",
                                      profile_table(before, after, seconds)))
-                    if perf_analyzer.available():
+                    if perf_analyzer.available():  # (a limit of its own: a GPU session's minutes are few)
                         c_client.append(measure_perf_analyzer(server, work, n, offline[n],
-                                                              f"{where} | {sender_threads or 'default'}"))
+                                                              f"{where} | {sender_threads or 'default'}",
+                                                              timeout=60 + 5 * seconds))
                 # The cancellation storm: every 4th request cancelled after its 2nd response, at the most streams.
                 records, _ = serve_workload(server.grpc_url, work.prompts, work.output_lens, max(streams),
                                             args.client_processes, True)
