@@ -32,14 +32,15 @@ if TYPE_CHECKING:
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # new tokens computed for each sequence
-    _ids: set[int] = field(default_factory=set)
+    _ids: set[int] = field(default_factory=set)  # of seqs, built when asked (only preemption asks)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_tokens.append(n)
-        self._ids.add(id(seq))
 
     def __contains__(self, seq: Sequence) -> bool:
+        if len(self._ids) != len(self.seqs):  # (sequences only join a batch)
+            self._ids = {id(s) for s in self.seqs}
         return id(seq) in self._ids
 
     def __len__(self) -> int:
@@ -105,8 +106,11 @@ class Scheduler:
                 if not self._make_room(batch, seq, 1):
                     continue
                 bm.allocate(seq, 1)
-            left = len(decoding) - i - 1
-            n = 1 + (self._fit_drafts(seq, 1, budget - 1 - left, left) if speculate else 0)
+            if speculate:
+                left = len(decoding) - i - 1
+                n = 1 + self._fit_drafts(seq, 1, budget - 1 - left, left)
+            else:
+                n = 1
             batch.add(seq, n)
             budget -= n
 

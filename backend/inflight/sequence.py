@@ -204,7 +204,8 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        # (num_tokens, inline: the scheduler asks this of every running sequence every step)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def awaits_beams(self) -> bool:
