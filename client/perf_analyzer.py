@@ -17,8 +17,8 @@ PERF = ROOT / ".tools" / "perf"
 LIBRARY_DIRS = (PERF / "cuda" / "nvidia" / "cuda_runtime" / "lib", PERF / "lib")
 
 
-# perf_analyzer 2.51 at times exits with its export cut short (a whole number of 64 KiB, nothing at all
-# among them: about 1 run in 30 of 64 requests here, the run itself reported as a success).
+# perf_analyzer 2.51 at times exits, reporting success, with its export cut short (at a multiple of 64 KiB,
+# or empty): about one run in 30 of 64 requests here.
 EXPORT_ATTEMPTS = 3
 
 

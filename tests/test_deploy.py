@@ -101,7 +101,6 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
 def test_bench_gpu_runs_the_issues_set_unless_asked_for_all():
     """`make bench-gpu` measures what the GPU engine issue asks for in its five minutes, the engine's
     defaults; --all adds the other modes; --skip leaves out any, the defaults included."""
-
     sys.path.insert(0, str(ROOT / "client"))
     from bench_gpu import MODES, selected_modes
 
@@ -114,7 +113,6 @@ def test_bench_gpu_runs_the_issues_set_unless_asked_for_all():
 def test_greedy_agreement_tells_close_runs_from_different_ones():
     """bench-gpu's 16-bit greedy check: two runs are close when, at their first difference, each one's
     token is among the other's likeliest there (both ways), as vLLM's tests judge."""
-
     sys.path.insert(0, str(ROOT / "client"))
     from bench_gpu import Greedy, greedy_agreement
 
