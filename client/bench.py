@@ -302,7 +302,8 @@ def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[st
 
     k = max(1, len(work.prompts) // 4)
     prompts, lengths = work.prompts[:k], work.output_lens[:k]
-    forked = [SamplingParams(n=4, max_tokens=m, temperature=1.0, seed=i, ignore_eos=True) for i, m in enumerate(lengths)]
+    forked = [SamplingParams(n=4, max_tokens=m, temperature=1.0, seed=i, ignore_eos=True)
+              for i, m in enumerate(lengths)]
     separate = [SamplingParams(max_tokens=m, temperature=1.0, seed=i + j, ignore_eos=True)
                 for i, m in enumerate(lengths) for j in range(4)]
     tokens = 4 * sum(lengths)
@@ -743,8 +744,8 @@ def main() -> None:
             print(f"\n{processing_line}")
     if "prefix" in peers:
         rows = bench_prefix_caching(args.model, args.num_requests, args.seed)
-        print("\n| workload (64 requests, 32 output tokens) | prefix caching | mean TTFT (s) | output tok/s | hit tokens |"
-              .replace("64", str(args.num_requests)))
+        print(f"\n| workload ({args.num_requests} requests, 32 output tokens) | prefix caching | mean TTFT (s) | "
+              "output tok/s | hit tokens |")
         print("|---|---|---:|---:|---:|")
         for name, caching, ttft, tps, hit in rows:
             print(f"| {name} | {caching} | {ttft:.2f} | {tps:.1f} | {hit} |")

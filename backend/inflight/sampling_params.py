@@ -111,7 +111,8 @@ class SamplingParams:
             if len(s) > self.MAX_STOP_LENGTH:
                 raise ValueError(f"stop strings must be at most {self.MAX_STOP_LENGTH} characters long")
         if len(self.bad_words) > self.MAX_STOP_STRINGS:
-            raise ValueError(f"bad_words has {len(self.bad_words)} entries; at most {self.MAX_STOP_STRINGS} are allowed")
+            raise ValueError(f"bad_words has {len(self.bad_words)} entries; at most {self.MAX_STOP_STRINGS} "
+                             "are allowed")
         if any(not isinstance(w, str) or not w for w in self.bad_words):
             raise ValueError("bad_words must hold non-empty strings")
         if any(len(w) > self.MAX_STOP_LENGTH for w in self.bad_words):
