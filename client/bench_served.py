@@ -182,12 +182,19 @@ def measure_perf_analyzer(server, work, streams: int, offline: float, where: str
         said = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         return f"| perf_analyzer | {streams} | {where} | failed: {said[:80]} ... {said[-160:]} |"
     time.sleep(2 * server.settings["metrics_interval_s"])  # the profile's last report
-    step_wall, _, step_count = (a - b for a, b in zip(server.serving_profile()["engine_step"], before["engine_step"]))
-    step = step_wall / max(step_count, 1)
     rate = run.output_tokens / run.seconds
-    itl_ratio = f"{statistics.median(run.itl) / step:.2f}" if run.itl and step else "-"
     return (f"| perf_analyzer | {streams} | {where} | {rate:,.0f} | {rate / offline:.1%} | {percentiles(run.ttft)} | "
-            f"{percentiles(run.itl)} | {1000 * step:.2f} | {itl_ratio} | {run.responses / run.output_tokens:.2f} |")
+            f"{percentiles(run.itl)} | {step_cells(before, server.serving_profile(), run.itl)} | "
+            f"{run.responses / run.output_tokens:.2f} |")
+
+
+def step_cells(before: dict, after: dict, itl: list[float]) -> str:
+    """Two table cells: the engine's mean step (ms) between two serving profiles, and the median
+    inter-token latency over it."""
+    step_wall, _, step_count = (a - b for a, b in zip(after["engine_step"], before["engine_step"]))
+    step = step_wall / max(step_count, 1)
+    ratio = f"{statistics.median(itl) / step:.2f}" if itl and step else "-"
+    return f"{1000 * step:.2f} | {ratio}"
 
 
 def offline_streamed(llm, prompts: list[list[int]], params: list) -> float:
@@ -284,15 +291,11 @@ def main() -> None:
                     records.sort(key=lambda r: r["index"])
                     tokens = sum(len(r["ids"]) for r in records)
                     ttft, itl = latencies(records)
-                    step_wall, _, step_count = (a - b for a, b in zip(after["engine_step"], before["engine_step"]))
-                    step = step_wall / max(step_count, 1)
-                    itl_ratio = f"{statistics.median(itl) / step:.2f}" if itl and step else "-"
                     responses = sum(len(r["times"]) for r in records)
                     report.add(f"| {n} | {where} | {sender_threads or 'default'} | {tokens / seconds:,.0f} | "
                                f"{tokens / seconds / offline[n]:.1%} | {tokens / seconds / streamed[n]:.1%} | "
-                               f"{percentiles(ttft)} | {percentiles(itl)} | "
-                               f"{1000 * step:.2f} | {itl_ratio} | {responses / tokens:.2f} | "
-                               f"{exactness(records, expected)} |")
+                               f"{percentiles(ttft)} | {percentiles(itl)} | {step_cells(before, after, itl)} | "
+                               f"{responses / tokens:.2f} | {exactness(records, expected)} |")
                     profiles.append((f"{n} streams, engine: {where}, sender threads {sender_threads or 'default'}",
                                      profile_table(before, after, seconds)))
                     if perf_analyzer.available():  # (a limit of its own: a GPU session's minutes are few)

@@ -33,11 +33,17 @@ def perf_env() -> dict:
     return env
 
 
-def write_input_data(path: Path, prompts: list[str], max_tokens: int) -> Path:
-    """perf_analyzer's --input-data JSON: one entry per prompt, greedy, EOS ignored, streamed."""
-    data = [{"text_input": [p], "max_tokens": [max_tokens], "ignore_eos": [True], "temperature": [0.0],
-             "stream": [True], "exclude_input_in_output": [True]} for p in prompts]
-    path.write_text(json.dumps({"data": data}))
+def input_entry(prompt: str | list[int], max_tokens: int) -> dict:
+    """One entry of perf_analyzer's --input-data: greedy, EOS ignored, streamed; a text prompt (the output
+    without it) or token ids."""
+    given = {"text_input": [prompt], "exclude_input_in_output": [True]} if isinstance(prompt, str) else \
+        {"input_ids": {"content": prompt, "shape": [len(prompt)]}}
+    return {**given, "max_tokens": [max_tokens], "ignore_eos": [True], "temperature": [0.0], "stream": [True]}
+
+
+def write_input_data(path: Path, prompts: list, max_tokens: list[int]) -> Path:
+    """perf_analyzer's --input-data JSON: an entry per prompt (input_entry), each with its max_tokens."""
+    path.write_text(json.dumps({"data": [input_entry(p, n) for p, n in zip(prompts, max_tokens)]}))
     return path
 
 
@@ -54,7 +60,7 @@ def run_perf_analyzer(grpc_url: str, concurrency: int, request_count: int, promp
                       timeout: float) -> dict:
     """One run of text prompts. Returns the figures perf_analyzer printed and its output."""
     with tempfile.TemporaryDirectory() as tmp:
-        data = write_input_data(Path(tmp) / "inputs.json", prompts, max_tokens)
+        data = write_input_data(Path(tmp) / "inputs.json", prompts, [max_tokens] * len(prompts))
         proc = subprocess.run(command(grpc_url, data, concurrency, request_count), env=perf_env(),
                               capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
@@ -102,11 +108,9 @@ def stream_token_ids(grpc_url: str, concurrency: int, prompts: list[list[int]], 
     """Every prompt (token ids) once, streamed at `concurrency`, greedy with EOS ignored: the C++ client
     beside the Python ones of client/bench_served.py. It asks for every output (perf_analyzer names none),
     the text among them, as genai-perf's runs do."""
-    data = [{"input_ids": {"content": prompt, "shape": [len(prompt)]}, "max_tokens": [n], "ignore_eos": [True],
-             "temperature": [0.0], "stream": [True]} for prompt, n in zip(prompts, max_tokens)]
     with tempfile.TemporaryDirectory() as tmp:
-        inputs, exported = Path(tmp) / "inputs.json", Path(tmp) / "export.json"
-        inputs.write_text(json.dumps({"data": data}))
+        inputs = write_input_data(Path(tmp) / "inputs.json", prompts, max_tokens)
+        exported = Path(tmp) / "export.json"
         for attempt in range(1, EXPORT_ATTEMPTS + 1):
             exported.unlink(missing_ok=True)
             proc = subprocess.run([*command(grpc_url, inputs, concurrency, len(prompts)),
