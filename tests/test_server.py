@@ -147,6 +147,35 @@ def http_generate_stream(server, body: dict) -> list[dict]:
     return [json.loads(e) for e in events]
 
 
+def test_request_histograms_and_finish_reasons_on_the_metrics_port(server):
+    """vllm_backend's request histograms and vLLM's request_success_total by finish reason: a request of
+    8 tokens ending at its length adds 1 to each histogram's count, its prompt and output tokens to the
+    token histograms' sums, and 1 to the "length" ends."""
+    def settled():  # (reports go out at most once a second, and when the engine falls idle)
+        time.sleep(2.5)
+        return server.metrics(), server.labeled("inflight_request_success_total", "finished_reason")
+
+    before, ends = settled()
+    result = generate(server.grpc_url, PROMPTS[1], max_tokens=8, temperature=0.0, ignore_eos=True,
+                      return_num_input_tokens=True)
+    assert result.error is None
+    prompt_tokens = int(next(r["num_input_tokens"][0] for r in result.responses if "num_input_tokens" in r))
+    after, ends_after = settled()
+    assert ends_after.get("length", 0) - ends.get("length", 0) == 1
+    assert ends_after.get("stop", 0) == ends.get("stop", 0) and ends_after.get("abort", 0) == ends.get("abort", 0)
+    added = {name: after[f"{name}_count"] - before.get(f"{name}_count", 0) for name in (
+        "inflight_e2e_request_latency_seconds", "inflight_request_queue_time_seconds",
+        "inflight_request_prefill_time_seconds", "inflight_request_decode_time_seconds",
+        "inflight_request_prompt_tokens", "inflight_request_generation_tokens")}
+    assert set(added.values()) == {1}, added
+    sums = {name: after[f"{name}_sum"] - before.get(f"{name}_sum", 0)
+            for name in ("inflight_request_prompt_tokens", "inflight_request_generation_tokens",
+                         "inflight_e2e_request_latency_seconds", "inflight_request_decode_time_seconds")}
+    assert (sums["inflight_request_prompt_tokens"], sums["inflight_request_generation_tokens"]) == (prompt_tokens, 8)
+    assert 0 < sums["inflight_request_decode_time_seconds"] < sums["inflight_e2e_request_latency_seconds"]
+    assert after["inflight_kv_cache_usage_perc"] == 0
+
+
 def test_http_generate_stream(server, offline_texts):
     prompt = PROMPTS[1]
     events = http_generate_stream(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
@@ -177,9 +206,14 @@ def test_cancelled_stream_returns_its_blocks(server):
     """The request would run for minutes (4,000 tokens): its blocks are back within seconds only if the
     cancellation reached the engine, which counts it as aborted."""
     aborted = server.metrics().get("inflight_requests_aborted_total", 0)
+    ends = server.labeled("inflight_request_success_total", "finished_reason").get("abort", 0)
     result = generate(server.grpc_url, PROMPTS[3], max_tokens=4000, ignore_eos=True, cancel_after=3)
     assert result.error == "cancelled"  # what the client did; the server's side is checked next
     server.wait_for_metric("inflight_requests_aborted_total", lambda v: v == aborted + 1, timeout=5)
+    deadline = time.monotonic() + 5
+    while server.labeled("inflight_request_success_total", "finished_reason").get("abort", 0) != ends + 1:
+        assert time.monotonic() < deadline, "the abort is counted by its reason too"
+        time.sleep(0.2)
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=5)
     server.wait_for_metric("inflight_num_requests_running", lambda v: v == 0, timeout=5)
     assert generate(server.grpc_url, PROMPTS[0], **greedy()).error is None

@@ -911,7 +911,8 @@ class FakeMetricsApi:
 
             @property
             def label(self):  # the label that tells a family's metrics apart
-                return next((self.labels[k] for k in ("part", "le", "adapter") if k in self.labels), None)
+                return next((self.labels[k] for k in ("part", "le", "adapter", "finished_reason") if k in self.labels),
+                            None)
 
             def observe(self, value):  # a message per observation, as tritonserver 2.51's histograms
                 api.messages.append(("observe", self.name, None, value))
@@ -954,6 +955,46 @@ def test_latencies_of_a_request_sent_whole_come_from_the_engines_times():
     assert sent[("inflight_inter_token_latency_seconds_count", None)] == 10  # 10 intervals of 0.01
     assert sent[("inflight_inter_token_latency_seconds_sum", None)] == 0.1
     assert sent[("inflight_inter_token_latency_seconds_bucket", "0.01")] == 10
+
+
+def test_a_requests_end_is_counted_by_reason_with_its_times_and_tokens():
+    """vllm_backend's request histograms (end to end, queue, prefill, decode, prompt and generated tokens)
+    for requests that ended with "stop" or "length", and every end but a failure counted by its reason."""
+    api = FakeMetricsApi()
+    metrics = TritonMetrics(api, {"model": "llm", "version": "1"})
+    arrival = 4_990_000_000
+    times = RequestMetrics(arrival_time_ns=5_000_000_000, first_scheduled_time_ns=5_020_000_000,
+                           first_token_time_ns=5_070_000_000, last_token_time_ns=6_070_000_000)
+    metrics.observe_finished("length", 1.25, arrival, times, 30, 100)
+    # (scheduled, then ended before a token: no prefill or decode time)
+    metrics.observe_finished("stop", 0.5, arrival, RequestMetrics(5_000_000_000, first_scheduled_time_ns=5_000_000_000),
+                             7, 0)
+    metrics.observe_finished("abort", 0.0, arrival, None, 0, 0)
+    metrics.observe_finished("error", 0.1, arrival, times, 30, 5)
+    assert api.messages == []  # recorded locally until the report
+    metrics.update({**idle_stats(), "kv_blocks_used": 3, "kv_blocks_total": 12})
+    sent = {(m[1], m[2]): round(m[3], 6) for m in api.messages}
+    assert {reason: sent.get(("inflight_request_success_total", reason)) for reason in ("stop", "length", "abort")} \
+        == {"stop": 1, "length": 1, "abort": 1}
+    assert ("inflight_request_success_total", "error") not in sent
+    assert sent[("inflight_kv_cache_usage_perc", None)] == 0.25
+    histograms = {name: (sent[(f"{name}_count", None)], sent[(f"{name}_sum", None)]) for name in (
+        "inflight_e2e_request_latency_seconds", "inflight_request_queue_time_seconds",
+        "inflight_request_prefill_time_seconds", "inflight_request_decode_time_seconds",
+        "inflight_request_prompt_tokens", "inflight_request_generation_tokens")}
+    assert histograms == {"inflight_e2e_request_latency_seconds": (2, 1.75),
+                          "inflight_request_queue_time_seconds": (2, 0.04),  # 0.03 and 0.01 after arrival
+                          "inflight_request_prefill_time_seconds": (1, 0.05),
+                          "inflight_request_decode_time_seconds": (1, 1.0),
+                          "inflight_request_prompt_tokens": (2, 37),
+                          "inflight_request_generation_tokens": (2, 100)}
+    prompt_buckets = {le: n for (name, le), n in sent.items() if name == "inflight_request_prompt_tokens_bucket"}
+    assert "5" not in prompt_buckets  # (still 0, never sent: 7 and 30 tokens)
+    assert (prompt_buckets["10"], prompt_buckets["20"], prompt_buckets["50"], prompt_buckets["1e+06"],
+            prompt_buckets["+Inf"]) == (1, 1, 2, 2, 2)
+    api.messages.clear()
+    metrics.update({**idle_stats(), "kv_blocks_used": 3, "kv_blocks_total": 12})
+    assert api.messages == []  # nothing changed: nothing sent
 
 
 def test_metrics_send_latencies_in_one_batch_and_only_what_changed():

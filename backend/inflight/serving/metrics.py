@@ -9,12 +9,36 @@ changed since the last one."""
 import bisect
 import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 
 from ..outputs import RequestMetrics
 from .profile import PARTS
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
+# A whole request's times, from a few milliseconds (a queue that is empty, a short prompt's prefill on a
+# GPU) to the longest generations.
+REQUEST_TIME_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+# Tokens of a request, 1-2-5 steps up to any model's context (vLLM's buckets stop at the model's own).
+TOKEN_COUNT_BUCKETS = [m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000]
+# vllm_backend's and vLLM's histograms of whole requests, observed when a request ends with "stop" or
+# "length": key -> (name, description, buckets).
+REQUEST_HISTOGRAMS = {
+    "e2e": ("inflight_e2e_request_latency_seconds", "Time from request arrival to its last response",
+            REQUEST_TIME_BUCKETS),
+    "queue": ("inflight_request_queue_time_seconds", "Time from request arrival to its first step",
+              REQUEST_TIME_BUCKETS),
+    "prefill": ("inflight_request_prefill_time_seconds", "Time from a request's first step to its first token",
+                REQUEST_TIME_BUCKETS),
+    "decode": ("inflight_request_decode_time_seconds", "Time from a request's first token to its last",
+               REQUEST_TIME_BUCKETS),
+    "prompt_tokens": ("inflight_request_prompt_tokens", "Prompt tokens of a finished request",
+                      TOKEN_COUNT_BUCKETS),
+    "generation_tokens": ("inflight_request_generation_tokens",
+                          "Tokens a finished request generated, all its completions together", TOKEN_COUNT_BUCKETS),
+}
+# How requests ended, for inflight_request_success_total{finished_reason} (vLLM's request_success_total;
+# a request that failed is counted by inflight_requests_failed_total).
+FINISH_REASONS = ("stop", "length", "abort")
 
 GAUGES = {
     "kv_blocks_used": ("inflight_kv_blocks_used", "KV cache blocks in use"),
@@ -70,13 +94,22 @@ class TritonMetrics:
                           for key, (name, desc) in COUNTERS.items()}
         self._hit_rate = _Sent(self._metric("inflight_prefix_cache_hit_rate",
                                             "Share of looked-up prompt tokens found in the prefix cache", kinds.GAUGE))
-        self._latency = {
+        self._kv_usage = _Sent(self._metric("inflight_kv_cache_usage_perc",
+                                            "Share of the KV cache's blocks in use (1: all)", kinds.GAUGE))
+        self._histograms = {
             "ttft": self._histogram("inflight_time_to_first_token_seconds",
-                                    "Time from request arrival to its first token"),
-            "itl": self._histogram("inflight_inter_token_latency_seconds", "Time between two tokens of one request"),
+                                    "Time from request arrival to its first token", LATENCY_BUCKETS),
+            "itl": self._histogram("inflight_inter_token_latency_seconds", "Time between two tokens of one request",
+                                   LATENCY_BUCKETS),
+            **{key: self._histogram(*spec) for key, spec in REQUEST_HISTOGRAMS.items()},
         }
-        # Latencies not yet sent: the responder appends, the engine thread takes (deques: thread-safe).
-        self._pending = {"ttft": deque(), "itl": deque()}
+        # Observations not yet sent: the responder appends, the engine thread takes (deques: thread-safe).
+        self._pending = {key: deque() for key in self._histograms}
+        self._finished = {reason: _Sent(self._metric("inflight_request_success_total", "Requests that ended, by how",
+                                                     kinds.COUNTER, labels={**labels, "finished_reason": reason}))
+                          for reason in FINISH_REASONS}
+        self._pending_finished = deque()  # (how each request ended: the responders append, as above)
+        self._finished_counts = Counter()
         self._profile = None  # the serving profile's counters (profile.py), made when first sent
         self._lora: dict[str, tuple[_Sent, _Sent, _Sent]] = {}  # each adapter's, made when first sent
         self._spec_decode: dict[str, _Sent] = {}
@@ -88,14 +121,14 @@ class TritonMetrics:
                                                                                kind=kind)
         return family.Metric(labels=labels or self._labels, **options)
 
-    def _histogram(self, name: str, description: str):
+    def _histogram(self, name: str, description: str, buckets: list[float]):
         """A function sending a list of observations as a Prometheus histogram's series: `_bucket`
         (cumulative, by `le`), `_sum` and `_count`, counted here and sent as counter increments, one
         message a series that changed, however many observations. (The Python backend's HISTOGRAM
         takes a message per observation, with the interpreter lock held: at a GPU's rate, tens of
         thousands a second, more than the model's process can send.)"""
         counter = self._pb_utils.MetricFamily.COUNTER
-        bounds = [*LATENCY_BUCKETS, math.inf]
+        bounds = [*buckets, math.inf]
         series = [_Sent(self._metric(f"{name}_bucket", description, counter,
                                      labels={**self._labels, "le": "+Inf" if b == math.inf else f"{b:g}"}))
                   for b in bounds]
@@ -127,6 +160,12 @@ class TritonMetrics:
             counter.advance(stats[key])
         queried = stats["prefix_cache_queried_tokens"]
         self._hit_rate.set(stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
+        total_blocks = stats["kv_blocks_total"]
+        self._kv_usage.set(stats["kv_blocks_used"] / total_blocks if total_blocks else 0.0)
+        finished = self._pending_finished
+        self._finished_counts.update(finished.popleft() for _ in range(len(finished)))
+        for reason, counter in self._finished.items():
+            counter.advance(self._finished_counts[reason])
         if "spec_decode_drafts_total" in stats:
             if not self._spec_decode:  # (made when first sent: the engine speculates)
                 kind = self._pb_utils.MetricFamily.COUNTER
@@ -163,9 +202,10 @@ class TritonMetrics:
                 sent.advance(profile[part][i])
 
     def _send_latencies(self) -> None:
-        for key, observe_all in self._latency.items():
+        for key, observe_all in self._histograms.items():
             pending = self._pending[key]
-            observe_all([pending.popleft() for _ in range(len(pending))])
+            if pending:
+                observe_all([pending.popleft() for _ in range(len(pending))])
 
     def observe_time_to_first_token(self, seconds: float) -> None:
         self._pending["ttft"].append(seconds)
@@ -183,3 +223,24 @@ class TritonMetrics:
         if num_tokens > 1:
             mean = (times.last_token_time_ns - times.first_token_time_ns) / 1e9 / (num_tokens - 1)
             self._pending["itl"].extend(itertools.repeat(mean, num_tokens - 1))
+
+    def observe_finished(self, reason: str | None, seconds: float, arrival_ns: int, times: RequestMetrics | None,
+                         num_prompt_tokens: int, num_generated_tokens: int) -> None:
+        """A request's end, seen in its last response: how it ended, and for one that ended with "stop" or
+        "length" its time from arrival to now (`seconds`), its queue, prefill and decode times from the
+        engine's `times` (from its arrival at the model, `arrival_ns`) and its tokens."""
+        if reason not in FINISH_REASONS:
+            return
+        self._pending_finished.append(reason)
+        if reason == "abort":
+            return
+        pending = self._pending
+        pending["e2e"].append(seconds)
+        pending["prompt_tokens"].append(num_prompt_tokens)
+        pending["generation_tokens"].append(num_generated_tokens)
+        if times is None or times.first_scheduled_time_ns is None:
+            return
+        pending["queue"].append(max(0, times.first_scheduled_time_ns - arrival_ns) / 1e9)
+        if times.first_token_time_ns is not None:  # (none: it ended before a token, a prompt too long say)
+            pending["prefill"].append(max(0, times.first_token_time_ns - times.first_scheduled_time_ns) / 1e9)
+            pending["decode"].append((times.last_token_time_ns - times.first_token_time_ns) / 1e9)

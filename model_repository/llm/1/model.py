@@ -196,6 +196,7 @@ class ActiveRequest:
     last_token_time: float | None = None
     arrival_ns: int = field(default_factory=time.time_ns)  # (the engine's token times' clock)
     first_completion_tokens: int = 0  # not streamed: its first completion's length, once it ended
+    generated_tokens: int = 0  # the tokens of its completions that ended
     responses: RequestResponses = field(init=False)  # turns each delta into what is sent
     cancelled: bool = False
 
@@ -344,9 +345,16 @@ class TritonPythonModel:
         if delta.finish_reason == "abort":
             if delta.finished:  # the client cancelled: close the stream (once all completions ended)
                 active.sender.send(flags=FINAL)
+                self.metrics.observe_finished("abort", 0.0, active.arrival_ns, None, 0, 0)
             return
         with self.profile.timing("observe_latency"):
             self._observe_latency(active, delta)
+            if delta.finish_reason is not None:
+                active.generated_tokens += delta.num_output_tokens
+            if delta.finished:
+                self.metrics.observe_finished(delta.finish_reason, time.monotonic() - active.arrival,
+                                              active.arrival_ns, delta.metrics, delta.num_prompt_tokens,
+                                              active.generated_tokens)
         with self.profile.timing("build_response"):
             outputs = active.responses.add(delta)
             if outputs is None:
