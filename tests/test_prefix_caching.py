@@ -101,6 +101,23 @@ def test_a_prompts_blocks_are_cached_chunk_by_chunk(tiny_models, async_schedulin
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["steps", "async"])
+def test_the_next_turn_finds_the_blocks_the_answer_filled(tiny_models, async_scheduling):
+    """A conversation's next turn (its prompt the last one, the answer and a new message) finds every
+    block the answer filled, the last one filled in the step that ended it among them."""
+    llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=64, async_scheduling=async_scheduling)
+    prompt = random_prompts(1, 20, 20, vocab=512, seed=8)[0]
+    answer = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].token_ids
+    # 20 + 39 tokens computed (the last answer token never was): 3 full blocks
+    turn = prompt + answer + random_prompts(1, 5, 5, vocab=512, seed=9)[0]
+    llm.add_request("next", turn, GREEDY)
+    cached = None
+    while llm.has_unfinished():
+        cached = next((d.metrics.num_cached_tokens for d in llm.step() if d.metrics), cached)
+    assert cached == 3 * BLOCK
+    assert_no_leak(llm)
+
+
 def test_a_beam_searchs_blocks_are_cached(tiny_models):
     """A beam search's prompt and its beams' full blocks go into the prefix cache as any sequence's do:
     the same prompt again finds the prompt's blocks, and the best beam's text after it more."""

@@ -44,6 +44,7 @@ from .speculative import NgramProposer, accepted_tokens, draft_distributions, ve
 from .structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+FINISHED = SequenceStatus.FINISHED
 
 # An abort may overtake its request (a client that cancels at once): it waits this long for it.
 EARLY_ABORT_MEMORY_S = 60.0
@@ -502,9 +503,12 @@ class LLMEngine:
         logprobs = self._logprob_entries(step.sampling, tokens, step.logprobs)
         kept_rows = dict(zip(*step.sampled_logits)) if step.sampled_logits is not None else {}
         constrained = step.needs & (TOKEN_CONTROLS | STRUCTURED)  # (no call a row when none is)
+        now = time.time_ns()  # (when the step's tokens became known: the same for all)
+        block_manager = self.block_manager
+        caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
         for row, (seq, token, entry) in enumerate(zip(step.sampling, tokens, logprobs)):
             seq.num_pending -= 1
-            if seq.is_finished:  # ended while the step ran (aborted, or finished the step before)
+            if seq.status is FINISHED:  # ended while the step ran (aborted, or finished the step before)
                 continue
             if constrained and not self._possible(seq, token):  # its constraints left no token: it alone ends
                 self._fail_constrained(seq, deltas)
@@ -513,11 +517,14 @@ class LLMEngine:
                 self._record_logprobs(seq, token, entry)
             if kept_rows and row in kept_rows:
                 raw_logits.record_sampled(seq, kept_rows[row])
-            seq.append_token(token)
+            seq.append_token(token, now)
             self.num_generated_tokens += 1
-            self.block_manager.cache_full_blocks(seq)  # its computed tokens are known now (before a finish frees them)
+            # Its computed tokens are known now (registered before a finish frees them): a block fills one
+            # token in block_size, so the call is made only then.
+            if caching and seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:
+                block_manager.cache_full_blocks(seq)
             self._check_finished(seq, token)
-            if not seq.delta_at_end or seq.is_finished:
+            if not seq.delta_at_end or seq.status is FINISHED:
                 deltas.append(self._delta(seq))
         if step.speculated is not None:  # (first: their computed tokens count drafts until judged)
             self._accept_drafts(step.speculated, deltas)
@@ -793,7 +800,7 @@ class LLMEngine:
         elif num_out >= p.min_tokens and ((token in self.eos_token_ids and not p.ignore_eos)
                                           or token in p.stop_token_ids):
             reason = "stop"
-        elif num_out >= p.max_tokens or seq.num_prompt_tokens + num_out >= self.max_model_len:
+        elif num_out >= p.max_tokens or len(seq.prompt_token_ids) + num_out >= self.max_model_len:
             reason = "length"
         if reason is not None:
             seq.text_tail += seq.detokenizer.flush()  # text held back for an incomplete character
@@ -825,7 +832,7 @@ class LLMEngine:
         """What `seq` gained since its last delta. While it runs, text that could be the start of a
         stop string is held back."""
         p = seq.params
-        if not (p.needs & _DELTA_EXTRAS or p.stop or seq.is_finished):
+        if not (p.needs & _DELTA_EXTRAS or p.stop or seq.status is FINISHED):
             # A running sequence's tokens and text, nothing else (most deltas): its whole text tail is
             # new, as nothing is held back for a stop string.
             tokens = seq.output_token_ids

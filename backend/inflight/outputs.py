@@ -40,9 +40,9 @@ class RequestMetrics:
     def kv_new_blocks(self) -> int:
         return self.kv_total_blocks - self.kv_reused_blocks
 
-    def token_known(self) -> None:
-        """A generated token's value is known now."""
-        self.last_token_time_ns = time.time_ns()
+    def token_known(self, now_ns: int | None = None) -> None:
+        """A generated token's value is known now (`now_ns`: time.time_ns(), read by the caller)."""
+        self.last_token_time_ns = time.time_ns() if now_ns is None else now_ns
         if self.first_token_time_ns is None:
             self.first_token_time_ns = self.last_token_time_ns
 

@@ -146,10 +146,10 @@ class Sequence:
     # words read them every step: a Python list of thousands of ints took milliseconds to convert).
     _token_array: np.ndarray | None = field(default=None, repr=False)
 
-    def append_token(self, token: int) -> None:
-        """A sampled token whose value is now known."""
+    def append_token(self, token: int, now_ns: int | None = None) -> None:
+        """A sampled token whose value is now known (at `now_ns`, time.time_ns(), if given)."""
         self.output_token_ids.append(token)
-        self.metrics.token_known()
+        self.metrics.token_known(now_ns)
         if self._token_array is not None:
             known = len(self.prompt_token_ids) + len(self.output_token_ids)
             if known > len(self._token_array):
