@@ -150,7 +150,7 @@ def http_generate_stream(server, body: dict) -> list[dict]:
 def test_request_histograms_and_finish_reasons_on_the_metrics_port(server):
     """vllm_backend's request histograms and vLLM's request_success_total by finish reason: a request of
     8 tokens ending at its length adds 1 to each histogram's count, its prompt and output tokens to the
-    token histograms' sums, and 1 to the "length" ends."""
+    token histograms' sums, 1 to the "length" ends and its 8 steps to the steps by their tokens."""
     def settled():  # (reports go out at most once a second, and when the engine falls idle)
         time.sleep(2.5)
         return server.metrics(), server.labeled("inflight_request_success_total", "finished_reason")
@@ -174,6 +174,10 @@ def test_request_histograms_and_finish_reasons_on_the_metrics_port(server):
     assert (sums["inflight_request_prompt_tokens"], sums["inflight_request_generation_tokens"]) == (prompt_tokens, 8)
     assert 0 < sums["inflight_request_decode_time_seconds"] < sums["inflight_e2e_request_latency_seconds"]
     assert after["inflight_kv_cache_usage_perc"] == 0
+    # The engine's steps by their tokens: its prompt's step, then a decode step for each token after the first.
+    steps = after["inflight_iteration_tokens_count"] - before.get("inflight_iteration_tokens_count", 0)
+    computed = after["inflight_iteration_tokens_sum"] - before.get("inflight_iteration_tokens_sum", 0)
+    assert steps == 8 and 7 < computed <= prompt_tokens + 7, (steps, computed)
 
 
 def test_http_generate_stream(server, offline_texts):

@@ -11,6 +11,7 @@ every request ends with an error and `add_request` raises EngineDeadError. (A st
 proves nothing of the stages after the forward pass, so it does not count between failures.)
 """
 
+import bisect
 import itertools
 import logging
 import threading
@@ -45,6 +46,8 @@ from .structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 FINISHED = SequenceStatus.FINISHED
+# Bounds of the histogram of a step's token count (the engine counts its steps in them: stats()).
+STEP_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 # An abort may overtake its request (a client that cancels at once): it waits this long for it.
 EARLY_ABORT_MEMORY_S = 60.0
@@ -136,6 +139,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prompts, recomputes, decodes)
+        self.steps_by_tokens = [0] * (len(STEP_TOKEN_BUCKETS) + 1)  # steps by their tokens' bucket (last: more)
         self.num_aborted = 0
         self.num_failed_requests = 0
         self.num_drafts = 0  # speculative decoding: sequence steps with drafts, drafts judged, drafts kept
@@ -374,7 +378,9 @@ class LLMEngine:
         if not batch.seqs:
             return None
         self.num_steps += 1
-        self.num_computed_tokens += sum(batch.num_tokens)
+        num_tokens = sum(batch.num_tokens)
+        self.num_computed_tokens += num_tokens
+        self.steps_by_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
         # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward.
         copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         # Sequences whose last scheduled token is their last token sample a next token; those that asked
@@ -890,6 +896,7 @@ class LLMEngine:
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generated_tokens,
             "computed_tokens_total": self.num_computed_tokens,
+            "steps_by_tokens": list(self.steps_by_tokens),
             "requests_aborted_total": self.num_aborted,
             "requests_failed_total": self.num_failed_requests,
             "failed_steps_total": self.num_failed_steps,

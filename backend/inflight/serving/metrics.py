@@ -11,6 +11,7 @@ import itertools
 import math
 from collections import Counter, deque
 
+from ..engine import STEP_TOKEN_BUCKETS
 from ..outputs import RequestMetrics
 from .profile import PARTS
 
@@ -83,6 +84,36 @@ class _Sent:
             self.value = total
 
 
+class _Histogram:
+    """A Prometheus histogram's series, `_bucket` (cumulative, by `le`), `_sum` and `_count`, counted here
+    and sent as counter increments: one message a series that changed, however many observations. (The
+    Python backend's HISTOGRAM takes a message per observation, with the interpreter lock held: at a
+    GPU's rate, tens of thousands a second, more than the model's process can send.)"""
+
+    def __init__(self, bounds: list[float], series: list[_Sent], total: _Sent, count: _Sent):
+        self.bounds, self._series, self._total, self._count = bounds, series, total, count
+        self._counts = [0] * len(bounds)  # observations in each bucket, not cumulative
+        self._sum = 0.0
+
+    def observe_all(self, values: list[float]) -> None:
+        for value in values:
+            self._counts[bisect.bisect_left(self.bounds, value)] += 1
+        self._sum += sum(values)
+        self._send()
+
+    def set_totals(self, counts: list[int], total: float) -> None:
+        """Observations counted elsewhere: how many in each bucket so far (not cumulative), and their sum."""
+        self._counts, self._sum = list(counts), total
+        self._send()
+
+    def _send(self) -> None:
+        self._count.advance(sum(self._counts))
+        # The largest bucket first: a scrape in the middle of a report still sees cumulative buckets.
+        for sent, cumulative in reversed(list(zip(self._series, itertools.accumulate(self._counts)))):
+            sent.advance(cumulative)
+        self._total.advance(self._sum)
+
+
 class TritonMetrics:
     def __init__(self, pb_utils, labels: dict[str, str]):
         self._pb_utils = pb_utils
@@ -108,6 +139,8 @@ class TritonMetrics:
         self._finished = {reason: _Sent(self._metric("inflight_request_success_total", "Requests that ended, by how",
                                                      kinds.COUNTER, labels={**labels, "finished_reason": reason}))
                           for reason in FINISH_REASONS}
+        self._step_tokens = self._histogram("inflight_iteration_tokens", "Tokens of an engine step: its prompt "
+                                            "chunks and decodes", STEP_TOKEN_BUCKETS)
         self._pending_finished = deque()  # (how each request ended: the responders append, as above)
         self._finished_counts = Counter()
         self._profile = None  # the serving profile's counters (profile.py), made when first sent
@@ -121,32 +154,14 @@ class TritonMetrics:
                                                                                kind=kind)
         return family.Metric(labels=labels or self._labels, **options)
 
-    def _histogram(self, name: str, description: str, buckets: list[float]):
-        """A function sending a list of observations as a Prometheus histogram's series: `_bucket`
-        (cumulative, by `le`), `_sum` and `_count`, counted here and sent as counter increments, one
-        message a series that changed, however many observations. (The Python backend's HISTOGRAM
-        takes a message per observation, with the interpreter lock held: at a GPU's rate, tens of
-        thousands a second, more than the model's process can send.)"""
+    def _histogram(self, name: str, description: str, buckets: list[float]) -> "_Histogram":
         counter = self._pb_utils.MetricFamily.COUNTER
         bounds = [*buckets, math.inf]
         series = [_Sent(self._metric(f"{name}_bucket", description, counter,
                                      labels={**self._labels, "le": "+Inf" if b == math.inf else f"{b:g}"}))
                   for b in bounds]
         total, count = (_Sent(self._metric(f"{name}_{suffix}", description, counter)) for suffix in ("sum", "count"))
-        counts = [0] * len(bounds)  # observations in each bucket, not cumulative
-        sums = [0.0]
-
-        def observe_all(values: list[float]) -> None:
-            for value in values:
-                counts[bisect.bisect_left(bounds, value)] += 1
-            sums[0] += sum(values)
-            count.advance(sum(counts))
-            # The largest bucket first: a scrape in the middle of a report still sees cumulative buckets.
-            for sent, cumulative in reversed(list(zip(series, itertools.accumulate(counts)))):
-                sent.advance(cumulative)
-            total.advance(sums[0])
-
-        return observe_all
+        return _Histogram(bounds, series, total, count)
 
     def update(self, stats: dict, profile: dict | None = None) -> None:
         """Send the engine's `stats`, the latencies recorded since the last call and the serving
@@ -160,6 +175,8 @@ class TritonMetrics:
             counter.advance(stats[key])
         queried = stats["prefix_cache_queried_tokens"]
         self._hit_rate.set(stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
+        if "steps_by_tokens" in stats:  # (counted by the engine, every step)
+            self._step_tokens.set_totals(stats["steps_by_tokens"], stats["computed_tokens_total"])
         total_blocks = stats["kv_blocks_total"]
         self._kv_usage.set(stats["kv_blocks_used"] / total_blocks if total_blocks else 0.0)
         finished = self._pending_finished
@@ -202,10 +219,10 @@ class TritonMetrics:
                 sent.advance(profile[part][i])
 
     def _send_latencies(self) -> None:
-        for key, observe_all in self._histograms.items():
+        for key, histogram in self._histograms.items():
             pending = self._pending[key]
             if pending:
-                observe_all([pending.popleft() for _ in range(len(pending))])
+                histogram.observe_all([pending.popleft() for _ in range(len(pending))])
 
     def observe_time_to_first_token(self, seconds: float) -> None:
         self._pending["ttft"].append(seconds)
