@@ -166,7 +166,8 @@ def test_request_histograms_and_finish_reasons_on_the_metrics_port(server):
     added = {name: after[f"{name}_count"] - before.get(f"{name}_count", 0) for name in (
         "inflight_e2e_request_latency_seconds", "inflight_request_queue_time_seconds",
         "inflight_request_prefill_time_seconds", "inflight_request_decode_time_seconds",
-        "inflight_request_prompt_tokens", "inflight_request_generation_tokens")}
+        "inflight_request_inference_time_seconds", "inflight_request_prompt_tokens",
+        "inflight_request_generation_tokens", "inflight_request_params_n")}
     assert set(added.values()) == {1}, added
     sums = {name: after[f"{name}_sum"] - before.get(f"{name}_sum", 0)
             for name in ("inflight_request_prompt_tokens", "inflight_request_generation_tokens",

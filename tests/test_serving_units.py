@@ -965,7 +965,7 @@ def test_a_requests_end_is_counted_by_reason_with_its_times_and_tokens():
     arrival = 4_990_000_000
     times = RequestMetrics(arrival_time_ns=5_000_000_000, first_scheduled_time_ns=5_020_000_000,
                            first_token_time_ns=5_070_000_000, last_token_time_ns=6_070_000_000)
-    metrics.observe_finished("length", 1.25, arrival, times, 30, 100)
+    metrics.observe_finished("length", 1.25, arrival, times, 30, 100, n=2)
     # (scheduled, then ended before a token: no prefill or decode time)
     metrics.observe_finished("stop", 0.5, arrival, RequestMetrics(5_000_000_000, first_scheduled_time_ns=5_000_000_000),
                              7, 0)
@@ -981,13 +981,16 @@ def test_a_requests_end_is_counted_by_reason_with_its_times_and_tokens():
     histograms = {name: (sent[(f"{name}_count", None)], sent[(f"{name}_sum", None)]) for name in (
         "inflight_e2e_request_latency_seconds", "inflight_request_queue_time_seconds",
         "inflight_request_prefill_time_seconds", "inflight_request_decode_time_seconds",
-        "inflight_request_prompt_tokens", "inflight_request_generation_tokens")}
+        "inflight_request_inference_time_seconds", "inflight_request_prompt_tokens",
+        "inflight_request_generation_tokens", "inflight_request_params_n")}
     assert histograms == {"inflight_e2e_request_latency_seconds": (2, 1.75),
                           "inflight_request_queue_time_seconds": (2, 0.04),  # 0.03 and 0.01 after arrival
                           "inflight_request_prefill_time_seconds": (1, 0.05),
                           "inflight_request_decode_time_seconds": (1, 1.0),
+                          "inflight_request_inference_time_seconds": (1, 1.05),
                           "inflight_request_prompt_tokens": (2, 37),
-                          "inflight_request_generation_tokens": (2, 100)}
+                          "inflight_request_generation_tokens": (2, 100),
+                          "inflight_request_params_n": (2, 3)}
     prompt_buckets = {le: n for (name, le), n in sent.items() if name == "inflight_request_prompt_tokens_bucket"}
     assert "5" not in prompt_buckets  # (still 0, never sent: 7 and 30 tokens)
     assert (prompt_buckets["10"], prompt_buckets["20"], prompt_buckets["50"], prompt_buckets["1e+06"],

@@ -32,10 +32,13 @@ REQUEST_HISTOGRAMS = {
                 REQUEST_TIME_BUCKETS),
     "decode": ("inflight_request_decode_time_seconds", "Time from a request's first token to its last",
                REQUEST_TIME_BUCKETS),
+    "inference": ("inflight_request_inference_time_seconds", "Time from a request's first step to its last token",
+                  REQUEST_TIME_BUCKETS),
     "prompt_tokens": ("inflight_request_prompt_tokens", "Prompt tokens of a finished request",
                       TOKEN_COUNT_BUCKETS),
     "generation_tokens": ("inflight_request_generation_tokens",
                           "Tokens a finished request generated, all its completions together", TOKEN_COUNT_BUCKETS),
+    "n": ("inflight_request_params_n", "Completions a finished request asked for (n)", [1, 2, 5, 10, 20]),
 }
 # How requests ended, for inflight_request_success_total{finished_reason} (vLLM's request_success_total;
 # a request that failed is counted by inflight_requests_failed_total).
@@ -242,10 +245,10 @@ class TritonMetrics:
             self._pending["itl"].extend(itertools.repeat(mean, num_tokens - 1))
 
     def observe_finished(self, reason: str | None, seconds: float, arrival_ns: int, times: RequestMetrics | None,
-                         num_prompt_tokens: int, num_generated_tokens: int) -> None:
+                         num_prompt_tokens: int, num_generated_tokens: int, n: int = 1) -> None:
         """A request's end, seen in its last response: how it ended, and for one that ended with "stop" or
-        "length" its time from arrival to now (`seconds`), its queue, prefill and decode times from the
-        engine's `times` (from its arrival at the model, `arrival_ns`) and its tokens."""
+        "length" its time from arrival to now (`seconds`), its queue, prefill, decode and inference times
+        from the engine's `times` (from its arrival at the model, `arrival_ns`), its tokens and its `n`."""
         if reason not in FINISH_REASONS:
             return
         self._pending_finished.append(reason)
@@ -255,9 +258,11 @@ class TritonMetrics:
         pending["e2e"].append(seconds)
         pending["prompt_tokens"].append(num_prompt_tokens)
         pending["generation_tokens"].append(num_generated_tokens)
+        pending["n"].append(n)
         if times is None or times.first_scheduled_time_ns is None:
             return
         pending["queue"].append(max(0, times.first_scheduled_time_ns - arrival_ns) / 1e9)
         if times.first_token_time_ns is not None:  # (none: it ended before a token, a prompt too long say)
             pending["prefill"].append(max(0, times.first_token_time_ns - times.first_scheduled_time_ns) / 1e9)
             pending["decode"].append((times.last_token_time_ns - times.first_token_time_ns) / 1e9)
+            pending["inference"].append(max(0, times.last_token_time_ns - times.first_scheduled_time_ns) / 1e9)

@@ -354,7 +354,7 @@ class TritonPythonModel:
             if delta.finished:
                 self.metrics.observe_finished(delta.finish_reason, time.monotonic() - active.arrival,
                                               active.arrival_ns, delta.metrics, delta.num_prompt_tokens,
-                                              active.generated_tokens)
+                                              active.generated_tokens, active.parsed.params.n)
         with self.profile.timing("build_response"):
             outputs = active.responses.add(delta)
             if outputs is None:
