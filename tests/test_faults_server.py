@@ -107,6 +107,26 @@ def test_a_persistent_fault_makes_the_model_not_ready():
         assert server.alive()
 
 
+def test_a_hung_engine_step_ends_every_stream_and_makes_the_model_not_ready():
+    """The model forward of the engine's 6th step never returns (as on a hung GPU): after step_timeout_s
+    each stream gets one final response, an UNAVAILABLE error naming the time-out, and the model reports
+    not-ready for an orchestrator to restart it; tritonserver lives on."""
+    with TritonServer(env={"INFLIGHT_FAULTS": "hang@6"}, step_timeout_s=3, **SETTINGS) as server:
+        started = time.monotonic()
+        results = {}
+
+        def run(i):
+            results[i] = stream_to_the_end(server.grpc_url, PROMPTS[i], quiet_s=0.3, max_tokens=100, ignore_eos=True)
+
+        with concurrently([lambda i=i: run(i) for i in range(2)], timeout=60):
+            pass
+        assert 3 <= time.monotonic() - started < 30
+        assert all(r["finals"] == 1 and r["after_final"] == 0 for r in results.values()), results
+        assert all("step_timeout_s (3 s)" in (r["error"] or "") for r in results.values()), results
+        assert_not_ready(server)
+        assert server.alive()
+
+
 def engine_process(server):
     engine = server.descendants("inflight.serving.engine_process")
     assert len(engine) == 1

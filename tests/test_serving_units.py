@@ -410,6 +410,11 @@ def test_settings_split_and_unknown_keys():
             with pytest.raises(ValueError, match=name):
                 split_settings({"model": "m", name: seconds})
         assert getattr(split_settings({"model": "m", name: 0})[1], name) == 0
+    for seconds in (0, -1, 86401, "300", True):
+        with pytest.raises(ValueError, match="step_timeout_s"):
+            split_settings({"model": "m", "step_timeout_s": seconds})
+    assert split_settings({"model": "m", "step_timeout_s": None})[1].step_timeout_s is None
+    assert split_settings({"model": "m"})[1].step_timeout_s == 300
 
 
 def test_random_settings_are_taken_or_refused_with_a_value_error():
@@ -816,6 +821,38 @@ def test_a_message_from_the_engine_process_that_cannot_be_read_ends_it(tiny_mode
 
     dead = ended_mid_stream(tiny_models["llama"], lambda process: setattr(process._conn, "recv", unreadable))
     assert dead == ["a message from the engine process could not be read: UnpicklingError: truncated"]
+
+
+def test_an_engine_process_whose_step_hangs_is_stopped_and_ends_every_request(tiny_models):
+    """A step that never ends (fault "hang": the model forward of the engine's 2nd step never returns, as
+    on a hung GPU) while a request waits on it: step_timeout_s after the request came the engine process
+    is stopped and on_dead names the time-out. An idle engine, however long idle after a request ended, is
+    never taken for hung, nor is the time it was idle counted against its next step."""
+    dead, deltas = [], []
+    process = EngineProcess(dict(model=tiny_models["llama"], num_kv_blocks=64), "hang@2", step_timeout_s=2.0,
+                            on_delta=deltas.append, on_dead=dead.append)
+    process.start()
+    try:
+        process.submit("first", [5, 6, 7], SamplingParams(max_tokens=1, ignore_eos=True))  # (its one step)
+        deadline = time.monotonic() + 20
+        while not any(delta.finished for delta in deltas):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(3.0)  # idle, past the time-out
+        assert not dead
+        submitted = time.monotonic()
+        process.submit("a", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+        while not dead:
+            assert time.monotonic() < submitted + 20, "the hung engine process was not stopped"
+            time.sleep(0.05)
+        assert 2.0 <= time.monotonic() - submitted < 10
+        assert dead == ["no engine step ended within step_timeout_s (2 s) while 1 request(s) waited on it (a "
+                        "hung GPU or kernel?): the engine process was stopped"]
+        assert process._process.poll() is not None, "the engine process was killed"
+        with pytest.raises(EngineDeadError):
+            process.submit("later", [5, 6, 7], SamplingParams(max_tokens=4))
+    finally:
+        process.stop()
 
 
 def test_the_engine_process_serves_on_through_sigterm_and_ctrl_c(tiny_models):

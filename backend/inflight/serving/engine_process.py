@@ -17,7 +17,8 @@ pipe:
                    ("refused", delta), ("stats", stats) when it falls idle, ("dead", reason), ("stopped",)
 A request the engine refuses comes back as a final delta with `error_kind` "invalid" or "unavailable".
 When the engine process dies (killed, out of memory), its pipe closes: every request still held ends
-with an error through `on_dead`, as when the engine stops for good; nothing waits for it.
+with an error through `on_dead`, as when the engine stops for good; nothing waits for it. When it hangs
+(a step that never ends: a hung GPU, a kernel that never returns), `step_timeout_s` stops it so.
 """
 
 import logging
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from transformers import AutoTokenizer
 
@@ -39,6 +41,7 @@ from .profile import ServingProfile
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
+WATCH_TICK_S = 1.0  # how often a wait for the engine's next message checks its step time-out
 
 
 def _encoders(settings: dict) -> Encoders:
@@ -81,14 +84,20 @@ class RemoteEngine:
 class EngineProcess(EngineThread):
     ENGINE_IN_THIS_PROCESS = False
 
-    def __init__(self, settings: dict, faults: str | None = None, started: tuple | None = None, **thread_options):
+    def __init__(self, settings: dict, faults: str | None = None, started: tuple | None = None,
+                 step_timeout_s: float | None = None, **thread_options):
         """`settings`: the engine's (LLM(**settings)); `faults`: a fault-injection spec (faults.py);
         `started`: launch.start_engine_process()'s (process, pipe), a process started earlier that is still
-        waiting for its settings; the rest as EngineThread's, but make_engine."""
+        waiting for its settings; `step_timeout_s`: how long the engine may take to report its next step
+        while requests are in it before it is taken for hung and stopped (None: forever); the rest as
+        EngineThread's, but make_engine."""
         super().__init__(make_engine=None, **thread_options)
         self._settings = dict(settings)
         self._faults = faults
         self._started = started
+        self._step_timeout_s = step_timeout_s
+        self._in_engine: set[str] = set()  # requests sent to the engine and not finished (the watch's)
+        self._busy_since = 0.0  # when the engine last went from no request to some
         self._process: subprocess.Popen | None = None
         self._conn: multiprocessing.connection.Connection | None = None
         self._send_lock = threading.Lock()
@@ -99,6 +108,9 @@ class EngineProcess(EngineThread):
     def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None,
                final_only: bool = False) -> None:
         """Send a request on; the engine's refusal comes back as its final delta."""
+        if not self._in_engine:
+            self._busy_since = time.monotonic()
+        self._in_engine.add(request_id)
         self._send(("add", request_id, prompt, params, priority, lora_name, final_only))
         self.engine.submitted_since_stats += 1
 
@@ -166,12 +178,14 @@ class EngineProcess(EngineThread):
             kind, *rest = self._receive()
             if kind == "step":
                 deltas, stats = expand_deltas(rest[0]), rest[1]
+                self._in_engine.difference_update([delta.request_id for delta in deltas if delta.finished])
                 self._take_stats(stats)
                 self._put(deltas)  # on a CPU: returns once they are handed on
                 if deltas and not self._overlap_sending:
                     self._acknowledge()
                 self._report_step()
             elif kind == "refused":
+                self._in_engine.discard(rest[0].request_id)
                 self._put([rest[0]])
             elif kind == "stats":  # the engine fell idle: reported once its last responses are out, so
                 self._take_stats(rest[0])  # that the metrics count them before the next request comes
@@ -192,6 +206,12 @@ class EngineProcess(EngineThread):
 
     def _receive(self) -> tuple:
         try:
+            if self._step_timeout_s is not None:
+                waiting_since = time.monotonic()  # (not before: the engine may be waiting for our sends)
+                while not self._conn.poll(WATCH_TICK_S):
+                    if self._in_engine and time.monotonic() - max(waiting_since, self._busy_since) \
+                            > self._step_timeout_s:
+                        return self._stop_hung()
             return self._conn.recv()
         except (EOFError, OSError):
             code = self._process.wait()
@@ -201,6 +221,13 @@ class EngineProcess(EngineThread):
             self._process.kill()
             self._process.wait()
             return ("dead", f"a message from the engine process could not be read: {type(e).__name__}: {e}")
+
+    def _stop_hung(self) -> tuple:
+        self._process.kill()
+        self._process.wait()
+        return ("dead", f"no engine step ended within step_timeout_s ({self._step_timeout_s:g} s) while "
+                        f"{len(self._in_engine)} request(s) waited on it (a hung GPU or kernel?): the engine "
+                        "process was stopped")
 
     def _acknowledge(self) -> None:
         try:

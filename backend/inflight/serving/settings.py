@@ -34,6 +34,11 @@ class ServingSettings:
     # Run the engine in a process of its own (engine_process.py), so that building and sending responses
     # here never waits for the engine's host work; false: on a thread of the Triton model's process.
     engine_process: bool = True
+    # An engine step that has not ended after this many seconds while requests wait on it (a hung GPU, a
+    # kernel that never returns) stops the engine process: its requests end with UNAVAILABLE and the model
+    # reports not-ready, for an orchestrator to restart it. Null: never. (An engine on a thread of the
+    # model's process cannot be stopped so: it has no such watch.)
+    step_timeout_s: float | None = 300.0
     # Threads sending responses at once, each for its share of the requests (null: 1 on CPU, 4 on a GPU).
     sender_threads: int | None = None
     # vllm_backend's convention: the LoRA adapters come from multi_lora.json beside model.json
@@ -49,6 +54,10 @@ class ServingSettings:
             interval = getattr(self, name)
             if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 10:
                 raise ValueError(f"{name} must be a number of seconds in [0, 10], got {interval!r}")
+        timeout = self.step_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout <= 86400):
+            raise ValueError(f"step_timeout_s must be a number of seconds in (0, 86400] or null, got {timeout!r}")
         for name in ("serving_profile", "engine_process", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

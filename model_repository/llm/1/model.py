@@ -234,7 +234,8 @@ class TritonPythonModel:
         # INFLIGHT_FAULTS makes engine stages raise at chosen steps: a test-only hook (inflight/faults.py).
         fault_spec = os.environ.get("INFLIGHT_FAULTS")
         if self.serving.engine_process:
-            self.thread = EngineProcess(engine_settings, fault_spec, started=_take_early_engine_process(), **options)
+            self.thread = EngineProcess(engine_settings, fault_spec, started=_take_early_engine_process(),
+                                        step_timeout_s=self.serving.step_timeout_s, **options)
         else:
             self.thread = EngineThread(lambda: faults.inject(LLM(**engine_settings), fault_spec), **options)
         self.profile = self.thread.profile
