@@ -30,7 +30,9 @@ def test_kubernetes_manifest_matches_the_server():
     assert env["INFLIGHT_MODEL_JSON"] == mounts["settings"] + "/model.json"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == config.tensor_parallel_size
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/models/llm/ready"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    # (restarted when its engine stopped: the model unloads itself, the server lives on)
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/models/llm/ready"
+    assert container["startupProbe"]["httpGet"]["path"] == "/v2/health/live"
 
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     exposed = re.search(r"^EXPOSE (.+)$", (ROOT / "Dockerfile").read_text(), re.M).group(1).split()
