@@ -150,7 +150,7 @@ def http_generate_stream(server, body: dict) -> list[dict]:
 def test_request_histograms_and_finish_reasons_on_the_metrics_port(server):
     """vllm_backend's request histograms and vLLM's request_success_total by finish reason: a request of
     8 tokens ending at its length adds 1 to each histogram's count, its prompt and output tokens to the
-    token histograms' sums, 1 to the "length" ends and its 8 steps to the steps by their tokens."""
+    token histograms' sums, 1 to the "length" ends and its 8 steps to the steps by their tokens and times."""
     def settled():  # (reports go out at most once a second, and when the engine falls idle)
         time.sleep(2.5)
         return server.metrics(), server.labeled("inflight_request_success_total", "finished_reason")
@@ -179,6 +179,8 @@ def test_request_histograms_and_finish_reasons_on_the_metrics_port(server):
     steps = after["inflight_iteration_tokens_count"] - before.get("inflight_iteration_tokens_count", 0)
     computed = after["inflight_iteration_tokens_sum"] - before.get("inflight_iteration_tokens_sum", 0)
     assert steps == 8 and 7 < computed <= prompt_tokens + 7, (steps, computed)
+    timed = after["inflight_engine_step_seconds_count"] - before.get("inflight_engine_step_seconds_count", 0)
+    assert timed == 8 and after["inflight_engine_step_seconds_sum"] > before.get("inflight_engine_step_seconds_sum", 0)
 
 
 def test_http_generate_stream(server, offline_texts):

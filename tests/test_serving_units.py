@@ -1037,9 +1037,10 @@ def test_a_requests_end_is_counted_by_reason_with_its_times_and_tokens():
     assert api.messages == []  # nothing changed: nothing sent
 
 
-def test_the_engines_steps_by_their_tokens_are_a_histogram(tiny_models):
+def test_the_engines_steps_by_their_tokens_and_times_are_histograms(tiny_models):
     """vllm_backend's iteration tokens: the engine counts each step in its bucket (a decode step of 3
-    sequences: le 8; three prompts of 32 tokens: le 32), the metrics send its totals as a histogram's series."""
+    sequences: le 8; three prompts of 32 tokens: le 32), and each step that ran a batch by its time; the
+    metrics send their totals as histograms' series."""
     llm = LLM(tiny_models["llama"], num_kv_blocks=64, max_num_batched_tokens=64)
     for i, length in enumerate((20, 6, 6)):
         llm.add_request(str(i), list(range(1, length + 1)), SamplingParams(max_tokens=3, ignore_eos=True))
@@ -1048,11 +1049,21 @@ def test_the_engines_steps_by_their_tokens_are_a_histogram(tiny_models):
     stats = llm.stats()
     counts = dict(zip([*engine_module.STEP_TOKEN_BUCKETS, "more"], stats["steps_by_tokens"]))
     assert (counts[8], counts[32], sum(counts.values()), stats["computed_tokens_total"]) == (1, 1, 2, 35)
+    assert sum(stats["steps_by_seconds"]) == 2 and stats["step_seconds_total"] > 0
+    while llm.has_unfinished():
+        llm.step()
+    ran = sum(llm.stats()["steps_by_seconds"])
+    for _ in range(3):
+        llm.step()  # nothing to run: not a step
+    assert sum(llm.stats()["steps_by_seconds"]) == ran == 3  # the prompts' and two decode steps
     api = FakeMetricsApi()
     metrics = TritonMetrics(api, {"model": "llm", "version": "1"})
-    metrics.update({**idle_stats(), "steps_by_tokens": stats["steps_by_tokens"], "computed_tokens_total": 35})
-    sent = {(m[1], m[2]): m[3] for m in api.messages if m[1].startswith("inflight_iteration_tokens")}
+    metrics.update({**idle_stats(), "steps_by_tokens": stats["steps_by_tokens"], "computed_tokens_total": 35,
+                    "steps_by_seconds": stats["steps_by_seconds"], "step_seconds_total": 0.25})
+    sent = {(m[1], m[2]): m[3] for m in api.messages if m[1].startswith(("inflight_iteration", "inflight_engine"))}
     assert (sent[("inflight_iteration_tokens_count", None)], sent[("inflight_iteration_tokens_sum", None)]) == (2, 35)
+    assert (sent[("inflight_engine_step_seconds_count", None)], sent[("inflight_engine_step_seconds_sum", None)],
+            sent[("inflight_engine_step_seconds_bucket", "+Inf")]) == (2, 0.25, 2)
     assert (sent[("inflight_iteration_tokens_bucket", "8")], sent[("inflight_iteration_tokens_bucket", "16")],
             sent[("inflight_iteration_tokens_bucket", "32")], sent[("inflight_iteration_tokens_bucket", "+Inf")]) \
         == (1, 1, 2, 2)

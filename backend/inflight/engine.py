@@ -46,8 +46,10 @@ from .structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 FINISHED = SequenceStatus.FINISHED
-# Bounds of the histogram of a step's token count (the engine counts its steps in them: stats()).
+# Bounds of the histograms of a step's token count and of its time (the engine counts its steps in them:
+# stats()).
 STEP_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+STEP_SECONDS_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
 
 # An abort may overtake its request (a client that cancels at once): it waits this long for it.
 EARLY_ABORT_MEMORY_S = 60.0
@@ -140,6 +142,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prompts, recomputes, decodes)
         self.steps_by_tokens = [0] * (len(STEP_TOKEN_BUCKETS) + 1)  # steps by their tokens' bucket (last: more)
+        self.steps_by_seconds = [0] * (len(STEP_SECONDS_BUCKETS) + 1)  # ... and by their time's
+        self.step_seconds_total = 0.0
         self.num_aborted = 0
         self.num_failed_requests = 0
         self.num_drafts = 0  # speculative decoding: sequence steps with drafts, drafts judged, drafts kept
@@ -331,6 +335,7 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Schedule, run one forward pass, sample, and return what each touched request gained.
         Never raises for a failure of the step itself: see the module's docstring."""
+        started, steps_before = time.perf_counter(), self.num_steps
         deltas: list[RequestDelta] = []
         touched = None  # the sequences a failure now would end; None: all, nothing is known good
         try:
@@ -355,6 +360,10 @@ class LLMEngine:
             logger.exception("engine step failed")
             self._in_flight = None  # (its tokens are lost: its sequences are among those touched)
             self._fail_step(e, touched, deltas)
+        if self.num_steps != steps_before:  # (a batch ran; under async scheduling, the step before was read)
+            seconds = time.perf_counter() - started
+            self.steps_by_seconds[bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
+            self.step_seconds_total += seconds
         return deltas
 
     # -- async scheduling ------------------------------------------------------------------------
@@ -897,6 +906,8 @@ class LLMEngine:
             "generation_tokens_total": self.num_generated_tokens,
             "computed_tokens_total": self.num_computed_tokens,
             "steps_by_tokens": list(self.steps_by_tokens),
+            "steps_by_seconds": list(self.steps_by_seconds),
+            "step_seconds_total": self.step_seconds_total,
             "requests_aborted_total": self.num_aborted,
             "requests_failed_total": self.num_failed_requests,
             "failed_steps_total": self.num_failed_steps,

@@ -11,7 +11,7 @@ import itertools
 import math
 from collections import Counter, deque
 
-from ..engine import STEP_TOKEN_BUCKETS
+from ..engine import STEP_SECONDS_BUCKETS, STEP_TOKEN_BUCKETS
 from ..outputs import RequestMetrics
 from .profile import PARTS
 
@@ -144,6 +144,9 @@ class TritonMetrics:
                           for reason in FINISH_REASONS}
         self._step_tokens = self._histogram("inflight_iteration_tokens", "Tokens of an engine step: its prompt "
                                             "chunks and decodes", STEP_TOKEN_BUCKETS)
+        self._step_seconds = self._histogram("inflight_engine_step_seconds", "Time of an engine step that ran a "
+                                             "batch (under async scheduling, with reading the step before)",
+                                             STEP_SECONDS_BUCKETS)
         self._pending_finished = deque()  # (how each request ended: the responders append, as above)
         self._finished_counts = Counter()
         self._profile = None  # the serving profile's counters (profile.py), made when first sent
@@ -180,6 +183,7 @@ class TritonMetrics:
         self._hit_rate.set(stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
         if "steps_by_tokens" in stats:  # (counted by the engine, every step)
             self._step_tokens.set_totals(stats["steps_by_tokens"], stats["computed_tokens_total"])
+            self._step_seconds.set_totals(stats["steps_by_seconds"], stats["step_seconds_total"])
         total_blocks = stats["kv_blocks_total"]
         self._kv_usage.set(stats["kv_blocks_used"] / total_blocks if total_blocks else 0.0)
         finished = self._pending_finished
