@@ -968,10 +968,12 @@ class FakeMetricsApi:
 
 def idle_stats() -> dict:
     """An engine's statistics with nothing counted yet (what TritonMetrics.update reads)."""
-    return dict.fromkeys(("kv_blocks_used", "kv_blocks_total", "num_running", "num_waiting", "num_preemptions",
-                          "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queried_tokens",
-                          "prefix_cache_hit_tokens", "requests_aborted_total", "requests_failed_total",
-                          "failed_steps_total"), 0)
+    return {**dict.fromkeys(("kv_blocks_used", "kv_blocks_total", "num_running", "num_waiting", "num_preemptions",
+                             "prompt_tokens_total", "generation_tokens_total", "computed_tokens_total",
+                             "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "requests_aborted_total",
+                             "requests_failed_total", "failed_steps_total", "step_seconds_total"), 0),
+            "steps_by_tokens": [0] * (len(engine_module.STEP_TOKEN_BUCKETS) + 1),
+            "steps_by_seconds": [0] * (len(engine_module.STEP_SECONDS_BUCKETS) + 1)}
 
 
 def test_latencies_of_a_request_sent_whole_come_from_the_engines_times():
@@ -1006,7 +1008,7 @@ def test_a_requests_end_is_counted_by_reason_with_its_times_and_tokens():
     # (scheduled, then ended before a token: no prefill or decode time)
     metrics.observe_finished("stop", 0.5, arrival, RequestMetrics(5_000_000_000, first_scheduled_time_ns=5_000_000_000),
                              7, 0)
-    metrics.observe_finished("abort", 0.0, arrival, None, 0, 0)
+    metrics.count_end("abort")
     metrics.observe_finished("error", 0.1, arrival, times, 30, 5)
     assert api.messages == []  # recorded locally until the report
     metrics.update({**idle_stats(), "kv_blocks_used": 3, "kv_blocks_total": 12})

@@ -534,8 +534,8 @@ class LLMEngine:
                 raw_logits.record_sampled(seq, kept_rows[row])
             seq.append_token(token, now)
             self.num_generated_tokens += 1
-            # Its computed tokens are known now (registered before a finish frees them): a block fills one
-            # token in block_size, so the call is made only then.
+            # Its computed tokens are known now (registered before a finish frees them). A block fills one
+            # token in block_size: cache_full_blocks' own first checks, inline, spare a call each token.
             if caching and seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:
                 block_manager.cache_full_blocks(seq)
             self._check_finished(seq, token)

@@ -40,7 +40,7 @@ def parse(spec: str) -> dict[str, tuple[set[int], int | None]]:
 def inject(engine, spec: str | None):
     """Wrap the engine's stages as `spec` says; returns the engine (unchanged for an empty spec)."""
     for stage, (steps, start) in parse(spec or "").items():
-        name = STAGES.get(stage, "_forward")
+        name = STAGES["forward" if stage == HANG else stage]  # (a hang is the model forward's)
         original = getattr(engine, name)
 
         @functools.wraps(original)

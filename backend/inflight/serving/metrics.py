@@ -181,9 +181,8 @@ class TritonMetrics:
             counter.advance(stats[key])
         queried = stats["prefix_cache_queried_tokens"]
         self._hit_rate.set(stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
-        if "steps_by_tokens" in stats:  # (counted by the engine, every step)
-            self._step_tokens.set_totals(stats["steps_by_tokens"], stats["computed_tokens_total"])
-            self._step_seconds.set_totals(stats["steps_by_seconds"], stats["step_seconds_total"])
+        self._step_tokens.set_totals(stats["steps_by_tokens"], stats["computed_tokens_total"])  # (counted by the
+        self._step_seconds.set_totals(stats["steps_by_seconds"], stats["step_seconds_total"])  # engine, each step)
         total_blocks = stats["kv_blocks_total"]
         self._kv_usage.set(stats["kv_blocks_used"] / total_blocks if total_blocks else 0.0)
         finished = self._pending_finished
@@ -248,15 +247,18 @@ class TritonMetrics:
             mean = (times.last_token_time_ns - times.first_token_time_ns) / 1e9 / (num_tokens - 1)
             self._pending["itl"].extend(itertools.repeat(mean, num_tokens - 1))
 
+    def count_end(self, reason: str | None) -> None:
+        """How a request ended (its last response's finish reason), where it is one of FINISH_REASONS."""
+        if reason in FINISH_REASONS:
+            self._pending_finished.append(reason)
+
     def observe_finished(self, reason: str | None, seconds: float, arrival_ns: int, times: RequestMetrics | None,
                          num_prompt_tokens: int, num_generated_tokens: int, n: int = 1) -> None:
         """A request's end, seen in its last response: how it ended, and for one that ended with "stop" or
         "length" its time from arrival to now (`seconds`), its queue, prefill, decode and inference times
         from the engine's `times` (from its arrival at the model, `arrival_ns`), its tokens and its `n`."""
-        if reason not in FINISH_REASONS:
-            return
-        self._pending_finished.append(reason)
-        if reason == "abort":
+        self.count_end(reason)
+        if reason not in ("stop", "length"):
             return
         pending = self._pending
         pending["e2e"].append(seconds)

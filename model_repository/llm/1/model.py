@@ -346,7 +346,7 @@ class TritonPythonModel:
         if delta.finish_reason == "abort":
             if delta.finished:  # the client cancelled: close the stream (once all completions ended)
                 active.sender.send(flags=FINAL)
-                self.metrics.observe_finished("abort", 0.0, active.arrival_ns, None, 0, 0)
+                self.metrics.count_end("abort")
             return
         with self.profile.timing("observe_latency"):
             self._observe_latency(active, delta)
