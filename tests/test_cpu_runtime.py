@@ -67,6 +67,19 @@ def test_every_row_count_runs_at_its_bucket():
                                                                                      128, 512]
 
 
+def test_a_row_gets_the_same_bits_alone_or_among_others():
+    """oneDNN computes a row alone with another kernel for some shapes (on the development hosts, layers
+    reading more than ~1,000 features): such a layer runs a lone row as two, so that a token's values do
+    not depend on what else its step holds."""
+    for features in (64, 1536, 4096):
+        model = torch.nn.Sequential(torch.nn.Linear(features, 96))
+        pack_linear_layers(model, 16, 16)
+        x = torch.randn(16, features, generator=torch.Generator().manual_seed(features))
+        alone = model(x[:1])
+        for rows in (2, 5, 16):
+            assert torch.equal(model(x[:rows])[0], alone[0]), (features, rows)
+
+
 def test_the_output_head_is_built_for_the_rows_a_step_samples(tiny_models, monkeypatch):
     """Start-up builds the head's kernels up to the rows a step samples, the other layers' up to the
     step's tokens: over a wide vocabulary, the head's were most of the start-up's time."""
@@ -76,8 +89,8 @@ def test_the_output_head_is_built_for_the_rows_a_step_samples(tiny_models, monke
     built = {}
     packed_forward = cpu_runtime._packed_forward
 
-    def recording(weight, bias, x):
-        out = packed_forward(weight, bias, x)
+    def recording(weight, bias, one_row_as, x):
+        out = packed_forward(weight, bias, one_row_as, x)
         built.setdefault(out.shape[-1], set()).add(x.shape[0])
         return out
 

@@ -47,6 +47,31 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(llm):
     assert reseeded[0].token_ids != alone, "another seed should sample otherwise"
 
 
+@pytest.mark.parametrize("model", ["tiny llama", "default"])
+def test_a_requests_logits_do_not_depend_on_the_batch(request, model):
+    """Beside other requests, its prompt cut into chunks by what the token budget leaves (a chunk of one
+    token too) and found in part in the prefix cache, a request's raw logits equal its logits alone bit
+    for bit (CPU, float32; nothing preempted: a preempted sequence's tokens are computed again as a
+    prompt's, not as the decodes they were, within float32 rounding). The default model's down
+    projections read 1,536 features, where oneDNN computes a row alone with another kernel."""
+    path = request.getfixturevalue("tiny_models")["llama"] if model == "tiny llama" \
+        else request.getfixturevalue("default_model")
+    vocab = 512 if model == "tiny llama" else 49152
+    settings = dict(block_size=8, num_kv_blocks=256, max_num_seqs=6, max_num_batched_tokens=19)
+    prompts = random_prompts(12 if model == "tiny llama" else 4, 9, 60, vocab=vocab, seed=7)
+    prompts += [prompts[0][:41], prompts[1] + [5]]  # found in part in the cache, the rest one token or more
+    params = SamplingParams(max_tokens=10 if model == "tiny llama" else 4, temperature=0.8, seed=3, ignore_eos=True,
+                            return_generation_logits=True)
+    busy = LLM(path, **settings)
+    together = busy.generate(prompts, params)
+    assert busy.stats()["num_preemptions"] == 0 and busy.stats()["prefix_cache_hit_tokens"] > 0
+    alone = LLM(path, **settings)
+    for prompt, got in zip(prompts, together):
+        expected = alone.generate([prompt], params)[0]
+        assert np.array_equal(got.outputs[0].generation_logits, expected.outputs[0].generation_logits), len(prompt)
+        assert got.token_ids == expected.token_ids
+
+
 def test_draws_follow_the_distribution():
     """The sampler's inverse-CDF draw: frequencies within 4 standard errors of the probabilities, never a
     token of no probability, and a seeded row's token independent of the rows beside it."""

@@ -660,7 +660,8 @@ def test_cpu_prefill_kernel_tiled_for_sixteen_vector_registers(case, monkeypatch
     from inflight.ops import cpu_kernels
 
     native = cpu_kernels.prefill_attention()
-    library = ctypes.CDLL(str(cpu_kernels._build(cpu_kernels._PREFILL_SOURCE, [*cpu_kernels._FLAGS, "-mno-avx512f"])))
+    library = ctypes.CDLL(str(cpu_kernels._build(cpu_kernels._PREFILL_SOURCE,
+                                                 [*cpu_kernels._PREFILL_FLAGS, "-mno-avx512f"])))
     function = library.paged_prefill_attention
     function.argtypes, function.restype = native.argtypes, native.restype
     seqs, block_size, kv_heads, group, head_dim, window = PREFILL_CASES[case]
@@ -671,6 +672,25 @@ def test_cpu_prefill_kernel_tiled_for_sixteen_vector_registers(case, monkeypatch
     monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda: None)
     expected = torch_ops.paged_attention(*inputs, head_dim ** -0.5, window)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")
+@pytest.mark.parametrize("cuts", [[30], [1], [69], [10, 20, 37], [63, 64, 65]], ids=str)
+def test_cpu_prefill_kernel_gives_a_prompt_the_same_bits_however_it_is_cut(cuts):
+    """A prompt of 70 tokens attended in one chunk, and in chunks cut at `cuts` (one-token chunks among
+    them, which num_decodes=0 names prefill chunks): every row bit for bit the same. Each row's sums run in
+    one order whatever rows and keys its work item holds (the kernel is built without reassociation)."""
+    query, key_cache, value_cache, _, _, tables = make_batch([(0, 70)], 8, 2, 2, 16, torch.float32)
+
+    def attend(start, end):
+        cu, seq_lens = torch.tensor([0, end - start]), torch.tensor([end])
+        return torch_ops.paged_attention(query[start:end].contiguous(), key_cache, value_cache, cu, seq_lens, tables,
+                                         0.25, num_decodes=0)
+
+    whole = attend(0, 70)
+    assert torch_ops._last_plan.kernel_prefills is not None
+    bounds = [0, *cuts, 70]
+    assert torch.equal(torch.cat([attend(a, b) for a, b in zip(bounds, bounds[1:])]), whole)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")

@@ -2,6 +2,7 @@
 
 import time
 
+import numpy as np
 import pytest
 
 from conftest import random_prompts
@@ -57,6 +58,23 @@ def test_identical_prompts_reuse_all_but_the_last_token(tiny_models):
     assert second == first
     # The last block holds the last prompt token, which is recomputed to sample from: 3 blocks hit.
     assert llm.stats()["prefix_cache_hit_tokens"] - before == 3 * BLOCK
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("prompt_len", [3 * BLOCK - 1, 3 * BLOCK, 3 * BLOCK + 1, 3 * BLOCK + 2])
+def test_a_request_sent_again_gets_its_logits_bit_for_bit(tiny_models, prompt_len):
+    """Sent again, a request finds its prompt in the prefix cache but for the last tokens (one alone when
+    the prompt is 3 blocks and a token): its raw logits equal the first time's bit for bit (CPU, float32),
+    as its seeded draws then do. The rest of a prompt goes through the prefill path however short, and
+    the prefill kernel's sums do not depend on the rows computed beside them; before, they were a few 1e-7
+    apart, enough for a seeded draw from a flat distribution to take another token."""
+    llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=True)
+    prompt = random_prompts(1, prompt_len, prompt_len, vocab=512, seed=prompt_len)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True, return_generation_logits=True)
+    first, again = (llm.generate([prompt], params)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == (prompt_len - 1) // BLOCK * BLOCK
+    assert np.array_equal(first.outputs[0].generation_logits, again.outputs[0].generation_logits)
+    assert again.token_ids == first.token_ids
     assert_no_leak(llm)
 
 

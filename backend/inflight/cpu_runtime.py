@@ -76,14 +76,24 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, one_row_as: int, x: torch.Tensor) -> torch.Tensor:
+    """`one_row_as`: the rows a call of one row runs at (_one_row_as)."""
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
-    padded = padded_rows(rows)
+    padded = one_row_as if rows == 1 else padded_rows(rows)
     if padded != rows:
         flat = F.pad(flat, (0, 0, 0, padded - rows))
     out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
+
+
+def _one_row_as(packed: torch.Tensor, bias: torch.Tensor | None, features: int, dtype: torch.dtype) -> int:
+    """2 where oneDNN computes a row alone otherwise than among others (another kernel for one row: here,
+    layers reading more than ~1,000 features), else 1. A row then gets the same bits whatever the step
+    holds beside it, so that a request's output does not depend on the batch; a lone row costs as much."""
+    x = torch.randn(2, features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    alone, among = (torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "") for rows in (x[:1], x))
+    return 1 if torch.equal(alone[0], among[0]) else 2
 
 
 @torch.no_grad()
@@ -108,7 +118,8 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, 
     for unit in units:
         weight, bias = stack_weights(unit) if len(unit) > 1 else (unit[0].weight, unit[0].bias)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), tokens_hint)
-        matmul = partial(_packed_forward, packed, None if bias is None else bias.detach())
+        bias = None if bias is None else bias.detach()
+        matmul = partial(_packed_forward, packed, bias, _one_row_as(packed, bias, weight.shape[1], weight.dtype))
         if len(unit) > 1:
             SharedMatmul(unit, matmul)
         else:

@@ -42,6 +42,9 @@ class StepInputs:
     # Virtual prompt tokens (prompt_embeds.py): their flat positions and their vectors [V, hidden].
     embeds_at: np.ndarray | None = None
     embeds: torch.Tensor | None = None
+    # The sequences that lead the batch with one generated token each (build_step_inputs: a prompt's last
+    # token computed alone is not one); None: inferred from the shapes (num_decodes).
+    decodes: int | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -51,7 +54,10 @@ class StepInputs:
     @property
     def num_decodes(self) -> int:
         """How many sequences lead the batch with one token each (the scheduler puts its decodes first):
-        the Triton attention launches them apart from the prefill tiles."""
+        the attention computes them as decodes (the Triton kernel launches them apart from the prefill
+        tiles), the rest as prefill chunks."""
+        if self.decodes is not None:
+            return self.decodes
         seqs = len(self.seq_lens)
         if len(self.input_ids) == seqs:
             return seqs
@@ -115,9 +121,20 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[in
     adapters = np.fromiter((s.lora_id for s in seqs), np.int64, len(seqs))
     inputs = StepInputs(input_ids, positions, slot_mapping, cu_seqlens, starts + counts, tables,
                         np.asarray(logits_at, dtype=np.int64), list(block_copies or []),
-                        lora_ids=np.repeat(adapters, counts) if adapters.any() else None)
+                        lora_ids=np.repeat(adapters, counts) if adapters.any() else None,
+                        decodes=_leading_decodes(batch, counts))
     _add_virtual_tokens(inputs, seqs)
     return inputs
+
+
+def _leading_decodes(batch: ScheduledBatch, counts: np.ndarray) -> int:
+    """How many sequences lead the batch each computing one generated token: the scheduler's decodes up to
+    the first with drafts. A prompt's last token computed alone (a chunk cut there, or the rest of a
+    prompt found in the prefix cache) is not one: the prefill path computes it, as it did when the prompt
+    came in one chunk, which keeps a request's output the same whatever the batch (on a CPU, bit for bit:
+    ops/cpu_prefill_attention.c)."""
+    with_drafts = np.flatnonzero(counts[:batch.num_decodes] != 1)
+    return int(with_drafts[0]) if len(with_drafts) else batch.num_decodes
 
 
 def _add_virtual_tokens(inputs: StepInputs, seqs: list) -> None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # new tokens computed for each sequence
+    num_decodes: int = 0  # the sequences that lead it as decodes (generated tokens; drafts may ride along)
     _ids: set[int] = field(default_factory=set)  # of seqs, built when asked (only preemption asks)
 
     def add(self, seq: Sequence, n: int) -> None:
@@ -113,6 +114,7 @@ class Scheduler:
                 n = 1
             batch.add(seq, n)
             budget -= n
+        batch.num_decodes = len(batch)
 
         # 2. Prefill chunks of running sequences whose prompts are not finished yet. They too may
         #    preempt newer sequences, so that two half-prefilled prompts can never block each other.

@@ -49,14 +49,15 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
     each softmax's denominator (gpt-oss). Every sequence has at least one query token (a batch with as many
     tokens as sequences is read as a decode batch: one each). new_key, new_value [T, Hkv, D]: the step's
     keys and values, already written into the cache (the Triton kernel may read the step's own from them:
-    triton_ops.NEW_KV_FOR_PREFILL). num_decodes: how many sequences lead the batch with one query token each,
-    which the Triton kernel launches apart from the prefill tiles (the torch implementation finds its
-    decodes itself). query_len: every sequence has exactly that many query tokens (a padded step verifying
+    triton_ops.NEW_KV_FOR_PREFILL). num_decodes: how many sequences lead the batch with one generated token
+    each, computed as decodes (the Triton kernel launches them apart from the prefill tiles); any other
+    sequence is a prefill chunk, one token long or more (None: every sequence of one token is a decode).
+    query_len: every sequence has exactly that many query tokens (a padded step verifying
     drafts), whose contexts the Triton kernel splits as a decode batch's."""
     module = _module(impl, query.device.type)
     args = (query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window, softcap,
             sinks, out)
     if module is torch_ops:
-        return torch_ops.paged_attention(*args)
+        return torch_ops.paged_attention(*args, num_decodes=num_decodes)
     return module.paged_attention(*args, new_key=new_key, new_value=new_value, num_decodes=num_decodes,
                                   query_len=query_len)

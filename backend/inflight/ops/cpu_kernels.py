@@ -49,6 +49,12 @@ _SHARED_HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by every 
 # glibc's vector expf itself).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
           "-fopenmp", "-fPIC", "-shared"]
+# The prefill kernel without reassociation: its sums are written out in vector lanes, and reassociated the
+# compiler ordered them by how many rows or keys a work item holds, so a query row's result depended on
+# the rows beside it and a prompt's keys and values on how its steps cut it into chunks (a few 1e-7; a
+# seeded request sent twice, the second time from the prefix cache, could sample other tokens). In order,
+# each row's sums are the same whatever shares its work item, at the same speed (bench_cpu_attention.py).
+_PREFILL_FLAGS = [flag for flag in _FLAGS if flag != "-fassociative-math"]
 
 
 def _processor() -> str:
@@ -113,9 +119,9 @@ def _load(source_path: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
-def _attention_function(source_path: Path, what: str, name: str, argtypes: list):
+def _attention_function(source_path: Path, flags: list[str], what: str, name: str, argtypes: list):
     """The C function `name` of the library built from `source_path`, or None where it cannot be built."""
-    library = _load(source_path, _FLAGS, what)
+    library = _load(source_path, flags, what)
     if library is None:
         return None
     function = getattr(library, name)
@@ -126,7 +132,7 @@ def _attention_function(source_path: Path, what: str, name: str, argtypes: list)
 @cache
 def decode_attention():
     return _attention_function(
-        _ATTENTION_SOURCE, "decode attention kernel", "paged_decode_attention",
+        _ATTENTION_SOURCE, _FLAGS, "decode attention kernel", "paged_decode_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
          _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int,
          ctypes.c_int])
@@ -135,7 +141,7 @@ def decode_attention():
 @cache
 def prefill_attention():
     return _attention_function(
-        _PREFILL_SOURCE, "prefill attention kernel", "paged_prefill_attention",
+        _PREFILL_SOURCE, _PREFILL_FLAGS, "prefill attention kernel", "paged_prefill_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
          _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int,
          ctypes.c_int])

@@ -12,11 +12,13 @@ Two options of some models' attention: `softcap` (Gemma 2) bounds each scaled sc
 softcap) by softcap * tanh(score / softcap); `sinks` (gpt-oss), one logit per query head, take a share of
 each softmax's denominator as a key whose value is zero would.
 
-One-token queries (decodes) are computed together: on a CPU with a float32, bfloat16 or fp8 cache all at
+Decodes (one generated token a sequence: the batch's first `num_decodes` sequences, or where that is
+not given every one-token query) are computed together: on a CPU with a float32, bfloat16 or fp8 cache all at
 once straight from the cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read
 once), elsewhere (a float16 cache, CUDA tensors, no C compiler) in groups of similar context length
 whose keys and values are gathered first.
-Longer queries (prefill chunks): on a CPU with a float32, bfloat16 or fp8 cache (head_dim up to 256) all at
+The others (prefill chunks, a prompt's last token computed alone among them, so that its result does
+not depend on how the engine cut the prompt): on a CPU with a float32, bfloat16 or fp8 cache (head_dim up to 256) all at
 once by the C prefill kernel, elsewhere one sequence at a time through SDPA. Which cache rows each of
 them reads is planned once per step: every layer gets the same metadata tensors, so the plan is reused
 until they change.
@@ -151,13 +153,14 @@ def _kernel_prefills(seqs: list[int], cu: list[int], lens: list[int], block_tabl
 
 
 def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads, token_bytes,
-               decode_kernel, prefill_kernel, sliding_window) -> _Plan:
+               decode_kernel, prefill_kernel, sliding_window, num_decodes) -> _Plan:
     """`token_bytes`: the key bytes of one token, all its KV heads; `decode_kernel`, `prefill_kernel`:
-    decodes, prefill chunks through the C kernels."""
+    decodes, prefill chunks through the C kernels; `num_decodes`: paged_attention's."""
     device = seq_lens.device
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
-    decodes = sorted((lens[i], i) for i in range(len(lens)) if cu[i + 1] - cu[i] == 1)
+    is_decode = [cu[i + 1] - cu[i] == 1 and (num_decodes is None or i < num_decodes) for i in range(len(lens))]
+    decodes = sorted((lens[i], i) for i in range(len(lens)) if is_decode[i])
     kernel_decodes = None
     if decode_kernel and decodes:
         kernel_decodes = _kernel_decodes([i for _, i in decodes], cu_seqlens_q, seq_lens, block_tables, sliding_window)
@@ -184,7 +187,7 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
         groups.append(_DecodeGroup(cu_seqlens_q[seqs], cache_rows, valid[:, None, None, :], max_len))
         start = end
     prefills = []
-    chunks = [i for i in range(len(lens)) if cu[i + 1] - cu[i] > 1]
+    chunks = [i for i in range(len(lens)) if not is_decode[i]]
     if prefill_kernel and chunks:
         kernel_prefills, chunks = _kernel_prefills(chunks, cu, lens, block_tables), []
     else:
@@ -201,11 +204,11 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
             if sliding_window is not None:
                 mask &= q_pos - positions[None, :] < sliding_window
         prefills.append(_Prefill(cu[i], q_len, slots, mask))
-    return _Plan((cu_seqlens_q, seq_lens, block_tables, sliding_window, decode_kernel, prefill_kernel), groups,
-                 kernel_decodes, prefills, kernel_prefills)
+    return _Plan((cu_seqlens_q, seq_lens, block_tables, sliding_window, decode_kernel, prefill_kernel, num_decodes),
+                 groups, kernel_decodes, prefills, kernel_prefills)
 
 
-def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window) -> _Plan:
+def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window, num_decodes) -> _Plan:
     global _last_plan
     num_heads, head_dim = query.shape[1:]
     c_kernels = query.device.type == "cpu" and key_cache.dtype in cpu_kernels.CACHE_DTYPES
@@ -215,11 +218,11 @@ def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_wi
     plan = _last_plan
     if plan is None or not (plan.inputs[0] is cu_seqlens_q and plan.inputs[1] is seq_lens
                             and plan.inputs[2] is block_tables
-                            and plan.inputs[3:] == (sliding_window, decode_kernel, prefill_kernel)):
+                            and plan.inputs[3:] == (sliding_window, decode_kernel, prefill_kernel, num_decodes)):
         block_size, num_kv_heads = key_cache.shape[1:3]
         token_bytes = num_kv_heads * head_dim * key_cache.element_size()
         plan = _last_plan = _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads,
-                                       token_bytes, decode_kernel, prefill_kernel, sliding_window)
+                                       token_bytes, decode_kernel, prefill_kernel, sliding_window, num_decodes)
     return plan
 
 
@@ -238,13 +241,13 @@ def _probabilities(scores: torch.Tensor, visible: torch.Tensor | None, softcap: 
 
 
 def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                    sliding_window=None, softcap=None, sinks=None, out=None):
+                    sliding_window=None, softcap=None, sinks=None, out=None, num_decodes=None):
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
-    plan = _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window)
+    plan = _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window, num_decodes)
 
     flat_k, flat_v = key_cache.view(-1, head_dim), value_cache.view(-1, head_dim)
     if plan.kernel_decodes is not None:
