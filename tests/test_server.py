@@ -1,6 +1,7 @@
 """The `llm` model on a real tritonserver, through real tritonclient calls."""
 
 import json
+import random
 import time
 import sys
 import urllib.error
@@ -118,6 +119,90 @@ def test_32_concurrent_streams(server, offline_texts):
         assert result.error is None
         assert result.text == offline_texts[prompt]
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0)
+
+
+WORDS = ("river", "copper", "violet", "engine", "harbor", "quantum", "lemon", "marble", "signal", "forest",
+         "ledger", "orbit", "canvas", "thunder", "pepper", "glacier", "velvet", "comet", "saddle", "prism")
+
+
+def random_request(rng: random.Random, earlier: list) -> tuple[str | None, dict, int | None]:
+    """One request of a random served mix: its prompt (None: token ids), its inputs, and after how many
+    responses its client cancels it (None: never). Every kind gives the same output whatever is batched:
+    greedy or seeded, one completion or several, by text or by ids; each asks for its tokens' logprobs.
+    A quarter repeat an earlier request's prompt, which the prefix cache then serves (random words after
+    a shared beginning: no prompt is another's prompt and answer, whose blocks the decodes computed)."""
+    if earlier and rng.random() < 0.25:
+        prompt, inputs = rng.choice(earlier)
+        inputs = {"input_ids": inputs["input_ids"]} if prompt is None else {}
+    elif rng.random() < 0.3:
+        prompt, inputs = None, {"input_ids": np.array([rng.randrange(3, 49000) for _ in range(rng.randint(2, 70))],
+                                                      dtype=np.int32)}
+    else:
+        prompt, inputs = " ".join([rng.choice(PROMPTS)] + rng.choices(WORDS, k=rng.randint(0, 60))), {}
+    stream = rng.random() < 0.7
+    inputs.update(stream=stream, max_tokens=rng.randint(1, 24), return_log_probs=True,
+                  return_finish_reason=True)
+    seed = np.array([rng.randrange(2 ** 32)], dtype=np.uint64)
+    kind = rng.random()
+    if kind < 0.3:
+        inputs["temperature"] = 0.0
+    elif kind < 0.6:
+        inputs.update(temperature=0.9, top_p=0.95, seed=seed)
+    elif kind < 0.8 or prompt is None:
+        inputs.update(temperature=1.0, random_seed=seed, num_return_sequences=2)
+    else:
+        inputs["sampling_parameters"] = {"n": 2, "seed": int(seed[0]), "temperature": 0.8}
+    if rng.random() < 0.2:
+        inputs["stop_words"] = [rng.choice([" the", ".", "and"])]
+    if rng.random() < 0.2:
+        inputs["min_tokens"] = min(3, inputs["max_tokens"])
+    if rng.random() < 0.2:
+        inputs["repetition_penalty"] = 1.2
+    if rng.random() < 0.2:
+        inputs["exclude_input_in_output"] = True
+    cancel_after = rng.randint(1, 2) if stream and rng.random() < 0.2 else None
+    return prompt, inputs, cancel_after
+
+
+def joined(result) -> dict:
+    """A request's outputs joined over its responses (a stream that lags gets them coalesced), by
+    (completion, entry, output name)."""
+    out = {}
+    for response in result.responses:
+        index = int(response["sequence_index"][0]) if "sequence_index" in response else 0
+        for name, value in response.items():
+            if name in ("text_output", "finish_reason"):  # BYTES, an entry per completion (vllm_backend's n)
+                for entry, piece in enumerate(value.reshape(-1)):
+                    out[index, entry, name] = out.get((index, entry, name), b"") + piece
+            elif name in ("output_ids", "output_log_probs"):
+                out.setdefault((index, 0, name), []).extend(value.tolist())
+    return out
+
+
+def test_a_random_mix_of_streams_gives_each_request_its_output_alone(server):
+    """48 requests of every kind at once, 16 at a time, some cancelled mid-stream: each request that ran
+    to its end gets, sent again alone, the same responses' contents: tokens, text, finish reason and the
+    tokens' logprobs bit for bit (on a CPU the engine's output does not depend on the batch, its chunks
+    or the prefix cache: README, "The same output whatever the batch"); every block back after."""
+    rng = random.Random(11)
+    requests = []
+    for _ in range(48):
+        requests.append(random_request(rng, [(prompt, inputs) for prompt, inputs, _ in requests]))
+
+    def run(prompt, inputs, cancel_after=None):
+        return generate(server.grpc_url, prompt, cancel_after=cancel_after, **inputs)
+
+    hits = server.metrics().get("inflight_prefix_cache_hit_tokens_total", 0)
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda request: run(*request), requests))
+    server.wait_for_metric("inflight_prefix_cache_hit_tokens_total", lambda v: v > hits, timeout=5)
+    finished = [(request, result) for request, result in zip(requests, together) if result.error != "cancelled"]
+    assert all(result.error is None for _, result in finished), [result.error for _, result in finished]
+    assert len(finished) < len(requests) and sum(1 for (_, _, c), _ in finished if c is None) > 30
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
+    for (prompt, inputs, _), result in finished:
+        assert joined(run(prompt, inputs)) == joined(result), (prompt, inputs)
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
 
 
 def test_latency_histograms_on_the_metrics_port(server):
