@@ -51,9 +51,10 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(llm):
 def test_a_requests_logits_do_not_depend_on_the_batch(request, model):
     """Beside other requests, its prompt cut into chunks by what the token budget leaves (a chunk of one
     token too) and found in part in the prefix cache, a request's raw logits equal its logits alone bit
-    for bit (CPU, float32; nothing preempted: a preempted sequence's tokens are computed again as a
-    prompt's, not as the decodes they were, within float32 rounding). The default model's down
-    projections read 1,536 features, where oneDNN computes a row alone with another kernel."""
+    for bit (CPU, float32). Not so, within float32 rounding, for tokens computed once by the decode kernel
+    and once by the prefill kernel, which none is here: a preempted sequence's, or a prompt's found in
+    blocks another request's answer filled. The default model's down projections read 1,536 features,
+    where oneDNN computes a row alone with another kernel."""
     path = request.getfixturevalue("tiny_models")["llama"] if model == "tiny llama" \
         else request.getfixturevalue("default_model")
     vocab = 512 if model == "tiny llama" else 49152
