@@ -34,6 +34,7 @@ MIXES = {
     "prefill: 12 prompts of 40": [(0, 40)] * 12,
     "decode: 48 x 350": [(350, 1)] * 48,
     "decode: 8 x 1000": [(1000, 1)] * 8,
+    "decode: 128 x 500": [(500, 1)] * 128,  # the engine's decode steps: ~100 MB, from memory
 }
 SHAPES = {  # name: (query heads, KV heads, head_dim)
     "smollm2": (9, 3, 64),

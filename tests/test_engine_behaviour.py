@@ -51,10 +51,8 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(llm):
 def test_a_requests_logits_do_not_depend_on_the_batch(request, model):
     """Beside other requests, its prompt cut into chunks by what the token budget leaves (a chunk of one
     token too) and found in part in the prefix cache, a request's raw logits equal its logits alone bit
-    for bit (CPU, float32). Not so, within float32 rounding, for tokens computed once by the decode kernel
-    and once by the prefill kernel, which none is here: a preempted sequence's, or a prompt's found in
-    blocks another request's answer filled. The default model's down projections read 1,536 features,
-    where oneDNN computes a row alone with another kernel."""
+    for bit (CPU, float32). The default model's down projections read 1,536 features, where oneDNN
+    computes a row alone with another kernel."""
     path = request.getfixturevalue("tiny_models")["llama"] if model == "tiny llama" \
         else request.getfixturevalue("default_model")
     vocab = 512 if model == "tiny llama" else 49152
@@ -71,6 +69,41 @@ def test_a_requests_logits_do_not_depend_on_the_batch(request, model):
         expected = alone.generate([prompt], params)[0]
         assert np.array_equal(got.outputs[0].generation_logits, expected.outputs[0].generation_logits), len(prompt)
         assert got.token_ids == expected.token_ids
+
+
+@pytest.mark.parametrize("model", ["tiny llama", "default"])
+def test_tokens_computed_again_give_the_logits_of_their_first_computation(request, model):
+    """Tokens whose keys and values the decode kernel computed, computed again by the prefill kernel: a
+    preempted sequence's answer so far (recomputed with its prompt when it is scheduled again), and
+    another request's answer found in the prefix cache by a prompt that holds it (as a chat's next turn
+    does). Each request's raw logits equal its logits alone bit for bit (CPU, float32): the two kernels
+    sum a token's attention in one order."""
+    path = request.getfixturevalue("tiny_models")["llama"] if model == "tiny llama" \
+        else request.getfixturevalue("default_model")
+    vocab = 512 if model == "tiny llama" else 49152
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, return_generation_logits=True)
+    alone = LLM(path, block_size=8, num_kv_blocks=256)
+
+    prompts = random_prompts(6, 12, 30, vocab=vocab, seed=8)
+    crowded = LLM(path, block_size=8, num_kv_blocks=20, max_num_seqs=6)  # 6 sequences of up to 54 tokens
+    together = crowded.generate(prompts, params)
+    assert crowded.stats()["num_preemptions"] > 0
+    crowded.block_manager.check_all_free()
+    for prompt, got in zip(prompts, together):
+        expected = alone.generate([prompt], params)[0]
+        assert np.array_equal(got.outputs[0].generation_logits, expected.outputs[0].generation_logits), len(prompt)
+        assert got.token_ids == expected.token_ids
+
+    chat = LLM(path, block_size=8, num_kv_blocks=256, enable_prefix_caching=True)
+    first = prompts[0]
+    answer = chat.generate([first], params)[0].token_ids
+    second = first + answer + random_prompts(1, 5, 5, vocab=vocab, seed=9)[0]
+    got = chat.generate([second], params)[0]
+    assert got.num_cached_tokens == (len(first) + len(answer) - 1) // 8 * 8 > len(first)  # the answer's blocks
+    expected = LLM(path, block_size=8, num_kv_blocks=256).generate([second], params)[0]
+    assert np.array_equal(got.outputs[0].generation_logits, expected.outputs[0].generation_logits)
+    assert got.token_ids == expected.token_ids
+    chat.block_manager.check_all_free()
 
 
 def test_draws_follow_the_distribution():

@@ -661,7 +661,7 @@ def test_cpu_prefill_kernel_tiled_for_sixteen_vector_registers(case, monkeypatch
 
     native = cpu_kernels.prefill_attention()
     library = ctypes.CDLL(str(cpu_kernels._build(cpu_kernels._PREFILL_SOURCE,
-                                                 [*cpu_kernels._PREFILL_FLAGS, "-mno-avx512f"])))
+                                                 [*cpu_kernels._ATTENTION_FLAGS, "-mno-avx512f"])))
     function = library.paged_prefill_attention
     function.argtypes, function.restype = native.argtypes, native.restype
     seqs, block_size, kv_heads, group, head_dim, window = PREFILL_CASES[case]
@@ -691,6 +691,81 @@ def test_cpu_prefill_kernel_gives_a_prompt_the_same_bits_however_it_is_cut(cuts)
     assert torch_ops._last_plan.kernel_prefills is not None
     bounds = [0, *cuts, 70]
     assert torch.equal(torch.cat([attend(a, b) for a, b in zip(bounds, bounds[1:])]), whole)
+
+
+# Prompts whose every row is computed by both C kernels: (prompt length, block_size, kv_heads, group,
+# head_dim, window, query dtype, cache dtype). Head dims that fill whole vectors and that do not (48 by
+# 16 lanes; 80 padded to 128), blocks that tiles of 64 keys cut (12), windows, 16-bit and fp8 caches.
+SAME_BITS_CASES = {
+    "default-model-shape": (300, 16, 3, 3, 64, None, torch.float32, torch.float32),
+    "llama-shape": (200, 16, 2, 4, 128, None, torch.float32, torch.float32),
+    "head-dim-16": (70, 8, 2, 2, 16, None, torch.float32, torch.float32),
+    "head-dim-48-blocks-of-12": (130, 12, 1, 5, 48, None, torch.float32, torch.float32),
+    "head-dim-80": (100, 16, 2, 3, 80, None, torch.float32, torch.float32),
+    "head-dim-256": (90, 32, 1, 2, 256, None, torch.float32, torch.float32),
+    "sliding-window": (150, 8, 2, 2, 64, 48, torch.float32, torch.float32),
+    "window-of-few": (100, 16, 1, 4, 64, 7, torch.float32, torch.float32),
+    "bfloat16": (129, 16, 3, 3, 64, None, torch.bfloat16, torch.bfloat16),
+    "fp8-cache": (100, 16, 2, 3, 64, 70, torch.float32, torch.float8_e4m3fn),
+}
+
+
+def _kernels_for_sixteen_vector_registers() -> tuple:
+    """Both attention kernels built with AVX-512 off (AVX2's tiling), as ctypes functions."""
+    import ctypes
+
+    from inflight.ops import cpu_kernels
+
+    built = []
+    for source, native in ((cpu_kernels._DECODE_SOURCE, cpu_kernels.decode_attention()),
+                           (cpu_kernels._PREFILL_SOURCE, cpu_kernels.prefill_attention())):
+        library = ctypes.CDLL(str(cpu_kernels._build(source, [*cpu_kernels._ATTENTION_FLAGS, "-mno-avx512f"])))
+        function = getattr(library, native.__name__)
+        function.argtypes, function.restype = native.argtypes, native.restype
+        built.append(function)
+    return tuple(built)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the C kernels are for a CPU")
+@pytest.mark.parametrize("tiling", ["native", "sixteen-registers"])
+@pytest.mark.parametrize("extras", ["plain", "softcap", "sinks"])
+@pytest.mark.parametrize("case", SAME_BITS_CASES)
+def test_cpu_decode_kernel_gives_a_token_the_bits_the_prefill_kernel_gives_it(case, extras, tiling, monkeypatch):
+    """A token decoded (the decode kernel, its query alone) and the same token as a row of its prompt
+    (the prefill kernel), whole or cut in two: the same bits, at positions on both sides of the tiles'
+    edges (tiles start at multiples of 64 whatever the chunk or the window). So a token's keys
+    and values do not depend on which kernel computed them: not after preemption, which computes a
+    sequence's generated tokens again as a prompt, nor in a prompt that finds another request's answer
+    in the prefix cache."""
+    from inflight.ops import cpu_kernels
+
+    if tiling == "sixteen-registers":
+        if not _has_avx512():
+            pytest.skip("without AVX-512, the kernels built for the machine are this tiling")
+        decode, prefill = _kernels_for_sixteen_vector_registers()
+        monkeypatch.setattr(cpu_kernels, "decode_attention", lambda: decode)
+        monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda: prefill)
+    length, block_size, kv_heads, group, head_dim, window, dtype, cache_dtype = SAME_BITS_CASES[case]
+    query, key_cache, value_cache, _, _, tables = make_batch([(0, length)], block_size, kv_heads, group, head_dim,
+                                                             dtype, cache_dtype=cache_dtype)
+    softcap = 20.0 if extras == "softcap" else None
+    sinks = torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(1)) if extras == "sinks" else None
+    scale = head_dim ** -0.5
+
+    def attend(rows: slice, num_decodes: int) -> torch.Tensor:
+        q = query[rows].contiguous()
+        return torch_ops.paged_attention(q, key_cache, value_cache, torch.tensor([0, len(q)]),
+                                         torch.tensor([rows.stop]), tables, scale, window, softcap, sinks,
+                                         num_decodes=num_decodes)
+
+    prompt = attend(slice(0, length), 0)
+    assert torch_ops._last_plan.kernel_prefills is not None
+    cut = length // 2 + 3  # and its second half as a chunk after the first (with a window, past its reach)
+    assert torch.equal(attend(slice(cut, length), 0), prompt[cut:])
+    for position in sorted({p for p in (1, 2, 63, 64, 65, 128, 129, length // 2, length - 1, length) if p <= length}):
+        decoded = attend(slice(position - 1, position), 1)
+        assert torch_ops._last_plan.kernel_decodes is not None
+        assert torch.equal(decoded[0], prompt[position - 1]), position
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernel is for a CPU")

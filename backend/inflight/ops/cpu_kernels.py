@@ -11,6 +11,10 @@ cache, a flash attention with register-blocked products: 2.2-3.9x faster than ga
 sequence's keys and running torch's fused CPU attention on the default model's shapes (170-250 GFLOP/s
 against 60-120, 2 cores; client/bench_cpu_attention.py).
 
+Both attention kernels run one tiled computation (`cpu_attention_tiles.h`), so that a token decoded and
+the same token computed again in a prompt (preemption; another request's answer in the prefix cache)
+get the same bits.
+
 A decoder layer's small operations (`cpu_layer_ops.c`): RMSNorm, residual add and RMSNorm, the rotary
 embedding, SiLU and multiply, float32, each one call where eager torch runs six to twelve operations
 (fused_layers.py swaps them into transformers' modules).
@@ -39,22 +43,24 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_ATTENTION_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_DECODE_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 _PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
 _LAYER_OPS_SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
 _SHARED_HEADER = Path(__file__).with_name("cpu_kernels.h")  # included by every source above
+_TILES_HEADER = Path(__file__).with_name("cpu_attention_tiles.h")  # included by both attention kernels
 # Not -ffast-math: GCC before 13 links it into a shared library as a constructor that turns on
-# flush-to-zero. Of what it implies, the parts the kernel needs: reassociation (sums over the head
-# dimension in vector lanes; 1.5x faster) and no errno (the exponentials vectorize; the source declares
-# glibc's vector expf itself).
+# flush-to-zero. Of what it implies, the parts the kernels need: reassociation (the layer kernels' sums
+# over a row in vector lanes) and no errno (the exponentials vectorize; the source declares glibc's
+# vector expf itself).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
           "-fopenmp", "-fPIC", "-shared"]
-# The prefill kernel without reassociation: its sums are written out in vector lanes, and reassociated the
-# compiler ordered them by how many rows or keys a work item holds, so a query row's result depended on
-# the rows beside it and a prompt's keys and values on how its steps cut it into chunks (a few 1e-7; a
-# seeded request sent twice, the second time from the prefix cache, could sample other tokens). In order,
-# each row's sums are the same whatever shares its work item, at the same speed (bench_cpu_attention.py).
-_PREFILL_FLAGS = [flag for flag in _FLAGS if flag != "-fassociative-math"]
+# The attention kernels without reassociation, both with the same flags: their sums are written out in
+# vector lanes and run in the order written. Reassociated, the compiler ordered them by how many rows or
+# keys a work item holds, so a query row's result depended on the rows beside it and a prompt's keys and
+# values on how its steps cut it into chunks (a few 1e-7; a seeded request sent twice, the second time
+# from the prefix cache, could sample other tokens); and a decode must get the bits a prefill chunk's row
+# gets (cpu_attention_tiles.h). In order, at the same speed (bench_cpu_attention.py).
+_ATTENTION_FLAGS = [flag for flag in _FLAGS if flag != "-fassociative-math"]
 
 
 def _processor() -> str:
@@ -82,7 +88,7 @@ def _build(source_path: Path, flags: list[str]) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    source = source_path.read_bytes() + _SHARED_HEADER.read_bytes()
+    source = source_path.read_bytes() + _SHARED_HEADER.read_bytes() + _TILES_HEADER.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *flags, _processor()]).encode()).hexdigest()[:16]
     directory = _cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -132,16 +138,15 @@ def _attention_function(source_path: Path, flags: list[str], what: str, name: st
 @cache
 def decode_attention():
     return _attention_function(
-        _ATTENTION_SOURCE, _FLAGS, "decode attention kernel", "paged_decode_attention",
+        _DECODE_SOURCE, _ATTENTION_FLAGS, "decode attention kernel", "paged_decode_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
-         _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int,
-         ctypes.c_int])
+         _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int, ctypes.c_int])
 
 
 @cache
 def prefill_attention():
     return _attention_function(
-        _PREFILL_SOURCE, _PREFILL_FLAGS, "prefill attention kernel", "paged_prefill_attention",
+        _PREFILL_SOURCE, _ATTENTION_FLAGS, "prefill attention kernel", "paged_prefill_attention",
         [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
          _SIZE, _SIZE, _SIZE, ctypes.c_float, ctypes.c_float, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int,
          ctypes.c_int])
@@ -150,8 +155,8 @@ def prefill_attention():
 # The caches' dtypes the kernels read, and where an fp8 byte's exponent goes in a float32's bits.
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_SHIFTS = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
-# The longest head the prefill kernel takes (Gemma's 256; rows padded to a power of two from 16).
-PREFILL_MAX_HEAD_DIM = 256
+# The longest head the attention kernels take (Gemma's 256; rows padded to a power of two from 16).
+MAX_HEAD_DIM = 256
 
 
 def _check_attention_inputs(what: str, query, key_cache, value_cache, out, block_tables, indices) -> None:
@@ -163,6 +168,11 @@ def _check_attention_inputs(what: str, query, key_cache, value_cache, out, block
             and all(t.dtype == torch.int64 and t.is_contiguous() for t in indices)):
         raise ValueError(f"CPU {what} attention: contiguous float32, bfloat16 or fp8 caches, an output of the "
                          "query's dtype, int64 indices expected")
+
+
+def _check_head_dim(what: str, head_dim: int) -> None:
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"CPU {what} attention: head_dim {head_dim} above {MAX_HEAD_DIM}")
 
 
 def _cache_arguments(cache: torch.Tensor) -> tuple[int, int]:
@@ -192,20 +202,21 @@ def _finish(status: int, what: str, out: torch.Tensor, target: torch.Tensor, row
 
 
 def run_decode_attention(function, query, token_rows, key_cache, value_cache, block_tables, table_rows, starts,
-                         ends, max_len: int, scale: float, softcap: float | None, sinks: torch.Tensor | None,
-                         out) -> None:
+                         ends, scale: float, softcap: float | None, sinks: torch.Tensor | None, out) -> None:
     """query, out: [T, Hq, D] of one floating dtype; caches [blocks, block_size, Hkv, D] contiguous, float32,
     bfloat16 or fp8 (the query's dtype or not: kv_cache_dtype); block_tables [S, W] int64 with unit column
-    stride; token_rows, table_rows, starts, ends: [n] int64; softcap: None or above 0; sinks: None or [Hq].
-    The kernel computes in float32: a 16-bit query is widened, its output rounded back."""
+    stride; token_rows, table_rows, starts, ends: [n] int64; softcap: None or above 0; sinks: None or [Hq];
+    head_dim at most MAX_HEAD_DIM. The kernel computes in float32: a 16-bit query is widened, its output
+    rounded back."""
     _check_attention_inputs("decode", query, key_cache, value_cache, out, block_tables,
                             (token_rows, table_rows, starts, ends))
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
+    _check_head_dim("decode", head_dim)
     query, target, sinks = query.float().contiguous(), _float32_out(out), _sinks(sinks, num_heads)
     status = function(query.data_ptr(), token_rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                       block_tables.data_ptr(), block_tables.stride(0), table_rows.data_ptr(), starts.data_ptr(),
-                      ends.data_ptr(), len(token_rows), num_heads, num_kv_heads, head_dim, block_size, max_len, scale,
+                      ends.data_ptr(), len(token_rows), num_heads, num_kv_heads, head_dim, block_size, scale,
                       softcap or 0.0, None if sinks is None else sinks.data_ptr(), target.data_ptr(),
                       torch.get_num_threads(), *_cache_arguments(key_cache))
     _finish(status, "decode", out, target, token_rows)
@@ -216,13 +227,12 @@ def run_prefill_attention(function, query, key_cache, value_cache, block_tables,
                           sinks: torch.Tensor | None, out) -> None:
     """Prefill chunk i: query rows [q_starts[i], q_starts[i] + q_lens[i]), the last q_lens[i] of its
     seq_lens[i] positions, causal, its block-table row table_rows[i]; token_rows: all those rows.
-    Layouts and dtypes as run_decode_attention's; head_dim at most PREFILL_MAX_HEAD_DIM."""
+    Layouts and dtypes as run_decode_attention's."""
     _check_attention_inputs("prefill", query, key_cache, value_cache, out, block_tables,
                             (table_rows, q_starts, q_lens, seq_lens))
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    if head_dim > PREFILL_MAX_HEAD_DIM:
-        raise ValueError(f"CPU prefill attention: head_dim {head_dim} above {PREFILL_MAX_HEAD_DIM}")
+    _check_head_dim("prefill", head_dim)
     query, target, sinks = query.float().contiguous(), _float32_out(out), _sinks(sinks, num_heads)
     status = function(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                       block_tables.stride(0), table_rows.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(),

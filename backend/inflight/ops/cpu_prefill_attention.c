@@ -24,98 +24,7 @@
 
 #include <stdlib.h>
 
-#include "cpu_kernels.h"
-
-/* The register tiles below are sized to the target's vector registers: spilled, they run several
-   times slower than torch (an AVX-512 tiling built for AVX2 ran at 10 GFLOP/s against SDPA's 60). */
-#if defined(__AVX512F__)
-#define LANES 16     /* floats in one vector */
-#define REGISTERS 32 /* vector registers */
-#define KEYS 64      /* keys per tile */
-#else                /* AVX2: 16 registers of 8 floats; NEON: 32 of 4, as many floats */
-#define LANES 8
-#define REGISTERS 16
-#define KEYS 32
-#endif
-#define ROWS 96 /* query rows per work item, unless one position's group of heads is more */
-
-enum {
-    KV = KEYS / LANES,                          /* vectors in a row of a tile's scores: 4 */
-    SCORE_ROWS = (REGISTERS - KV - 1) / KV,     /* a block's rows: registers for their sums, keys, a query */
-    VALUE_VECTORS = 4,                          /* most vectors of a value row one block sums */
-};
-
-/* LANES floats; GCC lowers the arithmetic to what the target has. */
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-
-ALWAYS_INLINE vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-ALWAYS_INLINE void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
-/* c[r] (+)= sum over i < n of a[r][i] * b[i] for R rows of CV vectors, each row's sums in registers:
-   the product both halves of a tile use (scores: a = queries, b = the tile's keys [dp][KEYS]; values:
-   a = the probabilities, b = the tile's values [KEYS][dp], a block of their columns). Rows of a, b and
-   c lie `a_stride`, `b_stride` and `c_stride` floats apart; `accumulate`: add to c instead of
-   overwriting it. The sums' array has a fixed size (not R x CV, which GCC would allocate on the stack as
-   a variable-length array even where inlining makes both constants), so that every element lives in a
-   register. */
-ALWAYS_INLINE void tile_product(const float *a, int64_t a_stride, const float *b, int64_t b_stride, float *c,
-                                int64_t c_stride, const int R, const int CV, int64_t n, const int accumulate) {
-    vec acc[REGISTERS];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < CV; v++) acc[r * CV + v] = accumulate ? load(c + r * c_stride + v * LANES) : (vec){0};
-    for (int64_t i = 0; i < n; i++) {
-        vec x[VALUE_VECTORS > KV ? VALUE_VECTORS : KV];
-        for (int v = 0; v < CV; v++) x[v] = load(b + i * b_stride + v * LANES);
-        for (int r = 0; r < R; r++) {
-            const vec broadcast = (vec){0} + a[r * a_stride + i];
-            for (int v = 0; v < CV; v++) acc[r * CV + v] += broadcast * x[v];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < CV; v++) store(c + r * c_stride + v * LANES, acc[r * CV + v]);
-}
-
-/* Blocks of the register tile and one row at a time for what is left. */
-static void scores_rows(const float *q, const float *kt, float *s, int64_t rows, int64_t dp) {
-    int64_t r = 0;
-    for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS)
-        tile_product(q + r * dp, dp, kt, KEYS, s + r * KEYS, KEYS, SCORE_ROWS, KV, dp, 0);
-    for (; r < rows; r++) tile_product(q + r * dp, dp, kt, KEYS, s + r * KEYS, KEYS, 1, KV, dp, 0);
-}
-
-/* Rows of CV vectors: blocks of as many rows as leave a register for the value row and one for p. */
-#define VALUE_ROWS(CV)                                                                                    \
-    static void values_rows_##CV(const float *p, const float *v, float *o, int64_t rows, int64_t keys,    \
-                                 int64_t stride) {                                                        \
-        const int block = (REGISTERS - CV - 1) / CV;                                                      \
-        int64_t r = 0;                                                                                    \
-        for (; r + block <= rows; r += block)                                                             \
-            tile_product(p + r * KEYS, KEYS, v, stride, o + r * stride, stride, block, CV, keys, 1);      \
-        for (; r < rows; r++)                                                                             \
-            tile_product(p + r * KEYS, KEYS, v, stride, o + r * stride, stride, 1, CV, keys, 1);          \
-    }
-VALUE_ROWS(1)
-VALUE_ROWS(2)
-VALUE_ROWS(4)
-
-/* The value product of `rows` rows of dv vectors, in blocks of columns of at most VALUE_VECTORS. */
-static void values_rows(const float *p, const float *v, float *o, int64_t rows, int64_t keys, int64_t dv) {
-    const int64_t stride = dv * LANES;
-    for (int64_t c0 = 0; c0 < dv; c0 += VALUE_VECTORS) {
-        const float *vc = v + c0 * LANES;
-        float *oc = o + c0 * LANES;
-        switch (dv - c0 < VALUE_VECTORS ? dv - c0 : VALUE_VECTORS) { /* dv: a power of two */
-            case 1: values_rows_1(p, vc, oc, rows, keys, stride); break;
-            case 2: values_rows_2(p, vc, oc, rows, keys, stride); break;
-            default: values_rows_4(p, vc, oc, rows, keys, stride); break;
-        }
-    }
-}
+#include "cpu_attention_tiles.h"
 
 /* What one prefill chunk needs: its query rows [q_start, q_start + q_len), which are positions
    [seq_len - q_len, seq_len) of a sequence whose keys from position `first_key` on are packed at
@@ -134,27 +43,21 @@ static inline float *value_tile(const struct prefill *f, int64_t h, int64_t tile
     return key_tile(f, h, f->tiles + tile, dp);
 }
 
-/* Phase 1, one tile of keys and values of KV head h of prefill `f`. */
-static void pack_tile(const struct prefill *f, const int64_t *table, const void *key_cache, const void *value_cache,
-                      int64_t h, int64_t tile, int64_t num_kv_heads, int64_t head_dim, int64_t dp, int64_t block_size,
-                      int bytes, const int fp8_shift) {
-    float *kt = key_tile(f, h, tile, dp), *v = value_tile(f, h, tile, dp);
-    for (int64_t j = 0; j < KEYS; j++) {
-        const int64_t position = f->first_key + tile * KEYS + j;
-        if (position >= f->seq_len) {
-            for (int64_t d = 0; d < dp; d++) kt[d * KEYS + j] = v[j * dp + d] = 0.0f;
-            continue;
-        }
-        const int64_t slot = table[position / block_size] * block_size + position % block_size;
-        const int64_t offset = (slot * num_kv_heads + h) * head_dim * bytes;
-        const void *k_row = (const char *)key_cache + offset, *v_row = (const char *)value_cache + offset;
-        for (int64_t d = 0; d < head_dim; d++) {
-            kt[d * KEYS + j] = element(k_row, d, bytes, fp8_shift);
-            v[j * dp + d] = element(v_row, d, bytes, fp8_shift);
-        }
-        for (int64_t d = head_dim; d < dp; d++) kt[d * KEYS + j] = v[j * dp + d] = 0.0f;
-    }
+/* Phase 1, tile `tile` of KV head h of prefill `f`; `bytes`, the cache element's size, a constant at each
+   call site. */
+ALWAYS_INLINE void pack(const struct prefill *f, const int64_t *table, const void *key_cache, const void *value_cache,
+                        int64_t h, int64_t tile, int64_t num_kv_heads, int64_t head_dim, int64_t dp,
+                        int64_t block_size, const int bytes, const int fp8_shift) {
+    const int64_t t0 = f->first_key + tile * KEYS;
+    int64_t slots[KEYS];
+    const void *k_rows[KEYS], *v_rows[KEYS];
+    tile_slots(slots, table, t0, f->seq_len - t0, block_size);
+    tile_rows(k_rows, v_rows, slots, key_cache, value_cache, h, num_kv_heads, head_dim, bytes);
+    pack_keys(key_tile(f, h, tile, dp), k_rows, head_dim, dp, bytes, fp8_shift);
+    pack_values(value_tile(f, h, tile, dp), v_rows, head_dim, dp, bytes, fp8_shift);
 }
+
+#define ROWS 96 /* query rows per work item, unless one position's group of heads is more */
 
 /* Phase 2, one work item: positions [p0, p0 + m) of prefill `f` (chunk-relative), the `group` query
    heads of KV head h. Scratch: q, o [ROWS or more][dp]; s [same rows][KEYS]; max, sum [rows]. */
@@ -162,70 +65,19 @@ static void attend_item(const struct prefill *f, const float *query, int64_t q_s
                         int64_t p0, int64_t m, int64_t group, int64_t head_dim, int64_t dp, int64_t window, float scale,
                         float softcap, const float *sinks, float *q, float *o, float *s, float *row_max,
                         float *row_sum) {
-    const int64_t rows = m * group, context = f->seq_len - f->q_len;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t g = 0; g < group; g++) {
-            const float *src = query + (f->q_start + p0 + i) * q_stride + (h * group + g) * head_dim;
-            float *dst = q + (i * group + g) * dp;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = src[d] * scale;
-            for (int64_t d = head_dim; d < dp; d++) dst[d] = 0.0f;
-        }
-    memset(o, 0, sizeof(float) * rows * dp);
-    for (int64_t r = 0; r < rows; r++) {
-        row_max[r] = sinks ? sinks[h * group + r % group] : -INFINITY;
-        row_sum[r] = sinks ? 1.0f : 0.0f;
-    }
-    /* Absolute positions: the item's queries [first, last]; key k is visible to query p when
-       k <= p and, with a window, p - k < window. */
-    const int64_t first = context + p0, last = context + p0 + m - 1;
-    int64_t lowest = window > 0 ? first - window + 1 : 0;
+    const int64_t rows = m * group, first = f->seq_len - f->q_len + p0, last = first + m - 1;
+    begin_rows(query, q_stride, f->q_start + p0, m, h, group, head_dim, dp, scale, sinks, q, o, row_max, row_sum);
+    int64_t lowest = window > 0 ? first - window + 1 : 0; /* the first key any of the item's queries sees */
     if (lowest < f->first_key) lowest = f->first_key;
     for (int64_t tile = (lowest - f->first_key) / KEYS; tile * KEYS + f->first_key <= last; tile++) {
-        const int64_t t0 = f->first_key + tile * KEYS; /* position of the tile's key 0 */
-        const float *kt = key_tile(f, h, tile, dp), *v = value_tile(f, h, tile, dp);
-        scores_rows(q, kt, s, rows, dp);
-        int64_t keys = 0; /* keys of the tile any row sees: the value product stops there */
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t position = first + r / group;
-            float *sr = s + r * KEYS;
-            int64_t from = window > 0 ? position - window + 1 - t0 : 0, to = position - t0 + 1;
-            if (from < 0) from = 0;
-            if (to > KEYS) to = KEYS;
-            if (from >= to) {
-                memset(sr, 0, sizeof(float) * KEYS);
-                continue;
-            }
-            if (to > keys) keys = to;
-            if (softcap > 0.0f) apply_softcap(sr, from, to, softcap);
-            float top = row_max[r];
-#pragma omp simd reduction(max : top)
-            for (int64_t j = from; j < to; j++) top = sr[j] > top ? sr[j] : top;
-            const float rescale = expf(row_max[r] - top); /* 0 while the row had no key yet */
-            float total = 0.0f;
-            for (int64_t j = 0; j < from; j++) sr[j] = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t j = from; j < to; j++) {
-                sr[j] = expf(sr[j] - top);
-                total += sr[j];
-            }
-            for (int64_t j = to; j < KEYS; j++) sr[j] = 0.0f;
-            row_max[r] = top;
-            row_sum[r] = row_sum[r] * rescale + total;
-            if (rescale != 1.0f) {
-                float *orow = o + r * dp;
-#pragma omp simd
-                for (int64_t d = 0; d < dp; d++) orow[d] *= rescale;
-            }
-        }
-        values_rows(s, v, o, rows, keys, dp / LANES);
+        const float *values = value_tile(f, h, tile, dp);
+        const void *v_rows[KEYS];
+        for (int64_t j = 0; j < KEYS; j++) v_rows[j] = values + j * dp;
+        scores_rows(q, key_tile(f, h, tile, dp), s, rows, dp);
+        softmax_values(s, v_rows, 4, 0, o, row_max, row_sum, rows, group, first, f->first_key + tile * KEYS, window,
+                       softcap, dp);
     }
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t r = i * group + g;
-            const float inverse = 1.0f / row_sum[r];
-            float *dst = out + (f->q_start + p0 + i) * q_stride + (h * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = o[r * dp + d] * inverse;
-        }
+    end_rows(o, row_sum, q_stride, f->q_start + p0, m, h, group, head_dim, dp, out);
 }
 
 /* query, out: [tokens, num_heads, head_dim] float32 contiguous; caches [slots, num_kv_heads, head_dim]
@@ -243,7 +95,7 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
                             int num_threads, int cache_bytes, int fp8_shift) {
     if (prefills <= 0) return 0;
     const int64_t group = num_heads / num_kv_heads, q_stride = num_heads * head_dim;
-    const int64_t dp = head_dim <= 16 ? 16 : head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+    const int64_t dp = padded_head_dim(head_dim);
     const int64_t m = group >= ROWS ? 1 : ROWS / group, rows = m * group; /* positions, rows per item */
     struct prefill *f = malloc(sizeof *f * (size_t)prefills);
     int64_t *pack_starts = malloc(sizeof(int64_t) * (size_t)(prefills + 1));
@@ -255,8 +107,9 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
     pack_starts[0] = item_starts[0] = 0; /* in tiles of keys (each with one of values), in work items */
     for (int64_t i = 0; i < prefills; i++) {
         const int64_t context = seq_lens[i] - q_lens[i];
-        int64_t first_key = window > 0 ? context - window + 1 : 0;
-        if (first_key < 0) first_key = 0;
+        /* The first key the chunk sees, rounded down to a tile's start: tiles start at multiples of KEYS
+           whatever the chunk, as a decode's do. */
+        const int64_t first_key = window > 0 && context - window + 1 > 0 ? (context - window + 1) / KEYS * KEYS : 0;
         f[i] = (struct prefill){q_starts[i], q_lens[i], seq_lens[i], first_key,
                                 (seq_lens[i] - first_key + KEYS - 1) / KEYS, NULL};
         pack_starts[i + 1] = pack_starts[i] + num_kv_heads * f[i].tiles;
@@ -277,8 +130,11 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
             int64_t i = 0;
             while (pack_starts[i + 1] <= t) i++;
             const int64_t h = (t - pack_starts[i]) / f[i].tiles, tile = (t - pack_starts[i]) % f[i].tiles;
-            pack_tile(&f[i], block_tables + table_rows[i] * table_stride, key_cache, value_cache, h, tile,
-                      num_kv_heads, head_dim, dp, block_size, cache_bytes, fp8_shift);
+            const int64_t *table = block_tables + table_rows[i] * table_stride;
+#define PACK(BYTES, SHIFT) \
+    pack(&f[i], table, key_cache, value_cache, h, tile, num_kv_heads, head_dim, dp, block_size, BYTES, SHIFT)
+            WITH_CACHE_BYTES(PACK, cache_bytes, fp8_shift);
+#undef PACK
         }
         /* Items numbered from the end of each chunk: its last query tiles see the most keys. */
 #pragma omp for schedule(dynamic, 1)

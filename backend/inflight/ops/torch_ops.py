@@ -13,15 +13,15 @@ softcap) by softcap * tanh(score / softcap); `sinks` (gpt-oss), one logit per qu
 each softmax's denominator as a key whose value is zero would.
 
 Decodes (one generated token a sequence: the batch's first `num_decodes` sequences, or where that is
-not given every one-token query) are computed together: on a CPU with a float32, bfloat16 or fp8 cache all at
-once straight from the cache by a C kernel (`cpu_kernels.py`: nothing gathered, every cached row read
-once), elsewhere (a float16 cache, CUDA tensors, no C compiler) in groups of similar context length
-whose keys and values are gathered first.
+not given every one-token query) are computed together: on a CPU with a float32, bfloat16 or fp8 cache
+(head_dim up to 256) all at once straight from the cache by a C kernel (`cpu_kernels.py`: nothing
+gathered, every cached row read once), elsewhere (a float16 cache, CUDA tensors, no C compiler) in
+groups of similar context length whose keys and values are gathered first.
 The others (prefill chunks, a prompt's last token computed alone among them, so that its result does
-not depend on how the engine cut the prompt): on a CPU with a float32, bfloat16 or fp8 cache (head_dim up to 256) all at
-once by the C prefill kernel, elsewhere one sequence at a time through SDPA. Which cache rows each of
-them reads is planned once per step: every layer gets the same metadata tensors, so the plan is reused
-until they change.
+not depend on how the engine cut the prompt): on a CPU likewise all at once by the C prefill kernel,
+which gives a token the bits the decode kernel gives it (cpu_attention_tiles.h), elsewhere one sequence
+at a time through SDPA. Which cache rows each of them reads is planned once per step: every layer gets
+the same metadata tensors, so the plan is reused until they change.
 """
 
 from dataclasses import dataclass
@@ -81,7 +81,6 @@ class _KernelDecodes:
     starts: torch.Tensor
     ends: torch.Tensor
     block_tables: torch.Tensor  # int64, unit column stride
-    max_len: int
 
 
 @dataclass
@@ -140,8 +139,7 @@ def _kernel_decodes(seqs, cu_seqlens_q, seq_lens, block_tables, sliding_window) 
     seqs = torch.tensor(seqs, device=seq_lens.device)
     ends = seq_lens[seqs].long()
     visible = ends if sliding_window is None else ends.clamp(max=sliding_window)
-    return _KernelDecodes(cu_seqlens_q[seqs].long(), seqs, ends - visible, ends, _int64_tables(block_tables),
-                          int(visible.max()))
+    return _KernelDecodes(cu_seqlens_q[seqs].long(), seqs, ends - visible, ends, _int64_tables(block_tables))
 
 
 def _kernel_prefills(seqs: list[int], cu: list[int], lens: list[int], block_tables) -> _KernelPrefills:
@@ -211,10 +209,10 @@ def _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_
 def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window, num_decodes) -> _Plan:
     global _last_plan
     num_heads, head_dim = query.shape[1:]
-    c_kernels = query.device.type == "cpu" and key_cache.dtype in cpu_kernels.CACHE_DTYPES
+    c_kernels = (query.device.type == "cpu" and key_cache.dtype in cpu_kernels.CACHE_DTYPES
+                 and head_dim <= cpu_kernels.MAX_HEAD_DIM)
     decode_kernel = c_kernels and cpu_kernels.decode_attention() is not None
-    prefill_kernel = (c_kernels and head_dim <= cpu_kernels.PREFILL_MAX_HEAD_DIM
-                      and cpu_kernels.prefill_attention() is not None)
+    prefill_kernel = c_kernels and cpu_kernels.prefill_attention() is not None
     plan = _last_plan
     if plan is None or not (plan.inputs[0] is cu_seqlens_q and plan.inputs[1] is seq_lens
                             and plan.inputs[2] is block_tables
@@ -254,7 +252,7 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
         d = plan.kernel_decodes
         cpu_kernels.run_decode_attention(cpu_kernels.decode_attention(), query.contiguous(), d.token_rows,
                                          key_cache.contiguous(), value_cache.contiguous(), d.block_tables,
-                                         d.table_rows, d.starts, d.ends, d.max_len, scale, softcap, sinks, out)
+                                         d.table_rows, d.starts, d.ends, scale, softcap, sinks, out)
     for g in plan.decode_groups:
         n = len(g.token_rows)
         k = flat_k.index_select(0, g.cache_rows).view(n * num_kv_heads, g.max_len, head_dim).float()
