@@ -58,21 +58,19 @@ static inline int64_t padded_head_dim(int64_t head_dim) {
     return head_dim <= 16 ? 16 : head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
 }
 
-/* c[r] (+)= sum over i < n of a[r][i] * b[i] for R rows of CV vectors, each row's sums in registers:
-   the product both halves of a tile use (scores: a = queries, b = the tile's keys [dp][KEYS]; values:
-   a = the probabilities, b = the tile's values [KEYS][dp], a block of their columns). Rows of a, b and
-   c lie `a_stride`, `b_stride` and `c_stride` floats apart; `accumulate`: add to c instead of
-   overwriting it. The sums' array has a fixed size (not R x CV, which GCC would allocate on the stack as
-   a variable-length array even where inlining makes both constants), so that every element lives in a
-   register. Each lane's sum runs over i in order, whatever R: a row's result does not depend on the
-   rows computed beside it. */
+/* c[r] = sum over i < n of a[r][i] * b[i] for R rows of CV vectors, each row's sums in registers: the
+   scores of query rows a against a tile's keys b ([n][KEYS], the keys in lanes). Rows of a, b and c lie
+   `a_stride`, `b_stride` and `c_stride` floats apart. The sums' array has a fixed size (not R x CV,
+   which GCC would allocate on the stack as a variable-length array even where inlining makes both
+   constants), so that every element lives in a register. Each lane's sum runs over i in order, whatever
+   R: a row's result does not depend on the rows computed beside it. */
 ALWAYS_INLINE void tile_product(const float *a, int64_t a_stride, const float *b, int64_t b_stride, float *c,
-                                int64_t c_stride, const int R, const int CV, int64_t n, const int accumulate) {
+                                int64_t c_stride, const int R, const int CV, int64_t n) {
     vec acc[REGISTERS];
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < CV; v++) acc[r * CV + v] = accumulate ? load(c + r * c_stride + v * LANES) : (vec){0};
+        for (int v = 0; v < CV; v++) acc[r * CV + v] = (vec){0};
     for (int64_t i = 0; i < n; i++) {
-        vec x[VALUE_VECTORS > KV ? VALUE_VECTORS : KV];
+        vec x[KV];
         for (int v = 0; v < CV; v++) x[v] = load(b + i * b_stride + v * LANES);
         for (int r = 0; r < R; r++) {
             const vec broadcast = (vec){0} + a[r * a_stride + i];
@@ -97,7 +95,7 @@ ALWAYS_INLINE void tile_product(const float *a, int64_t a_stride, const float *b
 /* Blocks of the register tile, then what is left. */
 static inline void scores_rows(const float *q, const float *kt, float *s, int64_t rows, int64_t dp) {
     int64_t r = 0;
-#define SCORES(R) tile_product(q + r * dp, dp, kt, KEYS, s + r * KEYS, KEYS, R, KV, dp, 0)
+#define SCORES(R) tile_product(q + r * dp, dp, kt, KEYS, s + r * KEYS, KEYS, R, KV, dp)
     for (; r + SCORE_ROWS <= rows; r += SCORE_ROWS) SCORES(SCORE_ROWS);
     REMAINING_ROWS(SCORE_ROWS, SCORES);
 #undef SCORES
@@ -125,7 +123,7 @@ ALWAYS_INLINE vec load_widened(const void *row, int64_t d, const int bytes, cons
 
 /* c[r] += sum over i < n of a[r][i] * b_rows[i][col..] for R rows of CV vectors: the value product,
    whose rows (the tile's values, of `bytes` an element, widened as they are read) lie wherever `b_rows`
-   points, each row's sums in registers, in order of i as in tile_product. */
+   points, each row's sums in registers, in order of i. */
 ALWAYS_INLINE void rows_product(const float *a, int64_t a_stride, const void *const *b_rows, int64_t col, float *c,
                                 int64_t c_stride, const int R, const int CV, int64_t n, const int bytes,
                                 const int fp8_shift) {
