@@ -16,11 +16,13 @@
    skipped. A model's softcap bounds the scores before the softmax; its sinks (a logit per query head)
    start each row's running sum as a key whose value is zero would.
 
-   Built and loaded by cpu_kernels.py with the decode kernel's flags (FMA contraction on) but for
-   reassociation: every sum runs in the order written, so a query row's result does not depend on the rows
-   or keys its work item holds beside it, and a prompt's attention is the same bit for bit however the
-   engine's steps cut it into chunks. Items run in parallel on torch's OpenMP runtime, the costliest (the
-   last query tiles: the most keys) first. */
+   The tiles and their computation are the decode kernel's too (cpu_attention_tiles.h): a token gets the
+   same bits from either. Built and loaded by cpu_kernels.py with the decode kernel's flags (FMA
+   contraction on, no reassociation): every sum runs in the order written, so a query row's result does
+   not depend on the rows or keys its work item holds beside it, and a prompt's attention is the same bit
+   for bit however the engine's steps cut it into chunks (tiles start at multiples of KEYS, whatever the
+   chunk's window). Items run in parallel on torch's OpenMP runtime, the costliest (the last query tiles:
+   the most keys) first. */
 
 #include <stdlib.h>
 
