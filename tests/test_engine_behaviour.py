@@ -71,16 +71,17 @@ def test_a_requests_logits_do_not_depend_on_the_batch(request, model):
         assert got.token_ids == expected.token_ids
 
 
-@pytest.mark.parametrize("model", ["tiny llama", "default"])
+@pytest.mark.parametrize("model", ["tiny llama", "tiny mistral", "default"])
 def test_tokens_computed_again_give_the_logits_of_their_first_computation(request, model):
     """Tokens whose keys and values the decode kernel computed, computed again by the prefill kernel: a
     preempted sequence's answer so far (recomputed with its prompt when it is scheduled again), and
     another request's answer found in the prefix cache by a prompt that holds it (as a chat's next turn
     does). Each request's raw logits equal its logits alone bit for bit (CPU, float32): the two kernels
-    sum a token's attention in one order."""
-    path = request.getfixturevalue("tiny_models")["llama"] if model == "tiny llama" \
-        else request.getfixturevalue("default_model")
-    vocab = 512 if model == "tiny llama" else 49152
+    sum a token's attention in one order. The tiny Mistral's layers see a window of 48 tokens, which the
+    longer sequences here pass (the second turn's first chunk starts where its window does not)."""
+    path = request.getfixturevalue("default_model") if model == "default" \
+        else request.getfixturevalue("tiny_models")[model.removeprefix("tiny ")]
+    vocab = 49152 if model == "default" else 512
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, return_generation_logits=True)
     alone = LLM(path, block_size=8, num_kv_blocks=256)
 
@@ -95,9 +96,9 @@ def test_tokens_computed_again_give_the_logits_of_their_first_computation(reques
         assert got.token_ids == expected.token_ids
 
     chat = LLM(path, block_size=8, num_kv_blocks=256, enable_prefix_caching=True)
-    first = prompts[0]
+    first = max(prompts, key=len)  # 30 tokens and 24 generated: 48 tokens in full blocks of 8
     answer = chat.generate([first], params)[0].token_ids
-    second = first + answer + random_prompts(1, 5, 5, vocab=vocab, seed=9)[0]
+    second = first + answer + random_prompts(1, 20, 20, vocab=vocab, seed=9)[0]  # past a tile of 64 keys
     got = chat.generate([second], params)[0]
     assert got.num_cached_tokens == (len(first) + len(answer) - 1) // 8 * 8 > len(first)  # the answer's blocks
     expected = LLM(path, block_size=8, num_kv_blocks=256).generate([second], params)[0]
