@@ -70,8 +70,8 @@ ALWAYS_INLINE void scores_from_rows(const float *q, const void *const *k_rows, f
 
 /* KV heads [h0, h0 + heads) of one decode: its query row `token`, its visible positions [start, end).
    Tile by tile, head by head: the scores straight from the key rows, then the softmax and the value
-   product (over the value rows where they are, when they are float32 rows of dp; else widened and padded
-   first). Scratch: v: a tile [KEYS][dp]; q, o: [heads x group][dp]; s: [group][KEYS]; max, sum:
+   product (over the value rows where they lie, widened as they are read, when a head fills dp; else
+   widened and padded first). Scratch: v: a tile [KEYS][dp]; q, o: [heads x group][dp]; s: [group][KEYS]; max, sum:
    [heads x group]. `bytes`, the cache element's size, is a constant at each call site: the loads compile
    to one kind each. */
 ALWAYS_INLINE void attend_decode(const float *query, int64_t token, const int64_t *table, const void *key_cache,
