@@ -71,16 +71,20 @@ def test_a_requests_logits_do_not_depend_on_the_batch(request, model):
         assert got.token_ids == expected.token_ids
 
 
-@pytest.mark.parametrize("model", ["tiny llama", "tiny mistral", "default"])
+@pytest.mark.parametrize("model", ["tiny llama", "tiny mistral", "tiny mixtral", "tiny gpt_oss", "default"])
 def test_tokens_computed_again_give_the_logits_of_their_first_computation(request, model):
     """Tokens whose keys and values the decode kernel computed, computed again by the prefill kernel: a
     preempted sequence's answer so far (recomputed with its prompt when it is scheduled again), and
     another request's answer found in the prefix cache by a prompt that holds it (as a chat's next turn
     does). Each request's raw logits equal its logits alone bit for bit (CPU, float32): the two kernels
     sum a token's attention in one order. The tiny Mistral's layers see a window of 48 tokens, which the
-    longer sequences here pass (the second turn's first chunk starts where its window does not)."""
+    longer sequences here pass (the second turn's first chunk starts where its window does not). Mixtral
+    and gpt-oss route each token to experts (cpu_experts.py: their products through packed weights, as
+    the dense layers'), gpt-oss with biases, its own gating and sinks."""
+    family = model.removeprefix("tiny ")
     path = request.getfixturevalue("default_model") if model == "default" \
-        else request.getfixturevalue("tiny_models")[model.removeprefix("tiny ")]
+        else request.getfixturevalue("more_tiny_models")(family) if family in ("mixtral", "gpt_oss") \
+        else request.getfixturevalue("tiny_models")[family]
     vocab = 49152 if model == "default" else 512
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, return_generation_logits=True)
     alone = LLM(path, block_size=8, num_kv_blocks=256)

@@ -96,6 +96,23 @@ def _one_row_as(packed: torch.Tensor, bias: torch.Tensor | None, features: int, 
     return 1 if torch.equal(alone[0], among[0]) else 2
 
 
+def packed_matmul(weight: torch.Tensor, bias: torch.Tensor | None, tokens_hint: int) -> Callable:
+    """x @ weight.T (+ bias) through oneDNN, `weight` ([out, in]) reordered into its blocked layout: a row's
+    bits the same whatever rows share the call."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), tokens_hint)
+    bias = None if bias is None else bias.detach()
+    return partial(_packed_forward, packed, bias, _one_row_as(packed, bias, weight.shape[1], weight.dtype))
+
+
+def build_kernels(warm_up: dict[tuple, tuple[Callable, int]]) -> None:
+    """oneDNN's kernels for every bucket of rows, at start-up: `warm_up` maps a weight's (shape, no bias,
+    dtype) to a packed_matmul of that shape and the most rows it will get (the kernels are shared by
+    shape). Not through the modules: no hook sees these calls."""
+    for (weight_shape, _, dtype), (matmul, most_rows) in warm_up.items():
+        for rows in sorted({padded_rows(n) for n in range(1, most_rows + 1)}):
+            matmul(torch.zeros(rows, weight_shape[1], dtype=dtype))
+
+
 @torch.no_grad()
 def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, head_rows: int | None = None,
                        merge_siblings: bool = False) -> int:
@@ -117,9 +134,7 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, 
     warm_up: dict[tuple, tuple[Callable, int]] = {}  # one matmul per shape, and the most rows it needs
     for unit in units:
         weight, bias = stack_weights(unit) if len(unit) > 1 else (unit[0].weight, unit[0].bias)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), tokens_hint)
-        bias = None if bias is None else bias.detach()
-        matmul = partial(_packed_forward, packed, bias, _one_row_as(packed, bias, weight.shape[1], weight.dtype))
+        matmul = packed_matmul(weight, bias, tokens_hint)
         if len(unit) > 1:
             SharedMatmul(unit, matmul)
         else:
@@ -132,8 +147,6 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, 
         rows = head_rows if head_rows and unit[0] is head else max_rows  # the head is never merged
         shape = (weight.shape, bias is None, weight.dtype)
         warm_up[shape] = (matmul, max(rows, warm_up.get(shape, (None, 0))[1]))
-    for (weight_shape, _, dtype), (matmul, most_rows) in warm_up.items():
-        for rows in sorted({padded_rows(n) for n in range(1, most_rows + 1)}):
-            matmul(torch.zeros(rows, weight_shape[1], dtype=dtype))  # not through the modules: no hook sees it
+    build_kernels(warm_up)
     logger.info("packed the weights of %d linear layers for oneDNN (%d groups merged)", len(linears), len(groups))
     return len(linears)

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from . import ops
 from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, AttentionContext
 from .config import EngineConfig
+from .cpu_experts import pack_experts
 from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available
 from .compile_warmup import compile_shape_classes
 from .cuda_graphs import StepGraphs
@@ -113,6 +114,7 @@ class ModelRunner:
             pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens,
                                head_rows=config.max_num_seqs,
                                merge_siblings=self.hf_config.model_type in FUSED_MODEL_TYPES)
+            pack_experts(self.model, config.max_num_seqs, config.max_num_batched_tokens)
         self.fused_layers = None
         if config.torch_compile:
             self._compile()
