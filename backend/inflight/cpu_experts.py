@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from .cpu_runtime import build_kernels, packed_matmul
+from .cpu_runtime import build_kernels, packable_dtypes, packed_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,20 @@ def _pack_router(router: torch.nn.Module, tokens_hint: int):
 
 
 def _is_experts(module: torch.nn.Module) -> bool:
-    """transformers' experts modules (use_experts_implementation) with the weights they stack per expert."""
+    """transformers' experts modules (use_experts_implementation) with the weights they stack per expert,
+    of a dtype oneDNN packs."""
     down = getattr(module, "down_proj", None)
-    return hasattr(module, "has_gate") and isinstance(down, torch.nn.Parameter) and down.dim() == 3
+    return (hasattr(module, "has_gate") and isinstance(down, torch.nn.Parameter) and down.dim() == 3
+            and down.device.type == "cpu" and down.dtype in packable_dtypes())
+
+
+def _is_router(module: torch.nn.Module, experts: torch.nn.Module) -> bool:
+    """A block's router: a weight of a row per expert that it passes to `F.linear` itself (an nn.Linear
+    router is packed with the linear layers)."""
+    weight = getattr(module, "weight", None)
+    return (module is not experts and not isinstance(module, torch.nn.Linear)
+            and isinstance(weight, torch.nn.Parameter) and weight.dim() == 2
+            and weight.shape[0] == len(experts.inflight_matmuls) and weight.dtype in packable_dtypes())
 
 
 @torch.no_grad()
@@ -101,9 +112,7 @@ def pack_experts(model: torch.nn.Module, tokens_hint: int, max_rows: int) -> int
                             experts.is_transposed, tokens_hint))
             for e in range(up_weights.shape[0])]
         experts.config._experts_implementation = IMPLEMENTATION
-        routers = [c for c in block.children() if c is not experts and isinstance(getattr(c, "weight", None),
-                   torch.nn.Parameter) and c.weight.dim() == 2 and c.weight.shape[0] == len(experts.inflight_matmuls)]
-        for router in routers:
+        for router in [c for c in block.children() if _is_router(c, experts)]:
             warm_up[(router.weight.shape, True, router.weight.dtype)] = (_pack_router(router, tokens_hint), max_rows)
         for (matmul, weight) in zip(experts.inflight_matmuls[0], (up_weights[0], experts.down_proj[0])):
             shape = weight.t().shape if experts.is_transposed else weight.shape  # one expert's stand for all
