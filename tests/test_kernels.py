@@ -648,6 +648,22 @@ def _has_avx512() -> bool:
         return False
 
 
+def _kernels_for_sixteen_vector_registers() -> tuple:
+    """Both attention kernels built with AVX-512 off (AVX2's tiling), as ctypes functions."""
+    import ctypes
+
+    from inflight.ops import cpu_kernels
+
+    built = []
+    for source, native in ((cpu_kernels._DECODE_SOURCE, cpu_kernels.decode_attention()),
+                           (cpu_kernels._PREFILL_SOURCE, cpu_kernels.prefill_attention())):
+        library = ctypes.CDLL(str(cpu_kernels._build(source, [*cpu_kernels._ATTENTION_FLAGS, "-mno-avx512f"])))
+        function = getattr(library, native.__name__)
+        function.argtypes, function.restype = native.argtypes, native.restype
+        built.append(function)
+    return tuple(built)
+
+
 @pytest.mark.skipif(DEVICE != "cpu" or not _has_avx512(),
                     reason="where AVX-512 is missing, the kernel built for the machine is this tiling")
 @pytest.mark.parametrize("case", PREFILL_CASES)
@@ -655,15 +671,9 @@ def test_cpu_prefill_kernel_tiled_for_sixteen_vector_registers(case, monkeypatch
     """The prefill kernel sizes its register tiles to the target: AVX-512's 32 registers of 16 floats,
     or 16 of 8 (AVX2; NEON's 32 of 4 hold as many floats). Built here with AVX-512 off, the second tiling
     (smaller key tiles, value rows in blocks of columns) must equal the SDPA path as the first does."""
-    import ctypes
-
     from inflight.ops import cpu_kernels
 
-    native = cpu_kernels.prefill_attention()
-    library = ctypes.CDLL(str(cpu_kernels._build(cpu_kernels._PREFILL_SOURCE,
-                                                 [*cpu_kernels._ATTENTION_FLAGS, "-mno-avx512f"])))
-    function = library.paged_prefill_attention
-    function.argtypes, function.restype = native.argtypes, native.restype
+    _, function = _kernels_for_sixteen_vector_registers()
     seqs, block_size, kv_heads, group, head_dim, window = PREFILL_CASES[case]
     inputs = make_batch(seqs, block_size, kv_heads, group, head_dim, torch.float32)
     monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda: function)
@@ -708,22 +718,6 @@ SAME_BITS_CASES = {
     "bfloat16": (129, 16, 3, 3, 64, None, torch.bfloat16, torch.bfloat16),
     "fp8-cache": (100, 16, 2, 3, 64, 70, torch.float32, torch.float8_e4m3fn),
 }
-
-
-def _kernels_for_sixteen_vector_registers() -> tuple:
-    """Both attention kernels built with AVX-512 off (AVX2's tiling), as ctypes functions."""
-    import ctypes
-
-    from inflight.ops import cpu_kernels
-
-    built = []
-    for source, native in ((cpu_kernels._DECODE_SOURCE, cpu_kernels.decode_attention()),
-                           (cpu_kernels._PREFILL_SOURCE, cpu_kernels.prefill_attention())):
-        library = ctypes.CDLL(str(cpu_kernels._build(source, [*cpu_kernels._ATTENTION_FLAGS, "-mno-avx512f"])))
-        function = getattr(library, native.__name__)
-        function.argtypes, function.restype = native.argtypes, native.restype
-        built.append(function)
-    return tuple(built)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C kernels are for a CPU")

@@ -129,8 +129,7 @@ def random_request(rng: random.Random, earlier: list) -> tuple[str | None, dict,
     """One request of a random served mix: its prompt (None: token ids), its inputs, and after how many
     responses its client cancels it (None: never). Every kind gives the same output whatever is batched:
     greedy or seeded, one completion or several, by text or by ids; each asks for its tokens' logprobs.
-    A quarter repeat an earlier request's prompt, which the prefix cache then serves (random words after
-    a shared beginning: no prompt is another's prompt and answer, whose blocks the decodes computed)."""
+    A quarter repeat an earlier request's prompt, which the prefix cache then serves."""
     if earlier and rng.random() < 0.25:
         prompt, inputs = rng.choice(earlier)
         inputs = {"input_ids": inputs["input_ids"]} if prompt is None else {}
