@@ -203,14 +203,19 @@ ALWAYS_INLINE void tile_slots(int64_t *slots, const int64_t *table, int64_t t0, 
     }
 }
 
-/* Where KV head h's keys and values of those slots start; NULL where there is no slot. */
+/* What a tile's rows past the sequence's end read: zeros (a head of at most 256 float32s). Their scores
+   are masked; their values weigh zero. */
+static const float zero_row[256];
+
+/* Where KV head h's keys and values of those slots start; zero_row where there is no slot (every row
+   a pointer to read: the loads need no branches). */
 ALWAYS_INLINE void tile_rows(const void **k_rows, const void **v_rows, const int64_t *slots, const void *key_cache,
                              const void *value_cache, int64_t h, int64_t num_kv_heads, int64_t head_dim,
                              const int bytes) {
     for (int64_t j = 0; j < KEYS; j++) {
         const int64_t offset = (slots[j] * num_kv_heads + h) * head_dim * bytes;
-        k_rows[j] = slots[j] < 0 ? NULL : (const char *)key_cache + offset;
-        v_rows[j] = slots[j] < 0 ? NULL : (const char *)value_cache + offset;
+        k_rows[j] = slots[j] < 0 ? (const void *)zero_row : (const char *)key_cache + offset;
+        v_rows[j] = slots[j] < 0 ? (const void *)zero_row : (const char *)value_cache + offset;
     }
 }
 
@@ -247,25 +252,24 @@ ALWAYS_INLINE void transpose(vec r[LANES]) {
     transpose_step(r, 1, (lane_index)LANE_LIST(LOW_LANE, 1), (lane_index)LANE_LIST(HIGH_LANE, 1));
 }
 
-/* LANES keys (their rows from k_rows, NULL: zeros) by LANES dimensions from d0 (zeros past head_dim),
-   transposed: t[i] holds dimension d0 + i of each key. */
+/* LANES keys (their rows from k_rows) by LANES dimensions from d0 (zeros past head_dim), transposed:
+   t[i] holds dimension d0 + i of each key. */
 ALWAYS_INLINE void transposed_keys(vec t[LANES], const void *const *k_rows, int64_t d0, int64_t head_dim,
                                    const int bytes, const int fp8_shift) {
     if (d0 + LANES <= head_dim) {
-        for (int l = 0; l < LANES; l++) t[l] = k_rows[l] ? load_widened(k_rows[l], d0, bytes, fp8_shift) : (vec){0};
+        for (int l = 0; l < LANES; l++) t[l] = load_widened(k_rows[l], d0, bytes, fp8_shift);
     } else {
         for (int l = 0; l < LANES; l++) {
             float x[LANES];
             for (int i = 0; i < LANES; i++)
-                x[i] = k_rows[l] && d0 + i < head_dim ? element(k_rows[l], d0 + i, bytes, fp8_shift) : 0.0f;
+                x[i] = d0 + i < head_dim ? element(k_rows[l], d0 + i, bytes, fp8_shift) : 0.0f;
             t[l] = load(x);
         }
     }
     transpose(t);
 }
 
-/* The tile's keys (k_rows, NULL: zeros) transposed into kt ([dp][KEYS]), widened to float32, zeros past
-   head_dim. */
+/* The tile's keys (k_rows) transposed into kt ([dp][KEYS]), widened to float32, zeros past head_dim. */
 ALWAYS_INLINE void pack_keys(float *kt, const void *const *k_rows, int64_t head_dim, int64_t dp, const int bytes,
                              const int fp8_shift) {
     for (int64_t j0 = 0; j0 < KEYS; j0 += LANES)
@@ -276,15 +280,13 @@ ALWAYS_INLINE void pack_keys(float *kt, const void *const *k_rows, int64_t head_
         }
 }
 
-/* The tile's values (v_rows, NULL: zeros) widened into v ([KEYS][dp], zeros past head_dim). */
+/* The tile's values (v_rows) widened into v ([KEYS][dp], zeros past head_dim). */
 ALWAYS_INLINE void pack_values(float *v, const void *const *v_rows, int64_t head_dim, int64_t dp, const int bytes,
                                const int fp8_shift) {
     for (int64_t j = 0; j < KEYS; j++) {
         float *row = v + j * dp;
-        int64_t d = 0;
-        if (v_rows[j])
-            for (; d < head_dim; d++) row[d] = element(v_rows[j], d, bytes, fp8_shift);
-        memset(row + d, 0, sizeof(float) * (size_t)(dp - d));
+        for (int64_t d = 0; d < head_dim; d++) row[d] = element(v_rows[j], d, bytes, fp8_shift);
+        memset(row + head_dim, 0, sizeof(float) * (size_t)(dp - head_dim));
     }
 }
 
@@ -311,9 +313,9 @@ static void begin_rows(const float *query, int64_t q_stride, int64_t token, int6
 
 /* One tile's softmax and value product, its scores s ([rows][KEYS]) computed: rows of positions
    first + r / group, the tile's key 0 at position t0 (key k is visible to the query at p when k <= p and,
-   with a window, p - k < window), its value rows at v_rows (of `bytes` an element). Not inlined, nor specialized to its callers:
-   both kernels run this one compiled function, vector exponentials and their sums included, so that a
-   row's bits do not depend on the kernel. */
+   with a window, p - k < window), its value rows at v_rows (of `bytes` an element). Not inlined, nor
+   specialized to its callers: both kernels run this one compiled function, vector exponentials and their
+   sums included, so that a row's bits do not depend on the kernel. */
 __attribute__((noipa)) static void softmax_values(float *s, const void *const *v_rows, int bytes, int fp8_shift,
                                                   float *o, float *row_max, float *row_sum, int64_t rows,
                                                   int64_t group, int64_t first, int64_t t0, int64_t window,

@@ -20,33 +20,51 @@
 
 #include "cpu_attention_tiles.h"
 
-static const float zero_row[256]; /* where a tile's value rows past the sequence's end read: zeros */
-
-/* Lines of cache rows to fetch ahead: the rows at `slots` (to the first -1), `row_bytes` of each from
-   byte `first`, in the key cache, then the same in the value cache. */
+/* The next tile's rows on their way to this core's second-level cache while a tile computes: the key
+   cache's rows at `slots` (to the first -1), `row_bytes` of each from byte `first`, then the same rows
+   of the value cache. `row`: the row being fetched, from its byte `line`; NULL once all are on their way. */
 struct ahead {
-    const char *cache, *value_cache;
+    const char *cache, *value_cache, *row;
     const int64_t *slots;
-    int64_t slot_bytes, first, row_bytes, row, line;
+    int64_t slot_bytes, first, row_bytes, next, line;
 };
 
-/* The next `n` of those lines on their way to this core's second-level cache: spread over the scores'
-   loop, the fetches leave the loads room. */
-ALWAYS_INLINE void fetch_ahead(struct ahead *a, int64_t n) {
-    for (; n > 0 && a->cache; n--) {
-        if (a->row == KEYS || a->slots[a->row] < 0) { /* this cache's rows done: the other's, or none left */
-            a->cache = a->value_cache, a->value_cache = NULL, a->row = 0, a->line = 0;
-            continue;
+/* The row after `row`: the next slot's, the value cache's first once the key cache's are done, or NULL. */
+ALWAYS_INLINE void next_row(struct ahead *a) {
+    a->line = 0;
+    if (a->next == KEYS || a->slots[a->next] < 0) {
+        a->cache = a->value_cache, a->value_cache = NULL, a->next = 0;
+        if (a->cache == NULL || a->slots[0] < 0) {
+            a->row = NULL;
+            return;
         }
-        __builtin_prefetch(a->cache + a->slots[a->row] * a->slot_bytes + a->first + a->line, 0, 1);
-        if ((a->line += 64) >= a->row_bytes) a->line = 0, a->row++;
+    }
+    a->row = a->cache + a->slots[a->next++] * a->slot_bytes + a->first;
+}
+
+ALWAYS_INLINE struct ahead rows_ahead(const void *key_cache, const void *value_cache, const int64_t *slots,
+                                      int64_t slot_bytes, int64_t first, int64_t row_bytes) {
+    struct ahead a = {key_cache, value_cache, NULL, slots, slot_bytes, first, row_bytes, 0, 0};
+    next_row(&a);
+    return a;
+}
+
+/* The next `lines` lines on their way, spread over the scores' loop so that the fetches leave the loads
+   room (a row's lines in one tight loop: the bookkeeping per line cost a fifth of the kernel's time
+   when the cache already held the rows). */
+ALWAYS_INLINE void fetch_ahead(struct ahead *a, int64_t lines) {
+    while (lines > 0 && a->row) {
+        const int64_t end = a->line + lines * 64 < a->row_bytes ? a->line + lines * 64 : a->row_bytes;
+        lines -= (end - a->line + 63) / 64;
+        for (; a->line < end; a->line += 64) __builtin_prefetch(a->row + a->line, 0, 1);
+        if (a->line >= a->row_bytes) next_row(a);
     }
 }
 
 /* The scores of `rows` query rows (q: [rows][dp], zero-padded) against the tile's keys straight from
-   their rows (k_rows, NULL: zeros) into s ([rows][KEYS]): blocks of LANES keys transposed in registers,
-   each key's sum over the dimensions in the order scores_rows runs it on packed keys (the dimensions
-   past head_dim, zeros, add nothing), so the bits are the same. */
+   their rows (k_rows) into s ([rows][KEYS]): blocks of LANES keys transposed in registers, each key's
+   sum over the dimensions in the order scores_rows runs it on packed keys (the dimensions past
+   head_dim, zeros, add nothing), so the bits are the same. */
 ALWAYS_INLINE void scores_from_rows(const float *q, const void *const *k_rows, float *s, int64_t rows, int64_t head_dim,
                                     int64_t dp, const int bytes, const int fp8_shift, struct ahead *ahead,
                                     int64_t heads) {
@@ -93,18 +111,15 @@ ALWAYS_INLINE void attend_decode(const float *query, int64_t token, const int64_
         memcpy(slots, next, sizeof slots);
         tile_slots(next, table, t0 + KEYS, end - t0 - KEYS, block_size);
         /* The next tile's rows on their way while this one computes. */
-        struct ahead ahead = {key_cache, value_cache, next, num_kv_heads * head_dim * bytes, h0 * head_dim * bytes,
-                              heads * head_dim * bytes, 0, 0};
+        struct ahead ahead = rows_ahead(key_cache, value_cache, next, num_kv_heads * head_dim * bytes,
+                                        h0 * head_dim * bytes, heads * head_dim * bytes);
         for (int64_t h = h0; h < h0 + heads; h++) {
             const int64_t r = (h - h0) * group;
             const void *k_rows[KEYS], *v_rows[KEYS];
             tile_rows(k_rows, v_rows, slots, key_cache, value_cache, h, num_kv_heads, head_dim, bytes);
             scores_from_rows(q + r * dp, k_rows, s, group, head_dim, dp, bytes, fp8_shift, &ahead, heads);
             int value_bytes = bytes;
-            if (head_dim == dp) { /* the value rows read where they are */
-                for (int64_t j = 0; j < KEYS; j++)
-                    if (!v_rows[j]) v_rows[j] = zero_row;
-            } else { /* padded to dp first */
+            if (head_dim < dp) { /* padded to dp first; else the value rows read where they are */
                 pack_values(v, v_rows, head_dim, dp, bytes, fp8_shift);
                 for (int64_t j = 0; j < KEYS; j++) v_rows[j] = v + j * dp;
                 value_bytes = 4;
