@@ -110,7 +110,8 @@ def make_llm(model_dir: str, **settings):
     from inflight import LLM
 
     settings.setdefault("num_kv_blocks", 4096)
-    return LLM(model_dir, dtype="float32", **settings)
+    settings.setdefault("dtype", "float32")
+    return LLM(model_dir, **settings)
 
 
 def run_inflight(model_dir: str, work: Workload, logprobs: int | None = None, **settings) -> float:
@@ -292,6 +293,56 @@ def bench_sliding_window(model_dir: str, repeats: int, budget: int, seed: int, w
     return {"rates": {g: work.output_tokens / statistics.median(t) for g, t in seconds.items()}, "peaks": peaks,
             "preemptions": preemptions, "same": outputs[True] == outputs[False], "blocks": blocks,
             "requests": requests, "window": window}
+
+
+def bench_mixture_of_experts(model_dir: str, work: Workload, repeats: int, dtype: str = "float32") -> dict:
+    """A mixture-of-experts model on a CPU, its experts and routers through oneDNN's packed matmul
+    (cpu_experts.py, the engine's way) against transformers' own experts (MKL; the dense layers packed in
+    both): random weights as model type mixtral, the default model's hidden size, heads and vocabulary, 8
+    layers of 8 experts (1,024 wide, 2 per token); a quarter of the workload; processing rate (prompt and
+    output tokens per second, medians of alternating runs, each engine built once) and equal greedy
+    outputs."""
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig
+
+    import inflight.model_runner
+    from inflight import SamplingParams
+
+    shape = AutoConfig.from_pretrained(model_dir).to_dict()
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps", "rope_theta",
+            "tie_word_embeddings")
+    config = MixtralConfig(**{k: shape[k] for k in keys if k in shape}, num_hidden_layers=8, intermediate_size=1024,
+                           num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048,
+                           head_dim=shape["hidden_size"] // shape["num_attention_heads"])
+    k = max(3, len(work.prompts) // 4)
+    prompts, params = work.prompts[:k], [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                                         for m in work.output_lens[:k]]
+    with tempfile.TemporaryDirectory() as out:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+        packed = make_llm(out, dtype=dtype)
+        pack_experts, inflight.model_runner.pack_experts = inflight.model_runner.pack_experts, lambda *a: 0
+        try:
+            unpacked = make_llm(out, dtype=dtype)
+        finally:
+            inflight.model_runner.pack_experts = pack_experts
+        engines = {"experts packed (the engine's way)": packed, "transformers' experts": unpacked}
+        outputs = {}
+
+        def run(label: str) -> float:
+            start = time.perf_counter()
+            outputs[label] = [o.token_ids for o in engines[label].generate(prompts, params)]
+            return time.perf_counter() - start
+
+        for label in engines:  # a first run each to warm the process up, not counted
+            run(label)
+        seconds = alternating({label: lambda x=label: run(x) for label in engines}, repeats)
+    tokens = sum(map(len, prompts)) + sum(work.output_lens[:k])
+    first, second = outputs.values()
+    return {"rates": {label: tokens / statistics.median(t) for label, t in seconds.items()}, "requests": k,
+            "same": sum(a == b for a, b in zip(first, second)), "dtype": dtype}
 
 
 def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[str, float]:
@@ -664,7 +715,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers",
                         default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,beams,spec,tp,"
-                                "detok,sampling,attention,kv-dtype,window",
+                                "detok,sampling,attention,kv-dtype,window,moe",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
                              "lora (the cost of serving two LoRA adapters), beams (beam search against HF "
                              "generate's), spec (n-gram speculative decoding against HF's prompt lookup), tp "
@@ -672,7 +723,8 @@ def main() -> None:
                              "(the sampler's cost for 128 streams), attention (the CPU attention kernels against "
                              "the torch paths, bench_cpu_attention.py), kv-dtype (bfloat16 and fp8 KV caches against "
                              "the model's float32 one), window (long prompts on a model whose layers share a "
-                             "sliding window: blocks behind it given back or kept)")
+                             "sliding window: blocks behind it given back or kept), moe (a mixture-of-experts "
+                             "model's experts packed or as transformers runs them)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -777,6 +829,14 @@ def main() -> None:
             print(f"| {label} | {r['rates'][given_back]:.1f} | {r['peaks'][given_back]} | "
                   f"{r['preemptions'][given_back]} |")
         print(f"\ngreedy outputs identical both ways: {r['same']}")
+    if "moe" in peers:
+        for dtype in ("float32", "bfloat16"):
+            r = bench_mixture_of_experts(args.model, work, args.repeats, dtype)
+            (label, packed), (_, plain) = r["rates"].items()
+            print(f"\n| mixture of experts (8 layers of 8 experts, 2 per token), {r['requests']} requests, {dtype}, "
+                  f"median of {args.repeats} | prompt + output tokens/s |\n|---|---:|\n"
+                  f"| transformers' experts | {plain:,.0f} |\n| {label} | {packed:,.0f} ({packed / plain:.2f}x) |\n\n"
+                  f"greedy outputs equal: {r['same']} of {r['requests']}")
     if "n" in peers:
         r = bench_n_completions(args.model, work, args.repeats)
         print(f"\n| {len(work.prompts) // 4} prompts x 4 completions, median of {args.repeats} | output tok/s |\n"
