@@ -36,7 +36,6 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from .shared_matmul import SharedMatmul, sibling_projections, stack_weights
 
@@ -81,8 +80,8 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None, one_row_as:
     rows = x.numel() // x.shape[-1]
     flat = x.reshape(rows, x.shape[-1])
     padded = one_row_as if rows == 1 else padded_rows(rows)
-    if padded != rows:
-        flat = F.pad(flat, (0, 0, 0, padded - rows))
+    if padded != rows:  # (F.pad zero-fills the whole copy first: a quarter slower)
+        flat = torch.cat((flat, flat.new_zeros(padded - rows, flat.shape[-1])))
     out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
