@@ -342,7 +342,7 @@ def bench_mixture_of_experts(model_dir: str, work: Workload, repeats: int, dtype
     tokens = sum(map(len, prompts)) + sum(work.output_lens[:k])
     first, second = outputs.values()
     return {"rates": {label: tokens / statistics.median(t) for label, t in seconds.items()}, "requests": k,
-            "same": sum(a == b for a, b in zip(first, second)), "dtype": dtype}
+            "same": sum(a == b for a, b in zip(first, second))}
 
 
 def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[str, float]:
