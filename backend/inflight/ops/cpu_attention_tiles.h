@@ -204,7 +204,7 @@ ALWAYS_INLINE void tile_slots(int64_t *slots, const int64_t *table, int64_t t0, 
 }
 
 /* What a tile's rows past the sequence's end read: zeros (a head of at most 256 float32s). Their scores
-   are masked; their values weigh zero. */
+   are masked and the value product stops before them (a NaN here changes no test's result). */
 static const float zero_row[256];
 
 /* Where KV head h's keys and values of those slots start; zero_row where there is no slot (every row
