@@ -12,9 +12,9 @@
    the room the loads need and the step ran slower than without them).
 
    Work item: a decode with all its KV heads, or one KV head of it where that spreads the work over the
-   threads better (paged_decode_attention). Items run in parallel on the OpenMP runtime torch has already loaded (same soname), with
-   torch's thread count passed in. A model's softcap bounds the scores before the softmax; its sinks (a
-   logit per query head) join each softmax's denominator. */
+   threads better (paged_decode_attention). Items run in parallel on the OpenMP runtime torch has already
+   loaded (same soname), with torch's thread count passed in. A model's softcap bounds the scores before
+   the softmax; its sinks (a logit per query head) join each softmax's denominator. */
 
 #include <stdlib.h>
 
@@ -42,6 +42,7 @@ ALWAYS_INLINE void next_row(struct ahead *a) {
     a->row = a->cache + a->slots[a->next++] * a->slot_bytes + a->first;
 }
 
+/* The fetches of the rows at `slots`, none on their way yet. */
 ALWAYS_INLINE struct ahead rows_ahead(const void *key_cache, const void *value_cache, const int64_t *slots,
                                       int64_t slot_bytes, int64_t first, int64_t row_bytes) {
     struct ahead a = {key_cache, value_cache, NULL, slots, slot_bytes, first, row_bytes, 0, 0};
