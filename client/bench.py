@@ -240,6 +240,19 @@ def bench_kv_cache_dtype(model_dir: str, work: Workload, repeats: int, budget: i
             "tokens_per_gib": tokens_per_gib, "same": same, "leading": leading, "requests": len(outputs["auto"])}
 
 
+def save_random_model(model_dir: str, out: str, config_class, keys: tuple[str, ...], **settings) -> None:
+    """A model of `config_class` with random weights (seed 0, float32) saved to `out` with `model_dir`'s
+    tokenizer: `model_dir`'s config values named in `keys`, its head size, and `settings`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    shape = AutoConfig.from_pretrained(model_dir).to_dict()
+    config = config_class(**{k: shape[k] for k in keys if k in shape}, **settings,
+                          head_dim=shape["hidden_size"] // shape["num_attention_heads"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+
+
 def bench_sliding_window(model_dir: str, repeats: int, budget: int, seed: int, window: int = 512,
                          requests: int = 12) -> dict:
     """Long prompts (1,536-2,048 tokens, 64 out) on a model whose layers all share a sliding window: the
@@ -249,21 +262,16 @@ def bench_sliding_window(model_dir: str, repeats: int, budget: int, seed: int, w
     (medians of alternating runs), the most sequences running at once, preemptions, equal outputs."""
     import tempfile
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MistralConfig
+    from transformers import MistralConfig
 
-    shape = AutoConfig.from_pretrained(model_dir).to_dict()
     keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
-    config = MistralConfig(**{k: shape[k] for k in keys if k in shape}, sliding_window=window,
-                           max_position_embeddings=8192, head_dim=shape["hidden_size"] // shape["num_attention_heads"])
     work = make_workload(requests, seed, prompt_range=(1536, 2048), output_range=(64, 64))
     longest = max(map(len, work.prompts)) + 64
     blocks = 2 * -(-longest // 16)
     outputs, peaks, preemptions = {}, {}, {}
     with tempfile.TemporaryDirectory() as out:
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-        AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+        save_random_model(model_dir, out, MistralConfig, keys, sliding_window=window, max_position_embeddings=8192)
 
         def run(given_back: bool) -> float:
             from inflight import SamplingParams
@@ -304,24 +312,19 @@ def bench_mixture_of_experts(model_dir: str, work: Workload, repeats: int, dtype
     outputs."""
     import tempfile
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig
+    from transformers import MixtralConfig
 
     import inflight.model_runner
     from inflight import SamplingParams
 
-    shape = AutoConfig.from_pretrained(model_dir).to_dict()
     keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps", "rope_theta",
             "tie_word_embeddings")
-    config = MixtralConfig(**{k: shape[k] for k in keys if k in shape}, num_hidden_layers=8, intermediate_size=1024,
-                           num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048,
-                           head_dim=shape["hidden_size"] // shape["num_attention_heads"])
     k = max(3, len(work.prompts) // 4)
     prompts, params = work.prompts[:k], [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                                          for m in work.output_lens[:k]]
     with tempfile.TemporaryDirectory() as out:
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-        AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+        save_random_model(model_dir, out, MixtralConfig, keys, num_hidden_layers=8, intermediate_size=1024,
+                          num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048)
         packed = make_llm(out, dtype=dtype)
         pack_experts, inflight.model_runner.pack_experts = inflight.model_runner.pack_experts, lambda *a: 0
         try:
