@@ -372,26 +372,36 @@ def bench_n_completions(model_dir: str, work: Workload, repeats: int) -> dict[st
 
 
 def bench_lora(model_dir: str, work: Workload, repeats: int) -> dict[str, float]:
-    """A quarter of the workload without LoRA, with two adapters loaded (ranks 8 and 4 over 6 of a layer's
-    7 projections between them) and every request on the base model, and with the requests spread over
-    the base model and both adapters; output tok/s, medians of alternating runs, each engine built once."""
+    """A quarter of the workload without LoRA; with two adapters loaded (ranks 8 and 4 over 6 of a layer's
+    7 projections between them), every request on the base model, then the requests spread over the
+    base model and both adapters; and the same with the two adapters as TensorRT-LLM's LoRA tasks in two
+    slots (each sent once before, then named by task id). Output tok/s, medians of alternating runs, each
+    engine built once."""
     import tempfile
 
-    from inflight import SamplingParams
-    from lora_adapters import LORA_ADAPTERS, make_lora_adapters
+    from inflight import LoRATask, SamplingParams
+    from lora_adapters import LORA_ADAPTERS, make_lora_adapters, trtllm_lora_tensors
 
     k = max(3, len(work.prompts) // 4)
     prompts, params = work.prompts[:k], [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                                          for m in work.output_lens[:k]]
     spread = [(None, *LORA_ADAPTERS)[i % 3] for i in range(k)]
     with tempfile.TemporaryDirectory() as folder:
-        plain, with_lora = make_llm(model_dir), make_llm(model_dir, lora_modules=make_lora_adapters(model_dir,
-                                                                                                     Path(folder)))
+        adapters = make_lora_adapters(model_dir, Path(folder))
+        plain, with_lora = make_llm(model_dir), make_llm(model_dir, lora_modules=adapters)
+        with_tasks = make_llm(model_dir, lora_task_slots=2)
+        task_ids = {name: task_id for task_id, name in enumerate(adapters, start=1)}
+        with_tasks.generate(prompts[:2], params[:2], lora_task=[LoRATask(task_ids[name], *trtllm_lora_tensors(path))
+                                                                for name, path in adapters.items()])
+        by_id = [None if name is None else LoRATask(task_ids[name]) for name in spread]
         seconds = alternating({
             "no adapters": lambda: timed(plain.generate, prompts, params),
             "2 adapters loaded, base requests": lambda: timed(with_lora.generate, prompts, params),
             "2 adapters loaded, requests spread over base and both": lambda: timed(
                 lambda: with_lora.generate(prompts, params, lora_name=spread)),
+            "2 LoRA task slots, base requests": lambda: timed(with_tasks.generate, prompts, params),
+            "2 LoRA task slots, requests spread over base and both tasks": lambda: timed(
+                lambda: with_tasks.generate(prompts, params, lora_task=by_id)),
         }, repeats)
     tokens = sum(work.output_lens[:k])
     result = {label: tokens / statistics.median(times) for label, times in seconds.items()}
@@ -720,14 +730,14 @@ def main() -> None:
                         default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,beams,spec,tp,"
                                 "detok,sampling,attention,kv-dtype,window,moe",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
-                             "lora (the cost of serving two LoRA adapters), beams (beam search against HF "
-                             "generate's), spec (n-gram speculative decoding against HF's prompt lookup), tp "
-                             "(tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), sampling "
-                             "(the sampler's cost for 128 streams), attention (the CPU attention kernels against "
-                             "the torch paths, bench_cpu_attention.py), kv-dtype (bfloat16 and fp8 KV caches against "
-                             "the model's float32 one), window (long prompts on a model whose layers share a "
-                             "sliding window: blocks behind it given back or kept), moe (a mixture-of-experts "
-                             "model's experts packed or as transformers runs them)")
+                             "lora (the cost of serving two LoRA adapters, by name and as LoRA tasks), beams (beam "
+                             "search against HF generate's), spec (n-gram speculative decoding against HF's prompt "
+                             "lookup), tp (tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), "
+                             "sampling (the sampler's cost for 128 streams), attention (the CPU attention kernels "
+                             "against the torch paths, bench_cpu_attention.py), kv-dtype (bfloat16 and fp8 KV caches "
+                             "against the model's float32 one), window (long prompts on a model whose layers share a "
+                             "sliding window: blocks behind it given back or kept), moe (a mixture-of-experts model's "
+                             "experts packed or as transformers runs them)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")

@@ -3,13 +3,14 @@ peft's model gives for each request alone, whatever computes the layers and howe
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import random_prompts
-from inflight import LLM, SamplingParams
+from conftest import make_tiny_model, random_prompts
+from inflight import LLM, LoRATask, SamplingParams
 from inflight.config import EngineConfig
-from lora_adapters import make_lora_adapter, make_lora_adapters
+from lora_adapters import make_lora_adapter, make_lora_adapters, trtllm_lora_tensors
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -227,3 +228,161 @@ def test_adapters_that_cannot_be_served_exactly_are_refused_at_start_up(model, t
         message = "not LoRA|could not be read"
     with pytest.raises(ValueError, match=f"LoRA adapter 'bad'.*({message})"):
         LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, lora_modules={"bad": path})
+
+
+# -- TensorRT-LLM's LoRA inputs: adapters sent with requests (lora_tasks.py) -----------------------------
+def task_of(adapter_dir: str, task_id: int, dtype=np.float32) -> LoRATask:
+    return LoRATask(task_id, *trtllm_lora_tensors(adapter_dir, dtype))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lora_tasks_sent_with_requests_equal_peft(model, adapters, peft_reference, mode):
+    """The adapters as TensorRT-LLM's lora_weights / lora_config, each sent with its first requests and
+    named by its task id alone after, mixed with the base model in one batch: peft's tokens."""
+    prompts = random_prompts(6, 1, 150, vocab=512, seed=5)
+    llm = LLM(model, dtype="float32", num_kv_blocks=256, max_num_seqs=32, max_num_batched_tokens=128,
+              lora_task_slots=2, **MODES[mode])
+    sent = {None: None, "alpha": task_of(adapters["alpha"], 7), "beta": task_of(adapters["beta"], 2**64 - 1)}
+    by_id = {None: None, "alpha": LoRATask(7), "beta": LoRATask(2**64 - 1)}
+    for tasks in (sent, by_id):
+        cases = [(p, name) for name in tasks for p in prompts]
+        outs = llm.generate([p for p, _ in cases], GREEDY, lora_task=[tasks[name] for _, name in cases])
+        for (prompt, name), out in zip(cases, outs):
+            assert out.token_ids == peft_reference(prompt, name), f"adapter {name}, prompt of {len(prompt)} tokens"
+    assert llm.stats()["lora_task_loads"] == 2
+    if mode == "cuda":
+        assert llm.runner.graphs.replays > 0, "decode steps were meant to replay CUDA graphs"
+    llm.block_manager.check_all_free()
+
+
+def test_lora_tasks_beside_named_adapters_and_in_fused_forms(model, adapters, peft_reference, tmp_path):
+    """A task beside lora_modules' adapters; a task whose q and v adapters come as one attn_qkv row
+    (A stacked, B's rows in blocks); and Phi-3's fused qkv_proj and gate_up_proj adapted by rows."""
+    prompts = random_prompts(4, 1, 90, vocab=512, seed=6)
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=128, lora_modules={"beta": adapters["beta"]},
+              lora_task_slots=1)
+    weights, config = trtllm_lora_tensors(adapters["alpha"])
+    qkv_rows, qkv_config = [], []
+    hidden, q_out = 64, 64  # the tiny Llama: hidden 64, 4 heads and 2 KV heads of 16
+    for layer in sorted(set(config[:, 1].tolist())):
+        (q,), (v,) = (np.flatnonzero((config[:, 0] == module) & (config[:, 1] == layer)) for module in (1, 3))
+        r = config[q, 2]
+        a_q, b_q = weights[q, :r * hidden].reshape(r, hidden), weights[q, r * hidden:r * hidden + q_out * r]
+        a_v, b_v = weights[v, :r * hidden].reshape(r, hidden), weights[v, r * hidden:r * hidden + 32 * r]
+        b = np.zeros((q_out + 32 + 32, 2 * r), np.float32)
+        b[:q_out, :r], b[q_out + 32:, r:] = b_q.reshape(q_out, r), b_v.reshape(32, r)
+        qkv_rows.append(np.concatenate([np.concatenate([a_q, a_v]).ravel(), b.ravel()]))
+        qkv_config.append([0, layer, 2 * r])
+    fused = LoRATask(3, np.stack(qkv_rows), np.array(qkv_config, np.int32))
+    cases = [(p, name) for name in ADAPTERS for p in prompts]
+    outs = llm.generate([p for p, _ in cases], GREEDY,
+                        lora_name=["beta" if name == "beta" else None for _, name in cases],
+                        lora_task=[fused if name == "alpha" else None for _, name in cases])
+    for (prompt, name), out in zip(cases, outs):
+        assert out.token_ids == peft_reference(prompt, name), f"adapter {name}"
+
+    phi3 = str(make_tiny_model("phi3", tmp_path / "phi3-model"))
+    adapter = make_lora_adapter(phi3, tmp_path / "phi3", 3, r=4, lora_alpha=8,
+                                target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    reference = PeftReference(phi3, {"phi3": adapter})
+    llm = LLM(phi3, dtype="float32", device="cpu", num_kv_blocks=128, lora_task_slots=1)
+    outs = llm.generate(prompts, GREEDY, lora_task=task_of(adapter, 1))
+    expected = [reference(p, "phi3") for p in prompts]
+    assert [o.token_ids for o in outs] == expected
+    assert sum(e != reference(p, None) for e, p in zip(expected, prompts)) >= 3, "the adapter changed little"
+    # (on a fused layer, the ranks of its parts' adapters share the slot)
+    narrow = LLM(phi3, dtype="float32", device="cpu", num_kv_blocks=64, lora_task_slots=1, max_lora_rank=4)
+    with pytest.raises(ValueError, match=r"adapters of model.layers.0.self_attn.qkv_proj add up to rank 8, more "
+                                         r"than max_lora_rank \(4\)"):
+        narrow.add_request("r", [5, 6], GREEDY, lora_task=LoRATask(1, np.zeros((2, 4096), np.float32),
+                                                                  np.array([[1, 0, 4], [2, 0, 4]], np.int32)))
+
+
+def test_lora_task_slots_evict_refuse_and_keep_the_prefix_cache_apart(model, adapters, peft_reference):
+    """One slot: a new task takes it from an idle one (whose id then needs its weights again); a task
+    that finds it held by a running request is refused (UNAVAILABLE) and that request goes on; a task id
+    sent again with other weights replaces them, and its prompts' cached KV is not reused across."""
+    prompt = random_prompts(1, 70, 70, vocab=512, seed=8)[0]
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, lora_task_slots=1)
+    alpha, beta = task_of(adapters["alpha"], 1), task_of(adapters["beta"], 2)
+
+    def run(task, expected_adapter):
+        hits = llm.stats()["prefix_cache_hit_tokens"]
+        out = llm.generate([prompt], GREEDY, lora_task=task)[0]
+        assert out.error is None and out.token_ids == peft_reference(prompt, expected_adapter)
+        return llm.stats()["prefix_cache_hit_tokens"] - hits
+
+    assert run(alpha, "alpha") == 0
+    assert run(LoRATask(1), "alpha") == 64  # the same task: its KV reused
+    assert run(beta, "beta") == 0  # task 1 was idle: evicted
+    with pytest.raises(ValueError, match="LoRA task 1 is not in the cache: send its lora_weights"):
+        llm.add_request("gone", prompt, GREEDY, lora_task=LoRATask(1))
+    assert run(LoRATask(2, alpha.weights, alpha.config), "alpha") == 0  # task 2 replaced: no KV of beta's
+    assert llm.stats()["lora_task_loads"] == 3
+
+    llm.add_request("running", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+                    lora_task=LoRATask(2))
+    deltas = {"running": llm.step()}
+    llm.add_request("another", prompt, GREEDY, lora_task=LoRATask(3, beta.weights, beta.config))
+    llm.add_request("replacing", prompt, GREEDY, lora_task=LoRATask(2, beta.weights, beta.config))
+    while llm.has_unfinished():
+        for delta in llm.step():
+            deltas.setdefault(delta.request_id, []).append(delta)
+    assert [(d.error_kind, d.finish_reason) for d in deltas["another"]] == [("unavailable", "error")]
+    assert "every one of the 1 LoRA task slots (lora_task_slots) holds a task" in deltas["another"][0].error
+    assert "LoRA task 2 is in use with other weights" in deltas["replacing"][0].error
+    running = [t for d in deltas["running"] for t in d.new_token_ids]
+    assert deltas["running"][-1].error is None and running == peft_reference(prompt, "alpha", 30)
+    assert run(beta, "beta") == 0  # the slot free again
+    llm.block_manager.check_all_free()
+
+
+def _row(module: int, layer: int, rank: int, values: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    return np.full((1, values), 0.01, np.float32), np.array([[module, layer, rank]], np.int32)
+
+
+@pytest.mark.parametrize("task, message", [
+    (LoRATask(1, *_row(9, 0, 4)), "module cross_attn_q is not served"),
+    (LoRATask(1, *_row(20, 0, 4)), "unknown module id"),
+    (LoRATask(1, *_row(1, 99, 4)), "the model has no such projection in that layer"),
+    (LoRATask(1, *_row(1, 0, 0)), r"the adapter size must be in \[1, max_lora_rank = 16\]"),
+    (LoRATask(1, *_row(1, 0, 17)), r"the adapter size must be in \[1, max_lora_rank = 16\]"),
+    (LoRATask(1, *_row(1, 0, 4, values=100)), r"need 512 values, more than lora_weights' rows hold \(100\)"),
+    (LoRATask(1, np.zeros((2, 4096), np.float32), np.array([[1, 0, 4], [1, 0, 4]], np.int32)),
+     "layer 0's q projection is adapted already by row 0"),
+    (LoRATask(1, np.zeros((2, 4096), np.float32), np.array([[0, 1, 4], [3, 1, 4]], np.int32)),
+     "layer 1's v projection is adapted already by row 0"),
+    (LoRATask(1, _row(1, 0, 4)[0], None), "lora_weights and lora_config come together"),
+    (LoRATask(1, None, _row(1, 0, 4)[1]), "lora_weights and lora_config come together"),
+    (LoRATask(1, _row(1, 0, 4)[0], np.array([[1, 0]], np.int32)),
+     r"lora_config must be integers of shape \[rows, 3\]"),
+    (LoRATask(1, np.zeros((2, 4096), np.float32), _row(1, 0, 4)[1]),
+     r"lora_weights must be floats of shape \[1, width\]"),
+    (LoRATask(1, np.full((1, 4096), np.nan, np.float32), _row(1, 0, 4)[1]), "NaN or an infinity"),
+    (LoRATask(-1), r"lora_task_id must be an integer in \[0, 2\*\*64\)"),
+    (LoRATask(5), "LoRA task 5 is not in the cache: send its lora_weights and lora_config with it"),
+])
+def test_bad_lora_tasks_are_refused_by_name(model, task, message):
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, lora_task_slots=2)
+    with pytest.raises(ValueError, match=message):
+        llm.add_request("bad", [5, 6, 7], GREEDY, lora_task=task)
+    assert not llm.has_unfinished()
+
+
+def test_lora_task_settings_are_checked(model, adapters):
+    task = task_of(adapters["alpha"], 1)
+    with pytest.raises(ValueError, match="takes no LoRA adapters with requests .* its lora_task_slots is 0"):
+        LLM(model, dtype="float32", device="cpu", num_kv_blocks=64).add_request("r", [5, 6], GREEDY, lora_task=task)
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, lora_modules=adapters, lora_task_slots=1,
+              max_lora_rank=4)
+    with pytest.raises(ValueError, match="by lora_name or by lora_task_id, not both"):
+        llm.add_request("r", [5, 6], GREEDY, lora_name="beta", lora_task=task)
+    with pytest.raises(ValueError, match=r"adapter size must be in \[1, max_lora_rank = 4\]"):
+        llm.add_request("r", [5, 6], GREEDY, lora_task=task)  # alpha's rank 8
+    for settings, message in ((dict(lora_task_slots=-1), "lora_task_slots must be an integer of at least 0"),
+                              (dict(lora_task_slots=True), "lora_task_slots must be an integer"),
+                              (dict(max_lora_rank=0), "max_lora_rank must be an integer of at least 1"),
+                              (dict(lora_task_slots=2, tensor_parallel_size=2), "lora_task_slots needs tensor"),
+                              (dict(lora_task_slots=2, torch_compile=True), "lora_task_slots and torch_compile")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(model, device="cpu", **settings)

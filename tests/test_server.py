@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate  # noqa: E402
 from conftest import concurrently, serve  # noqa: E402
-from lora_adapters import make_lora_adapters  # noqa: E402
+from lora_adapters import make_lora_adapters, trtllm_lora_tensors  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -41,7 +41,7 @@ def lora_modules(default_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(lora_modules):
-    yield from serve(**SETTINGS, lora_modules=lora_modules, serving_profile=True)
+    yield from serve(**SETTINGS, lora_modules=lora_modules, lora_task_slots=2, serving_profile=True)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def offline(default_model, lora_modules):
     """The offline engine, under the same settings."""
     from inflight import LLM
 
-    return LLM(default_model, **SETTINGS, lora_modules=lora_modules)
+    return LLM(default_model, **SETTINGS, lora_modules=lora_modules, lora_task_slots=2)
 
 
 @pytest.fixture(scope="module")
@@ -698,6 +698,37 @@ def test_lora_adapters_by_name_beside_the_base_model(server, offline):
         assert time.monotonic() < deadline, server.labeled("inflight_lora_requests_total", "adapter")
         time.sleep(0.1)
     assert server.labeled("inflight_lora_requests_running", "adapter") == {"alpha": 0, "beta": 0}
+
+
+def test_tensorrt_llm_lora_inputs(server, offline, lora_modules):
+    """TensorRT-LLM's LoRA inputs: an adapter sent as FP16 lora_weights and lora_config with its first
+    request, then named by lora_task_id alone, beside the base model: the offline engine's tokens for
+    the same tensors; a task never sent and a module the engine does not adapt are refused by name."""
+    from inflight import LoRATask, SamplingParams
+
+    weights, config = trtllm_lora_tensors(lora_modules["alpha"], np.float16)
+    prompt_ids = offline.encode(PROMPTS[3])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in offline.generate([prompt_ids] * 2, params,
+                                                      lora_task=[LoRATask(41, weights, config), None])]
+    assert expected[0] != expected[1], "the adapter changed nothing: a weak test"
+    tokens = lambda result: [int(t) for r in result.responses for t in r["output_ids"]]  # noqa: E731
+    request = dict(input_ids=np.array(prompt_ids, np.int32), max_tokens=12, temperature=0.0, ignore_eos=True)
+    task = np.array([41], np.uint64)
+    sent = generate(server.grpc_url, None, lora_task_id=task, lora_weights=weights, lora_config=config, **request)
+    assert sent.error is None and tokens(sent) == expected[0]
+    with ThreadPoolExecutor(2) as pool:  # by its id alone, beside a request of the base model
+        again, base = pool.map(lambda inputs: generate(server.grpc_url, None, **inputs, **request),
+                               [dict(lora_task_id=task), {}])
+    assert (again.error, tokens(again), base.error, tokens(base)) == (None, expected[0], None, expected[1])
+    for inputs, words in ((dict(lora_task_id=np.array([42], np.uint64)), "LoRA task 42 is not in the cache"),
+                          (dict(lora_task_id=task, lora_weights=weights[:1],
+                                lora_config=np.array([[9, 0, 8]], np.int32)), "module cross_attn_q is not served"),
+                          (dict(lora_weights=weights, lora_config=config), "go with 'lora_task_id'")):
+        error = generate(server.grpc_url, None, **inputs, **request).error
+        assert error and words in error, error
+    server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
+    server.wait_for_metric("inflight_lora_task_loads_total", lambda v: v == 1, timeout=10)  # sent once, used twice
 
 
 def test_adapters_added_by_loading_the_model_again(tmp_path, lora_modules, offline, offline_texts):

@@ -357,6 +357,23 @@ def test_unknown_parameters_are_refused_but_triton_ones_pass():
     assert parse_request({"text_input": text("hi")}, parameters={"triton_enable_empty_final_response": True})
 
 
+def test_parse_tensorrtllm_lora_inputs():
+    """lora_task_id alone (a task sent before), or with lora_weights and lora_config (as tritonserver
+    hands them, [rows, width] and [rows, 3]; the engine checks their shapes); never without the id."""
+    weights, config = np.ones((2, 64), np.float16), np.array([[1, 0, 4], [3, 0, 4]], np.int32)
+    task = parse_request({"text_input": text("hi"), "lora_task_id": np.array([7], np.uint64),
+                          "lora_weights": weights, "lora_config": config}).lora_task
+    assert (task.task_id, task.weights is weights, task.config is config) == (7, True, True)
+    alone = parse_request({"text_input": text("hi"), "lora_task_id": np.array([2**64 - 1], np.uint64)}).lora_task
+    assert (alone.task_id, alone.weights, alone.config) == (2**64 - 1, None, None)
+    assert parse_request({"text_input": text("hi")}).lora_task is None
+    for inputs, words in (({"lora_weights": weights, "lora_config": config}, "go with 'lora_task_id'"),
+                          ({"lora_config": config}, "go with 'lora_task_id'"),
+                          ({"lora_task_id": np.array([1, 2], np.uint64)}, "lora_task_id")):
+        with pytest.raises(ValueError, match=words):
+            parse_request({"text_input": text("hi"), **inputs})
+
+
 def test_parse_lora_name_in_both_places():
     """vllm_backend's lora_name in sampling_parameters, and over HTTP as a parameter of the request."""
     parsed = parse_request({"text_input": text("hi"), "sampling_parameters": text('{"lora_name": "sql", "top_k": 3}')})

@@ -5,8 +5,8 @@ torch and transformers (seconds to import)."""
 
 import importlib
 
-_EXPORTS = {"EngineConfig": ".config", "LLMEngine": ".engine", "LLM": ".llm", "RequestDelta": ".outputs",
-            "RequestOutput": ".outputs", "SamplingParams": ".sampling_params"}
+_EXPORTS = {"EngineConfig": ".config", "LLMEngine": ".engine", "LLM": ".llm", "LoRATask": ".lora_tasks",
+            "RequestDelta": ".outputs", "RequestOutput": ".outputs", "SamplingParams": ".sampling_params"}
 __all__ = list(_EXPORTS)
 
 

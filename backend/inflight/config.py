@@ -110,6 +110,10 @@ class EngineConfig:
     # LoRA adapters served beside the base model: name -> peft adapter folder (lora.py). A request names
     # one (`lora_name`) or none; every adapter is loaded at start-up.
     lora_modules: dict[str, str] | None = None
+    # TensorRT-LLM's LoRA inputs: adapters sent with requests (lora_task_id, lora_weights, lora_config),
+    # kept in this many slots, each of up to max_lora_rank (lora_tasks.py). 0: none taken.
+    lora_task_slots: int = 0
+    max_lora_rank: int = 16
     # Speculative decoding (speculative.py), vLLM's names: {"method": "ngram", "num_speculative_tokens": k,
     # ...}; see SpeculativeConfig. None: a token a step.
     speculative_config: SpeculativeConfig | dict | None = None
@@ -203,15 +207,19 @@ class EngineConfig:
 
     def _check_lora_modules(self) -> None:
         modules = self.lora_modules
-        if modules is None:
-            return
-        if (not isinstance(modules, dict) or not modules
+        if modules is not None and (
+                not isinstance(modules, dict) or not modules
                 or any(not isinstance(k, str) or not k or not isinstance(v, str) or not v for k, v in modules.items())):
             raise ValueError(f"lora_modules must map adapter names to adapter folders, got {modules!r}")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("lora_modules needs tensor_parallel_size 1 (the adapters are not sharded)")
-        if self.torch_compile:
-            raise ValueError("lora_modules and torch_compile: set one (LoRA layers run as hooks, not compiled)")
+        for name, least in (("lora_task_slots", 0), ("max_lora_rank", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
+        setting = "lora_modules" if modules is not None else "lora_task_slots" if self.lora_task_slots else None
+        if setting and self.tensor_parallel_size > 1:
+            raise ValueError(f"{setting} needs tensor_parallel_size 1 (the adapters are not sharded)")
+        if setting and self.torch_compile:
+            raise ValueError(f"{setting} and torch_compile: set one (LoRA layers run as hooks, not compiled)")
 
     @property
     def device_type(self) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from . import beam_search, prompt_embeds, prompt_logprobs, raw_logits
+from . import beam_search, lora_tasks, prompt_embeds, prompt_logprobs, raw_logits
 from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -31,6 +31,7 @@ from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
 from .encoders import Encoders, copy_or_load
 from .input_buffers import to_device
 from .logprobs import MeasuredLogprobs, entries, measure
+from .lora_tasks import LoRATask, TaskRefused, TaskSlots, TaskWeights
 from .model_runner import ModelRunner
 from .outputs import RequestDelta, TokenLogprobs
 from .parallel import RanksFailedError, TensorParallelRunner
@@ -120,6 +121,9 @@ class LLMEngine:
                                           self.config.enable_prefix_caching, self.runner.sliding_window)
         self._grammars: StructuredOutputs | None = None  # built with the first constrained request
         self._grammars_lock = threading.Lock()
+        # TensorRT-LLM's LoRA tasks: which slot of the LoRA layers holds which (lora_tasks.py)
+        self.lora_tasks = TaskSlots(self.config.lora_task_slots, 1 + len(self.config.lora_modules or {})) \
+            if self.config.lora_task_slots else None
         spec = self.config.speculative_config
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len,
                                    NgramProposer(spec) if spec is not None else None)
@@ -178,17 +182,21 @@ class LLMEngine:
         return self._encoders.encode(text, add_special_tokens, max_tokens, limit_name)
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    priority: int = 0, lora_name: str | None = None, final_only: bool = False) -> list[int]:
+                    priority: int = 0, lora_name: str | None = None, final_only: bool = False,
+                    lora_task: LoRATask | None = None) -> list[int]:
         """Validate and queue a request. `prompt`: text, token ids, or a dict of prompt embeddings
         ({"prompt_embeds": [n, hidden]}, or {"prompt_token_ids": ids, "prompt_embedding_table": [rows,
         hidden]} where ids from vocab_size up read the table: prompt_embeds.py). A lower `priority` is
-        served earlier; `lora_name`: one of the adapters of `lora_modules` (none: the base model).
+        served earlier; `lora_name`: one of the adapters of `lora_modules` (none: the base model), or
+        `lora_task`: TensorRT-LLM's adapter sent with the request, or named by its task id once sent
+        (lora_tasks.py; with lora_task_slots).
         `final_only` (vLLM's FINAL_ONLY output kind): each completion comes in one delta, when it ends,
         where nothing needs its text before (no stop strings); its text is then decoded once, at the end.
         Returns the prompt's token ids as queued. Raises ValueError naming the problem (EngineDeadError
         once the engine has stopped); nothing is queued then."""
         params = params or SamplingParams()
         lora_id = self.lora_id(lora_name)
+        task = self._read_lora_task(lora_task, lora_name) if lora_task is not None else None
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2**31:
@@ -233,6 +241,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, token_ids, params, self._bad_words_ids(params.bad_words), priority,
                                  lora_id=lora_id, prompt_embeds=embeds)
         seq.delta_at_end = final_only and not params.stop and not params.beam_search  # (a search's come at its end)
+        seq.lora_task = task
         seq.forks_left = width - 1  # (a beam search's other beams: seats kept for them at admission)
         if params.beam_search:
             self._start_beam_search(seq, vocab)
@@ -242,7 +251,7 @@ class LLMEngine:
             if request_id in self._requests or any(s.request_id == request_id for s in self._inbox):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._inbox.append(seq)
-            self.num_lora_requests[lora_id] += 1
+            self.num_lora_requests[lora_id] += 1  # (a task's requests are counted in stats' lora_task_loads)
         return token_ids
 
     def _start_beam_search(self, seq: Sequence, vocab_size: int) -> None:
@@ -263,6 +272,31 @@ class LLMEngine:
             served = f"this server has {', '.join(map(repr, names))}" if names else "this server has none"
             raise ValueError(f"unknown LoRA adapter {lora_name!r}: {served} (lora_modules)")
         return names.index(lora_name) + 1
+
+    def _read_lora_task(self, task: LoRATask, lora_name: str | None) -> TaskWeights:
+        """A request's TensorRT-LLM adapter, checked (ValueError); its slot is found between steps."""
+        if not isinstance(task, LoRATask):
+            raise ValueError("lora_task must be a LoRATask")
+        if self.lora_tasks is None:
+            raise ValueError("this server takes no LoRA adapters with requests (lora_task_id, lora_weights, "
+                             "lora_config): its lora_task_slots is 0")
+        if lora_name is not None:
+            raise ValueError("a request names its LoRA adapter by lora_name or by lora_task_id, not both")
+        lora = self.runner.lora
+        weights = lora_tasks.read_task(task, lora.parts, lora.max_rank, lora.dtype)
+        if weights.matrices is None and not self.lora_tasks.holds(weights.task_id):
+            raise ValueError(f"LoRA task {weights.task_id} is not in the cache: send its lora_weights and "
+                             "lora_config with it")
+        return weights
+
+    def _place_lora_task(self, seq: Sequence) -> None:
+        """Between steps: the slot of a request's task, loaded if it must be (TaskRefused if none can be)."""
+        task, seq.lora_task = seq.lora_task, None
+        in_use = {s.lora_id for seqs in self._requests.values() for s in seqs}
+        slot, seq.lora_id, load = self.lora_tasks.place(task, in_use)
+        if load:
+            self.runner.lora.load_slot(slot, seq.lora_id, task.matrices)
+            logger.info("LoRA task %d loaded into slot %d", task.task_id, slot)
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       bad_words_ids: list[list[int]], priority: int, index: int = 0, lora_id: int = 0,
@@ -701,6 +735,12 @@ class LLMEngine:
             elif self._early_aborts.pop(seq.request_id, None) is not None:
                 deltas.append(self._abort(seq))
             else:
+                if seq.lora_task is not None:
+                    try:
+                        self._place_lora_task(seq)
+                    except TaskRefused as refused:
+                        deltas.append(self._fail(seq, str(refused), refused.kind))
+                        continue
                 self.scheduler.add(seq)
         for request_id in aborts:
             seqs = self._requests.get(request_id)
@@ -912,6 +952,7 @@ class LLMEngine:
             "requests_failed_total": self.num_failed_requests,
             "failed_steps_total": self.num_failed_steps,
             **({"lora_requests": self._lora_requests()} if self.config.lora_modules else {}),
+            **({"lora_task_loads": self.lora_tasks.loads} if self.lora_tasks is not None else {}),
             **({"spec_decode_drafts_total": self.num_drafts, "spec_decode_draft_tokens_total": self.num_draft_tokens,
                 "spec_decode_accepted_tokens_total": self.num_accepted_draft_tokens}
                if self.config.speculative_config is not None or self.num_drafts else {}),

@@ -6,6 +6,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .engine import LLMEngine
+from .lora_tasks import LoRATask
 from .outputs import CompletionOutput, RequestDelta, RequestOutput, coalesce
 from .sampling_params import SamplingParams
 
@@ -16,10 +17,12 @@ class LLM(LLMEngine):
     def generate(self, prompts: list[str] | list[list[int]] | list[dict],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: list[int] | None = None,
-                 lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
+                 lora_name: str | list[str | None] | None = None,
+                 lora_task: LoRATask | list[LoRATask | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in the order of `prompts`. `priority`:
         one per prompt, lower served earlier. `lora_name`: the LoRA adapter of every prompt, or one per
-        prompt (None: the base model). A prompt is text, token ids, or a dict of embeddings (add_request)."""
+        prompt (None: the base model); or `lora_task`, TensorRT-LLM's adapter sent with requests, for
+        every prompt or one per prompt. A prompt is text, token ids, or a dict of embeddings (add_request)."""
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -29,14 +32,17 @@ class LLM(LLMEngine):
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         adapters = list(lora_name) if isinstance(lora_name, list) else [lora_name] * len(prompts)
-        if len(adapters) != len(prompts):
-            raise ValueError(f"got {len(adapters)} LoRA adapter names for {len(prompts)} prompts")
+        tasks = list(lora_task) if isinstance(lora_task, list) else [lora_task] * len(prompts)
+        if len(adapters) != len(prompts) or len(tasks) != len(prompts):
+            raise ValueError(f"got {len(adapters)} LoRA adapter names and {len(tasks)} LoRA tasks for "
+                             f"{len(prompts)} prompts")
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
         prompt_ids = []
         for k, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):
             try:
                 # (each completion in one delta, at its end: no delta a step and token to build and join)
-                prompt_ids.append(self.add_request(request_id, prompt, p, priority[k], adapters[k], final_only=True))
+                prompt_ids.append(self.add_request(request_id, prompt, p, priority[k], adapters[k], final_only=True,
+                                                   lora_task=tasks[k]))
             except ValueError as e:
                 for queued in ids[:k]:  # leave nothing behind for a batch that is refused
                     self.abort(queued)

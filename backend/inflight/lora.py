@@ -17,6 +17,10 @@ every adapter loaded: meant for a handful of adapters (eight of rank 16 add 128 
 thousands wide). A step without any adapter computes nothing more than the base model (with CUDA
 graphs, each graph is captured twice: with its LoRA layers and without).
 
+With `lora_task_slots`, every projection a TensorRT-LLM task can adapt also carries that many slots of
+`max_lora_rank` columns after the adapters' own (owner -1, empty, until `load_slot` fills one with a
+task sent by a request and gives its columns that load's adapter id; lora_tasks.py decides which).
+
 The hooks run on whatever computes the layer (transformers' nn.Linear, the CPU's packed layers); layers
 with hooks are not merged by fused_layers, which keeps each projection's own output for its hook.
 """
@@ -27,6 +31,8 @@ import re
 from dataclasses import dataclass
 
 import torch
+
+from .lora_tasks import projection_parts
 
 logger = logging.getLogger(__name__)
 
@@ -103,31 +109,67 @@ def load_adapter(name: str, path: str, model: torch.nn.Module, adapter_id: int) 
 
 
 class LoRAAdapters:
-    """The adapters, attached to the model's layers; `begin_step` gives each token its adapter."""
+    """The adapters, attached to the model's layers; `begin_step` gives each token its adapter. With
+    `task_slots`, every projection a TensorRT-LLM task can adapt (lora_tasks.py) also holds that many
+    slots of `max_rank` columns after the adapters' own, empty until `load_slot` fills one."""
 
     def __init__(self, model: torch.nn.Module, lora_modules: dict[str, str], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, task_slots: int = 0, max_rank: int = 0):
         self.names = list(lora_modules)
+        self.task_slots, self.max_rank, self.dtype = task_slots, max_rank, dtype
         by_layer: dict[str, list[_LayerAdapter]] = {}
         for adapter_id, (name, path) in enumerate(lora_modules.items(), start=1):
             for module_name, adapter in load_adapter(name, path, model, adapter_id).items():
                 by_layer.setdefault(module_name, []).append(adapter)
-        layouts: dict[tuple, int] = {}  # (adapter id, rank, scale) of each adapter of a layer -> layout index
+        self.parts = projection_parts(model) if task_slots else {}
+        if task_slots and not self.parts:
+            raise ValueError(f"lora_task_slots: {type(model).__name__} has no attention or MLP projection a "
+                             "LoRA task can adapt (q_proj, ..., down_proj in its decoder layers)")
+        with_slots = {part.module for part in self.parts.values()}
+        for module_name in sorted(with_slots - set(by_layer)):
+            by_layer[module_name] = []
+        slot_columns = task_slots * max_rank
+        layouts: dict[tuple, int] = {}  # (adapter id, rank, scale) of each adapter of a layer, slots -> layout index
         self._layouts: list[tuple[torch.Tensor, torch.Tensor]] = []  # each column's adapter id, its scale
+        self._slot_owners: list[torch.Tensor] = []  # the slots' columns of each layout's owners
+        self._slot_matrices: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # a layer's slots' A and B columns
         self._masks: list[torch.Tensor] | None = None  # this step's, one per layout; None: no adapter in it
         modules = dict(model.named_modules())
         for module_name, adapters in by_layer.items():
-            key = tuple((x.adapter_id, x.a.shape[0], x.scale) for x in adapters)
+            slots = slot_columns if module_name in with_slots else 0
+            key = (tuple((x.adapter_id, x.a.shape[0], x.scale) for x in adapters), slots)
             if key not in layouts:
                 layouts[key] = len(self._layouts)
-                owners = [x.adapter_id for x in adapters for _ in range(x.a.shape[0])]
-                scales = [x.scale for x in adapters for _ in range(x.a.shape[0])]
+                owners = [x.adapter_id for x in adapters for _ in range(x.a.shape[0])] + [-1] * slots  # -1: empty
+                scales = [x.scale for x in adapters for _ in range(x.a.shape[0])] + [1.0] * slots  # (B holds it)
                 self._layouts.append((torch.tensor(owners, device=device),
                                       torch.tensor(scales, dtype=dtype, device=device)))
-            a = torch.cat([x.a for x in adapters]).to(device, dtype)
-            b = torch.cat([x.b for x in adapters], dim=1).to(device, dtype)
-            modules[module_name].register_forward_hook(self._hook(layouts[key], a, b))
-        logger.info("LoRA: %d adapter(s) (%s) on %d layers", len(self.names), ", ".join(self.names), len(by_layer))
+                if slots:
+                    self._slot_owners.append(self._layouts[-1][0][len(owners) - slots:])
+            layer = modules[module_name]
+            a = torch.cat([x.a for x in adapters] + [torch.zeros(slots, layer.in_features)]).to(device, dtype)
+            b = torch.cat([x.b for x in adapters] + [torch.zeros(layer.out_features, slots)], dim=1).to(device, dtype)
+            if slots:
+                self._slot_matrices[module_name] = (a[len(a) - slots:], b[:, b.shape[1] - slots:])
+            layer.register_forward_hook(self._hook(layouts[key], a, b))
+        logger.info("LoRA: %d adapter(s) (%s)%s on %d layers", len(self.names), ", ".join(self.names),
+                    f", {task_slots} slot(s) of rank {max_rank} for LoRA tasks" if task_slots else "", len(by_layer))
+
+    def load_slot(self, slot: int, lora_id: int, matrices: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fill a slot's columns with a task's A and B (each layer's; zeros where the task has none), and
+        give them to adapter `lora_id`. Between steps: a step in flight on the GPU reads them before the
+        copies run (one stream), and the slot held no adapter of a request still running."""
+        columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for module_name, (slot_a, slot_b) in self._slot_matrices.items():
+            a, b = slot_a[columns], slot_b[:, columns]
+            a.zero_()
+            b.zero_()
+            if module_name in matrices:
+                task_a, task_b = matrices[module_name]
+                a[:len(task_a)].copy_(task_a, non_blocking=True)
+                b[:, :len(task_a)].copy_(task_b, non_blocking=True)
+        for owners in self._slot_owners:
+            owners[columns].fill_(lora_id)
 
     def _hook(self, layout: int, a: torch.Tensor, b: torch.Tensor):
         def add_delta(module, args, output):

@@ -102,7 +102,9 @@ class ModelRunner:
         self.sliding_window = self._check_attention_calls()  # every layer's, when they share one; else None
         self._allocate_pool(self._pool_size())
         # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
-        self.lora = LoRAAdapters(self.model, config.lora_modules, dtype, self.device) if config.lora_modules else None
+        self.lora = (LoRAAdapters(self.model, config.lora_modules or {}, dtype, self.device, config.lora_task_slots,
+                                  config.max_lora_rank)
+                     if config.lora_modules or config.lora_task_slots else None)
         self.max_model_len = self._max_model_len()
         # (a step verifying drafts in a CUDA graph pads a sequence's tokens to the verify length: its
         # table is read that far past max_model_len)

@@ -14,6 +14,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .beam_search import BeamSearch
+    from .lora_tasks import TaskWeights
     from .prompt_embeds import PromptEmbeddings
 
 
@@ -102,7 +103,8 @@ class Sequence:
     arrival: int = 0  # order of arrival, among equal priorities
     index: int = 0  # which of the request's n completions
     forks_left: int = 0  # completions still to fork from this one once its prompt is computed
-    lora_id: int = 0  # its LoRA adapter (1, 2, ... in the order of lora_modules); 0: the base model
+    lora_id: int = 0  # its LoRA adapter (1, 2, ... in the order of lora_modules, then LoRA tasks'); 0: none
+    lora_task: "TaskWeights | None" = None  # its TensorRT-LLM LoRA task, until a slot holds it (lora_tasks.py)
     beam: "BeamSearch | None" = None  # under beam search: the request's search, of which it is a beam
     prompt_embeds: "PromptEmbeddings | None" = None  # the vectors of its virtual prompt tokens (prompt_embeds.py)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time_ns()))

@@ -93,10 +93,11 @@ class EngineThread:
         return self.engine
 
     def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None,
-               final_only: bool = False) -> None:
+               final_only: bool = False, lora_task=None) -> None:
         """Queue a request (`final_only`: each completion's delta when it ends, add_request); raises
         ValueError (from the engine's validation) without queueing it."""
-        self.engine.add_request(request_id, prompt, params, priority, lora_name, final_only=final_only)
+        self.engine.add_request(request_id, prompt, params, priority, lora_name, final_only=final_only,
+                                lora_task=lora_task)
         with self._wake:
             self._wake.notify()
 

@@ -152,6 +152,7 @@ class TritonMetrics:
         self._profile = None  # the serving profile's counters (profile.py), made when first sent
         self._lora: dict[str, tuple[_Sent, _Sent, _Sent]] = {}  # each adapter's, made when first sent
         self._spec_decode: dict[str, _Sent] = {}
+        self._task_loads: _Sent | None = None  # made when first sent: the engine takes LoRA tasks
 
     def _metric(self, name: str, description: str, kind, labels: dict | None = None, **options):
         family = self._families_by_name.get(name)
@@ -196,6 +197,12 @@ class TritonMetrics:
                                      for key, (name, desc) in SPEC_DECODE_COUNTERS.items()}
             for key, counter in self._spec_decode.items():
                 counter.advance(stats[key])
+        if "lora_task_loads" in stats:
+            if self._task_loads is None:
+                self._task_loads = _Sent(self._metric("inflight_lora_task_loads_total", "LoRA tasks sent with "
+                                                      "requests (lora_weights) loaded into a slot",
+                                                      self._pb_utils.MetricFamily.COUNTER))
+            self._task_loads.advance(stats["lora_task_loads"])
         for adapter, (running, waiting, total) in stats.get("lora_requests", {}).items():
             sent = self._lora.get(adapter) or self._lora_metrics(adapter)
             sent[0].set(running)

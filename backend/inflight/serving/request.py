@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
+from ..lora_tasks import LoRATask
 from ..sampling_params import SamplingParams
 from ..structured_output import TENSORRT_LLM_GUIDE_TYPES
 from .settings import ServingSettings
@@ -51,11 +52,12 @@ VLLM_PARAMETERS = {"priority", "lora_name", "guided_decoding", "best_of", "use_b
                    "spaces_between_special_tokens"}
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # TensorRT-LLM's structured outputs
 BIAS_INPUTS = ("embedding_bias_words", "embedding_bias_weights")  # TensorRT-LLM's logit bias by words
+LORA_TASK_INPUTS = ("lora_task_id", "lora_weights", "lora_config")  # TensorRT-LLM's LoRA adapters (lora_tasks.py)
 KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "stop_words", "bad_words",
                 "priority", "num_return_sequences", "beam_search_diversity_rate", "pad_id", "draft_input_ids",
                 "draft_logits",
                 "prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_ids",
-                *SCALAR_PARAMS, *FLAGS,
+                *LORA_TASK_INPUTS, *SCALAR_PARAMS, *FLAGS,
                 *GUIDE_INPUTS, *BIAS_INPUTS}
 
 
@@ -65,6 +67,7 @@ class ParsedRequest:
     params: SamplingParams
     priority: int = 0
     lora_name: str | None = None  # vllm_backend's: the LoRA adapter (one of the server's lora_modules)
+    lora_task: LoRATask | None = None  # TensorRT-LLM's: an adapter sent with the request, or its task id
     stream: bool = False
     exclude_input_in_output: bool = False
     return_finish_reason: bool = False
@@ -257,6 +260,19 @@ def _check_extra_ids(inputs: dict[str, np.ndarray]) -> None:
                          f"{extra.dtype} {list(extra.shape)}")
 
 
+def _lora_task(inputs: dict[str, np.ndarray]) -> LoRATask | None:
+    """TensorRT-LLM's lora_task_id, with lora_weights and lora_config the first time (the engine checks
+    their shapes against the model)."""
+    if not any(name in inputs for name in LORA_TASK_INPUTS):
+        return None
+    if "lora_task_id" not in inputs:
+        raise ValueError("inputs 'lora_weights' and 'lora_config' go with 'lora_task_id'")
+    task_id = _scalar("lora_task_id", inputs["lora_task_id"])
+    if isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 0:
+        raise ValueError(f"input 'lora_task_id' must be a UINT64 task id, got {task_id!r}")
+    return LoRATask(task_id, inputs.get("lora_weights"), inputs.get("lora_config"))
+
+
 def _token_ids(name: str, ids: np.ndarray) -> list[int]:
     """Token ids of shape [n] or [1, n] (their range is checked against the vocabulary later)."""
     if ids.dtype.kind not in "iu" or ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
@@ -416,7 +432,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
     elif isinstance(prompt, list) and values.get("n", 1) != 1 and not per_completion:
         raise ValueError("with 'input_ids', several completions come from 'num_return_sequences' (a response "
                          "per completion, each with its output_ids), not from n")
-    if values.get("return_generation_logits") and values.get("n", 1) > 1 and not per_completion:
+    n = values.get("n", 1)  # (not an integer: SamplingParams refuses it below)
+    if values.get("return_generation_logits") and isinstance(n, int) and n > 1 and not per_completion:
         raise ValueError("with n > 1, generation logits come in a response per completion: ask for them with "
                          "num_return_sequences")
     bias_words = _bias_words(inputs, settings) if any(name in inputs for name in BIAS_INPUTS) else []
@@ -428,4 +445,4 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
                          f"{settings.max_tokens_limit}")
     return ParsedRequest(prompt=prompt, params=params, priority=priority, lora_name=lora_name,
                          per_completion_responses=per_completion, bias_words=bias_words,
-                         prompt_embedding_table=_embedding_table(inputs), **flags)
+                         prompt_embedding_table=_embedding_table(inputs), lora_task=_lora_task(inputs), **flags)

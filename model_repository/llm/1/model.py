@@ -302,7 +302,7 @@ class TritonPythonModel:
             # Not streamed, each completion is sent whole: the engine hands it over once, when it ends
             # (no delta a token to build, pass on and gather here).
             self.thread.submit(request_id, parsed.engine_prompt(token_ids), params, parsed.priority,
-                               parsed.lora_name, final_only=not parsed.stream)
+                               parsed.lora_name, final_only=not parsed.stream, lora_task=parsed.lora_task)
         except Exception:
             del self.active[request_id]
             raise
