@@ -139,6 +139,10 @@ def main() -> None:
     parser.add_argument("--sampling-parameters", metavar="JSON",
                         help="more sampling parameters, with vLLM's names (a JSON object), e.g. "
                              '\'{"logit_bias": {"19081": -100}, "stop": ["."]}\'')
+    parser.add_argument("--lora-task-id", type=int, help="TensorRT-LLM's LoRA task of the request (the server needs "
+                        "lora_task_slots): sent with --lora-dir the first time, alone after")
+    parser.add_argument("--lora-dir", help="a peft LoRA adapter folder, sent as the task's lora_weights and "
+                        "lora_config")
     args = parser.parse_args()
     prompt = args.prompt
     if args.chat:
@@ -156,8 +160,17 @@ def main() -> None:
         if not isinstance(given, dict):
             sys.exit("error: --sampling-parameters must be a JSON object")
         sampling.update(given)
+    lora = {}
+    if args.lora_dir and args.lora_task_id is None:
+        sys.exit("error: --lora-dir goes with --lora-task-id")
+    if args.lora_task_id is not None:
+        lora["lora_task_id"] = np.array([args.lora_task_id], np.uint64)
+    if args.lora_dir:
+        from lora_adapters import trtllm_lora_tensors
+
+        lora["lora_weights"], lora["lora_config"] = trtllm_lora_tensors(args.lora_dir, np.float16)
     result = generate(args.url, prompt, on_text=lambda t: print(t, end="", flush=True), sampling_parameters=sampling,
-                      return_num_output_tokens=True, return_finish_reason=True)
+                      return_num_output_tokens=True, return_finish_reason=True, **lora)
     print()
     if result.error:
         sys.exit(f"error: {result.error}")

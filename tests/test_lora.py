@@ -282,7 +282,8 @@ def test_lora_tasks_beside_named_adapters_and_in_fused_forms(model, adapters, pe
         assert out.token_ids == peft_reference(prompt, name), f"adapter {name}"
 
     phi3 = str(make_tiny_model("phi3", tmp_path / "phi3-model"))
-    adapter = make_lora_adapter(phi3, tmp_path / "phi3", 3, r=4, lora_alpha=8,
+    # (rank 8: qkv_proj's one A serves its three parts, 8 columns of the 16 a slot has, not 24)
+    adapter = make_lora_adapter(phi3, tmp_path / "phi3", 3, r=8, lora_alpha=16,
                                 target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     reference = PeftReference(phi3, {"phi3": adapter})
     llm = LLM(phi3, dtype="float32", device="cpu", num_kv_blocks=128, lora_task_slots=1)

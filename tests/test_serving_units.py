@@ -70,6 +70,8 @@ def test_parse_beam_search_in_both_conventions():
                                                                     "early_stopping": "never"})
     assert (parsed.params.beam_width, parsed.params.n, parsed.params.early_stopping) == (3, 2, "never")
     assert parse_request({"text_input": text("hi"), "beam_width": np.array([1], np.int32)}).params.n == 1
+    ensemble = {"beam_width": np.array([2], np.int32), "length_penalty": np.array([0.25], np.float32)}
+    assert parse_request({"text_input": text("hi"), **ensemble}).params.length_penalty == 0.25
     for inputs, words in (({"beam_search_diversity_rate": np.array([0.3], np.float32)}, "diverse beam search"),
                           ({"pad_id": np.array([-1], np.int32)}, "pad_id"),
                           ({"beam_width": np.array([2], np.int32), "top_p": np.array([0.5], np.float32)},

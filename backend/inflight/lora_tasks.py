@@ -155,16 +155,21 @@ def read_task(task: LoRATask, parts: dict[tuple[int, str], Part], max_rank: int,
     matrices = {}
     out_features = {p.module: p.out_features for p in parts.values()}
     for module, pieces in by_module.items():
-        rank = sum(a.shape[0] for _, _, a, _ in pieces)
+        # Each A once (attn_qkv's serves the query, key and value parts of a fused layer), with its columns
+        # of B holding the row blocks of the parts it serves.
+        unique_a: list[torch.Tensor] = []
+        first_column: dict[int, int] = {}  # id of an A -> its first column
+        for _, _, a, _ in pieces:
+            if id(a) not in first_column:
+                first_column[id(a)] = sum(x.shape[0] for x in unique_a)
+                unique_a.append(a)
+        rank = sum(a.shape[0] for a in unique_a)
         if rank > max_rank:
             raise ValueError(f"the adapters of {module} add up to rank {rank}, more than max_lora_rank ({max_rank})")
-        a = torch.cat([a for _, _, a, _ in pieces])
         b = torch.zeros(out_features[module], rank, dtype=dtype)
-        column = 0
-        for first, rows, piece_a, piece_b in pieces:  # (a row block of B for each piece's own columns)
-            b[first:first + rows, column:column + piece_a.shape[0]] = piece_b
-            column += piece_a.shape[0]
-        matrices[module] = (a, b)
+        for first, rows, a, piece_b in pieces:
+            b[first:first + rows, first_column[id(a)]:first_column[id(a)] + a.shape[0]] = piece_b
+        matrices[module] = (torch.cat(unique_a), b)
     return TaskWeights(task_id, matrices, digest)
 
 

@@ -37,6 +37,7 @@ SCALAR_PARAMS = {
     "ignore_eos": "ignore_eos",
     "beam_width": "beam_width",  # TensorRT-LLM's beam search, with its len_penalty and early_stopping
     "len_penalty": "length_penalty",
+    "length_penalty": "length_penalty",  # (the name of TensorRT-LLM's ensemble and BLS models)
     "early_stopping": "early_stopping",
     "return_context_logits": "return_context_logits",  # TensorRT-LLM's raw logits outputs
     "return_generation_logits": "return_generation_logits",
