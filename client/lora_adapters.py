@@ -1,5 +1,6 @@
 """Random LoRA adapters of a model, saved as peft saves any adapter: for the tests (outputs against
-peft's model) and the benchmark (the cost of serving adapters)."""
+peft's model) and the benchmark (the cost of serving adapters); and any peft adapter in TensorRT-LLM's
+format, as a request's lora_weights and lora_config (grpc_stream.py --lora-dir sends them)."""
 
 import math
 import re
