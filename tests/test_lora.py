@@ -2,6 +2,8 @@
 peft's model gives for each request alone, whatever computes the layers and however the steps run."""
 
 import json
+import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -387,3 +389,73 @@ def test_lora_task_settings_are_checked(model, adapters):
                               (dict(lora_task_slots=2, torch_compile=True), "lora_task_slots and torch_compile")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(model, device="cpu", **settings)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_requests_over_changing_tasks(model, adapters, seed):
+    """Random requests over three task ids, each sent with alpha's or beta's weights or by id alone, beside
+    the base model, with aborts, one or two slots and a pool small enough to preempt: every request that
+    ends well has the tokens of the adapter its task held when it was placed (the named adapter's, in
+    an engine of its own); the others end aborted or refused as documented; every block comes back."""
+    rng = random.Random(seed)
+    tensors = {name: trtllm_lora_tensors(path) for name, path in adapters.items()}
+    named = LLM(model, dtype="float32", device="cpu", num_kv_blocks=128, lora_modules=adapters)
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=12, block_size=8, max_num_seqs=6,
+              max_num_batched_tokens=64, lora_task_slots=1 + seed, async_scheduling=seed == 1)
+    held: dict[int, str] = {}  # task id -> the adapter its slot holds, as placed
+    live: dict[str, list] = {}  # request id -> [prompt, task, adapter, max_tokens, tokens]
+    placed_next: list[str] = []  # added since the last step, whose drain places (or refuses) them in order
+    ends = Counter()
+
+    def step():
+        deltas = llm.step()
+        refused = {d.request_id for d in deltas if d.error}
+        for request_id in placed_next:
+            request = live[request_id]
+            if request[1] is not None and request_id not in refused:
+                if request[1].weights is not None:
+                    held[request[1].task_id] = request[2]
+                else:
+                    request[2] = held[request[1].task_id]
+        placed_next.clear()
+        for d in deltas:
+            request = live[d.request_id]
+            request[4] += d.new_token_ids
+            if not d.finished:
+                continue
+            del live[d.request_id]
+            if d.error:
+                assert d.error_kind in ("unavailable", "invalid") and any(
+                    words in d.error for words in ("every one of", "in use with other weights", "not in the cache"))
+                ends[d.error_kind] += 1
+            elif d.finish_reason == "abort":
+                ends["aborted"] += 1
+            else:
+                prompt, _, name, max_tokens, tokens = request
+                expected = named.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True), lora_name=name)[0].token_ids
+                assert tokens == expected, f"request {d.request_id}, adapter {name}"
+                ends["ok"] += 1
+
+    for k, prompt in enumerate(random_prompts(30, 3, 60, vocab=512, seed=seed)):
+        task, name = None, None
+        if rng.random() < 0.75:
+            name = rng.choice([None, "alpha", "beta"])
+            task = LoRATask(rng.choice([1, 2, 3]), *tensors[name]) if name else LoRATask(rng.choice([1, 2, 3]))
+        request = [prompt, task, name, rng.randint(1, 16), []]
+        try:
+            llm.add_request(str(k), prompt, SamplingParams(max_tokens=request[3], temperature=0.0, ignore_eos=True),
+                            lora_task=task)
+            live[str(k)] = request
+            placed_next.append(str(k))
+        except ValueError as e:
+            assert "is not in the cache" in str(e), e
+            ends["refused"] += 1
+        if live and rng.random() < 0.1:
+            llm.abort(rng.choice(list(live)))
+        for _ in range(rng.randint(0, 3)):
+            step()
+    while llm.has_unfinished():
+        step()
+    assert ends["ok"] >= 10 and ends["refused"] + ends["unavailable"] >= 1 and llm.stats()["num_preemptions"], ends
+    llm.block_manager.check_all_free()
