@@ -214,7 +214,7 @@ class TaskSlots:
         if task.matrices is None:
             if held is None:
                 raise TaskRefused(f"LoRA task {task.task_id} is not in the cache: send its lora_weights and "
-                                 "lora_config with it again", "invalid")
+                                  "lora_config with it again", "invalid")
             self.slots[held].last_used = self._clock
             return held, self.slots[held].lora_id, False
         if held is not None and self.slots[held].digest == task.digest:
@@ -223,14 +223,14 @@ class TaskSlots:
         if held is not None:
             if self.slots[held].lora_id in in_use:
                 raise TaskRefused(f"LoRA task {task.task_id} is in use with other weights: send these again once "
-                                 "its requests have finished", "unavailable")
+                                  "its requests have finished", "unavailable")
             free = [held]
         else:
             free = sorted((k for k, s in enumerate(self.slots) if s.lora_id not in in_use),
                           key=lambda k: (self.slots[k].task_id is not None, self.slots[k].last_used))
         if not free:
             raise TaskRefused(f"every one of the {self.count} LoRA task slots (lora_task_slots) holds a task of "
-                             "unfinished requests: send this one again later", "unavailable")
+                              "unfinished requests: send this one again later", "unavailable")
         slot = free[0]
         self.slots[slot] = _Slot(task.task_id, task.digest, self.next_lora_id, self._clock)
         self.next_lora_id += 1
