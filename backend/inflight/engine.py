@@ -292,7 +292,7 @@ class LLMEngine:
     def _place_lora_task(self, seq: Sequence) -> None:
         """Between steps: the slot of a request's task, loaded if it must be (TaskRefused if none can be)."""
         task, seq.lora_task = seq.lora_task, None
-        in_use = {s.lora_id for seqs in self._requests.values() for s in seqs}
+        in_use = lambda: {s.lora_id for seqs in self._requests.values() for s in seqs}  # noqa: E731
         slot, seq.lora_id, load = self.lora_tasks.place(task, in_use)
         if load:
             self.runner.lora.load_slot(slot, seq.lora_id, task.matrices)

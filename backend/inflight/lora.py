@@ -116,7 +116,7 @@ class LoRAAdapters:
     def __init__(self, model: torch.nn.Module, lora_modules: dict[str, str], dtype: torch.dtype,
                  device: torch.device, task_slots: int = 0, max_rank: int = 0):
         self.names = list(lora_modules)
-        self.task_slots, self.max_rank, self.dtype = task_slots, max_rank, dtype
+        self.max_rank, self.dtype = max_rank, dtype
         by_layer: dict[str, list[_LayerAdapter]] = {}
         for adapter_id, (name, path) in enumerate(lora_modules.items(), start=1):
             for module_name, adapter in load_adapter(name, path, model, adapter_id).items():

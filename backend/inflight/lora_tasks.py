@@ -26,6 +26,7 @@ two tasks that shared a slot (block_manager.py keys blocks by the adapter id).
 
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -206,9 +207,10 @@ class TaskSlots:
     def holds(self, task_id: int) -> bool:
         return any(s.task_id == task_id for s in self.slots)
 
-    def place(self, task: TaskWeights, in_use: set[int]) -> tuple[int, int, bool]:
+    def place(self, task: TaskWeights, in_use: Callable[[], set[int]]) -> tuple[int, int, bool]:
         """(slot, adapter id, whether the slot must be loaded with the task's matrices) for a request of
-        `task`; `in_use`: the adapter ids of unfinished requests. TaskRefused when it cannot be placed."""
+        `task`; `in_use()`: the adapter ids of unfinished requests, asked only where a slot must be
+        (re)loaded. TaskRefused when it cannot be placed."""
         self._clock += 1
         held = next((k for k, s in enumerate(self.slots) if s.task_id == task.task_id), None)
         if task.matrices is None:
@@ -220,13 +222,14 @@ class TaskSlots:
         if held is not None and self.slots[held].digest == task.digest:
             self.slots[held].last_used = self._clock
             return held, self.slots[held].lora_id, False
+        busy = in_use()
         if held is not None:
-            if self.slots[held].lora_id in in_use:
+            if self.slots[held].lora_id in busy:
                 raise TaskRefused(f"LoRA task {task.task_id} is in use with other weights: send these again once "
                                   "its requests have finished", "unavailable")
             free = [held]
         else:
-            free = sorted((k for k, s in enumerate(self.slots) if s.lora_id not in in_use),
+            free = sorted((k for k, s in enumerate(self.slots) if s.lora_id not in busy),
                           key=lambda k: (self.slots[k].task_id is not None, self.slots[k].last_used))
         if not free:
             raise TaskRefused(f"every one of the {self.count} LoRA task slots (lora_task_slots) holds a task of "
