@@ -6,6 +6,7 @@ Prints the text as it arrives, then time to first token and tokens/s.
 """
 
 import argparse
+import base64
 import json
 import queue
 import sys
@@ -143,6 +144,10 @@ def main() -> None:
                         "lora_task_slots): sent with --lora-dir the first time, alone after")
     parser.add_argument("--lora-dir", help="a peft LoRA adapter folder, sent as the task's lora_weights and "
                         "lora_config")
+    parser.add_argument("--image", action="append", default=[], metavar="FILE",
+                        help="an image file (PNG, JPEG, ...) for a vision-language model, sent base64-encoded as "
+                        "vllm_backend's `image` input; repeat it for several, each where a placeholder of the "
+                        "prompt (<image> for LLaVA) says")
     args = parser.parse_args()
     prompt = args.prompt
     if args.chat:
@@ -169,8 +174,11 @@ def main() -> None:
         from lora_adapters import trtllm_lora_tensors
 
         lora["lora_weights"], lora["lora_config"] = trtllm_lora_tensors(args.lora_dir, np.float16)
+    extra = dict(lora)
+    if args.image:
+        extra["image"] = [base64.b64encode(Path(path).read_bytes()).decode() for path in args.image]
     result = generate(args.url, prompt, on_text=lambda t: print(t, end="", flush=True), sampling_parameters=sampling,
-                      return_num_output_tokens=True, return_finish_reason=True, **lora)
+                      return_num_output_tokens=True, return_finish_reason=True, **extra)
     print()
     if result.error:
         sys.exit(f"error: {result.error}")

@@ -117,6 +117,9 @@ class EngineConfig:
     # Speculative decoding (speculative.py), vLLM's names: {"method": "ngram", "num_speculative_tokens": k,
     # ...}; see SpeculativeConfig. None: a token a step.
     speculative_config: SpeculativeConfig | dict | None = None
+    # A vision-language model's images (images.py): at most this many in one prompt (vLLM's
+    # limit_mm_per_prompt), each run through the vision tower when its request is added.
+    max_images_per_prompt: int = 4
 
     # Share of free memory given to the KV pool when neither a block count nor bytes are set.
     # A GPU holds little else; on a CPU host the rest of the machine needs its memory.
@@ -157,6 +160,7 @@ class EngineConfig:
         positive("max_model_len", allow_none=True)
         positive("num_threads", allow_none=True)
         positive("max_consecutive_failed_steps")
+        positive("max_images_per_prompt")
         graph_tokens = self.cuda_graph_max_tokens
         if isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be an integer of at least 0, got {graph_tokens!r}")

@@ -220,7 +220,11 @@ class LLMEngine:
                                  f"model's vocab_size ({vocab})")
         elif isinstance(prompt, dict):
             if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs cannot be measured for a prompt given as embeddings")
+                raise ValueError("prompt_logprobs cannot be measured for a prompt given as embeddings or images")
+            if "multi_modal_data" in prompt:
+                if params.truncate_prompt_tokens:
+                    raise ValueError("truncate_prompt_tokens would cut a prompt's images: not taken with images")
+                prompt = self._image_prompt(prompt, vocab)
             hf_config = self.runner.hf_config
             token_ids, embeds = prompt_embeds.resolve(prompt, vocab, hf_config.hidden_size, self.runner.dtype,
                                                       self.max_model_len)
@@ -228,6 +232,9 @@ class LLMEngine:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if self.runner.images is not None and embeds is None and self.runner.images.image_token_id in token_ids:
+            raise ValueError(f"the prompt holds the image placeholder ({self.runner.images.placeholder}) but no "
+                             "image: send an image for each placeholder with it (multi_modal_data; served, the `image` input)")
         token_ids = params.truncated(token_ids, self.max_model_len)
         if not token_ids:
             raise ValueError("prompt must not be empty")
@@ -253,6 +260,23 @@ class LLMEngine:
             self._inbox.append(seq)
             self.num_lora_requests[lora_id] += 1  # (a task's requests are counted in stats' lora_task_loads)
         return token_ids
+
+    def _image_prompt(self, prompt: dict, vocab_size: int) -> dict:
+        """vLLM's {"prompt": text, "multi_modal_data": {"image": images}} as a prompt of embeddings: the
+        image tokens read the vectors the model's vision tower made of them (images.py)."""
+        if self.runner.images is None:
+            raise ValueError(f"this model ({self.runner.hf_config.model_type}) takes no images")
+        if set(prompt) != {"prompt", "multi_modal_data"}:
+            raise ValueError("a prompt with images is {'prompt': text, 'multi_modal_data': {'image': images}}, got "
+                             f"the keys {sorted(prompt)}")
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) != {"image"}:
+            raise ValueError("multi_modal_data takes images alone: {'image': an image or a list of images}")
+        token_ids, vectors = self.runner.images.prompt(prompt["prompt"], data["image"])
+        rows = iter(range(vocab_size, vocab_size + len(vectors)))
+        image_token = self.runner.images.image_token_id
+        return {"prompt_token_ids": [next(rows) if t == image_token else t for t in token_ids],
+                "prompt_embedding_table": vectors}
 
     def _start_beam_search(self, seq: Sequence, vocab_size: int) -> None:
         p = seq.params

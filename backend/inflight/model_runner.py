@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from . import ops
+from . import images, ops
 from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, AttentionContext
 from .config import EngineConfig
 from .cpu_experts import pack_experts
@@ -64,8 +64,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":
             keep_freed_memory()
-        hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-        hf_config = getattr(hf_config, "text_config", hf_config)
+        full_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        hf_config = getattr(full_config, "text_config", full_config)
         self.attention_chunk = attention_chunk(hf_config)  # before loading the weights: refused at once
         self.dtype = dtype = self._dtype(getattr(hf_config, "dtype", None))
         sharding = {}
@@ -73,11 +73,19 @@ class ModelRunner:
             from transformers.distributed import DistributedConfig
             sharding["distributed_config"] = DistributedConfig(tp_size=self.world_size, tp_plan="auto")
         attn_implementation = ATTN_IMPLEMENTATION_COMPILED if config.torch_compile else ATTN_IMPLEMENTATION
+        self.images = None  # a vision-language model's image encoder (images.py)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(
-                config.model, dtype=dtype, attn_implementation=attn_implementation,
-                trust_remote_code=config.trust_remote_code, **sharding,
-            ).to(self.device).eval()
+            if images.is_vision_language(full_config):
+                if self.world_size > 1:
+                    raise refuse(full_config.model_type, "a vision-language model runs with tensor_parallel_size 1")
+                model, self.images = images.load(config.model, dtype, attn_implementation, config.trust_remote_code,
+                                                 config.max_images_per_prompt)
+                self.images.to(self.device)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    config.model, dtype=dtype, attn_implementation=attn_implementation,
+                    trust_remote_code=config.trust_remote_code, **sharding)
+            self.model = model.to(self.device).eval()
         except KeyError as e:  # modeling code that picks attention classes by name has none for ours
             if e.args != (attn_implementation,):
                 raise

@@ -8,6 +8,8 @@ supported). Every problem raises a ValueError that names the input. Sizes are ch
 server's limits (ServingSettings) before anything is tokenized.
 """
 
+import base64
+import binascii
 import json
 import math
 from collections.abc import Callable
@@ -58,6 +60,7 @@ KNOWN_INPUTS = {"text_input", "input_ids", "sampling_parameters", "end_id", "sto
                 "priority", "num_return_sequences", "beam_search_diversity_rate", "pad_id", "draft_input_ids",
                 "draft_logits",
                 "prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_ids",
+                "image",  # vllm_backend's: base64-encoded image files, for a vision-language model
                 *LORA_TASK_INPUTS, *SCALAR_PARAMS, *FLAGS,
                 *GUIDE_INPUTS, *BIAS_INPUTS}
 
@@ -83,9 +86,13 @@ class ParsedRequest:
     # TensorRT-LLM's p-tuning table [rows, hidden]: input_ids from the model's vocab_size up read its rows;
     # without input_ids, its rows are the whole prompt (vLLM's prompt_embeds).
     prompt_embedding_table: np.ndarray | None = None
+    images: list[bytes] | None = None  # vllm_backend's `image`: each an image file's bytes, for text_input
 
     def engine_prompt(self, token_ids: list[int]) -> list[int] | dict:
-        """What the engine takes (LLMEngine.add_request): the token ids, or the prompt of embeddings."""
+        """What the engine takes (LLMEngine.add_request): the token ids, the prompt of embeddings, or the
+        text with its images (the model's processor tokenizes it, placing the images' tokens)."""
+        if self.images is not None:
+            return {"prompt": self.prompt, "multi_modal_data": {"image": self.images}}
         table = self.prompt_embedding_table
         if table is None:
             return token_ids
@@ -223,6 +230,31 @@ def _prompt(inputs: dict[str, np.ndarray], max_bytes: int) -> str | list[int]:
     if not prompt:
         raise ValueError("input 'text_input' must not be empty")
     return prompt
+
+
+def _images(inputs: dict[str, np.ndarray], prompt: str | list[int], max_bytes: int) -> list[bytes] | None:
+    """vllm_backend's `image` input: one base64-encoded image file (PNG, JPEG, ...) per element, each
+    where a placeholder of text_input says."""
+    if "image" not in inputs:
+        return None
+    if not isinstance(prompt, str):
+        raise ValueError("input 'image' goes with 'text_input' (its image placeholders say where each image goes)")
+    images = []
+    for k, value in enumerate(inputs["image"].reshape(-1)):
+        if isinstance(value, str):
+            value = value.encode("ascii", "replace")
+        if not isinstance(value, (bytes, bytearray)):
+            raise ValueError(f"input 'image' must be BYTES (base64-encoded image files), got {type(value).__name__}")
+        if len(value) > max_bytes:
+            raise ValueError(f"image {k} is {len(value)} bytes long (base64); this server accepts at most "
+                             f"{max_bytes} (max_image_bytes)")
+        try:
+            images.append(base64.b64decode(value, validate=True))
+        except binascii.Error as e:
+            raise ValueError(f"image {k} is not base64: {e}") from None
+    if not images:
+        raise ValueError("input 'image' holds no image")
+    return images
 
 
 def _embedding_table(inputs: dict[str, np.ndarray]) -> np.ndarray | None:
@@ -446,4 +478,5 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict | None = None,
                          f"{settings.max_tokens_limit}")
     return ParsedRequest(prompt=prompt, params=params, priority=priority, lora_name=lora_name,
                          per_completion_responses=per_completion, bias_words=bias_words,
-                         prompt_embedding_table=_embedding_table(inputs), lora_task=_lora_task(inputs), **flags)
+                         prompt_embedding_table=_embedding_table(inputs), lora_task=_lora_task(inputs),
+                         images=_images(inputs, prompt, settings.max_image_bytes), **flags)

@@ -20,6 +20,7 @@ class ServingSettings:
     max_input_bytes: int = 1 << 20  # each text input (the prompt, sampling_parameters, each word)
     max_words: int = SamplingParams.MAX_STOP_STRINGS  # stop, bad and embedding bias words, each per request
     max_word_chars: int = SamplingParams.MAX_STOP_LENGTH  # characters in one stop, bad or embedding bias word
+    max_image_bytes: int = 1 << 24  # each image of the `image` input, base64-encoded (a vision-language model's)
     # Asking Triton whether a request was cancelled is a message per request: at most this often.
     cancel_poll_interval_s: float = 0.2
     # The engine's metrics go to the server at most this often while it steps: each update is a message
@@ -66,7 +67,7 @@ class ServingSettings:
                                     or not 1 <= threads <= 64):
             raise ValueError(f"sender_threads must be an integer in [1, 64] or null, got {threads!r}")
         for name in ("max_queued_requests", "max_tokens_limit", "max_prompt_tokens", "default_max_tokens",
-                     "max_input_bytes", "max_words", "max_word_chars"):
+                     "max_input_bytes", "max_words", "max_word_chars", "max_image_bytes"):
             value = getattr(self, name)
             if value is None and name == "max_prompt_tokens":
                 continue

@@ -271,9 +271,10 @@ class TritonPythonModel:
         if self.engine.stats()["num_waiting"] >= self.serving.max_queued_requests:
             raise AdmissionRefused(f"the server is at its limit of {self.serving.max_queued_requests} "
                                    "queued requests; retry later")
-        if isinstance(parsed.prompt, list) or len(parsed.prompt) <= INLINE_TOKENIZE_CHARS:
+        if (isinstance(parsed.prompt, list) or len(parsed.prompt) <= INLINE_TOKENIZE_CHARS) and not parsed.images:
             self._enqueue(request, sender, parsed)
-        else:  # a long prompt (up to a second to tokenize) must not hold up the requests behind it
+        else:  # a long prompt (up to a second to tokenize), or images (the vision tower runs when the request
+            # is added), must not hold up the requests behind it
             self.long_prompts.submit(self._refusing_on_error, sender, self._enqueue, request, sender, parsed)
 
     def _enqueue(self, request, sender, parsed: ParsedRequest) -> None:

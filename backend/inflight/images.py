@@ -1,0 +1,118 @@
+"""Images in prompts, for vision-language models (LLaVA): each image becomes rows of prompt embeddings.
+
+A request gives a text prompt with the model's image placeholder (`<image>` for LLaVA) where each image
+goes, and the images (vLLM's {"prompt": text, "multi_modal_data": {"image": [...]}}). The checkpoint's
+own processor (AutoProcessor) expands each placeholder into the image's tokens and prepares its pixels;
+the model's own vision tower and projector (`get_image_features`) make one vector per image token, as HF
+`generate` does. The prompt then runs as a prompt of embeddings (prompt_embeds.py): its image tokens are
+virtual ids reading those vectors, so chunked prefill, preemption, the prefix cache (a row's digest: the
+same image is found again, another never), n and beams work as for any prompt.
+
+The engine runs the language model as the text-only causal LM of its config, made of the checkpoint's own
+decoder and output head (shared, not copied): packing, fused layers, LoRA and CUDA graphs see the language
+model alone. The vision modules stay with the ImageEncoder, which runs them when a request is added, one
+request at a time.
+"""
+
+import io
+import threading
+import warnings
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+from .model_support import refuse
+
+# Vision-language model types whose image tokens attend as text does (causally, with 1-D positions): the
+# engine's attention runs them exactly. (Gemma 3 lets an image's tokens see each other, Qwen2-VL gives
+# them 2-D positions, Mllama reads images by cross-attention: none of those is served with images.)
+IMAGE_MODEL_TYPES = ("llava",)
+
+
+def is_vision_language(hf_config) -> bool:
+    """A checkpoint of a vision-language model type the engine serves with images."""
+    return hf_config.model_type in IMAGE_MODEL_TYPES
+
+
+def load(model: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool, max_images: int,
+         ) -> tuple[torch.nn.Module, "ImageEncoder"]:
+    """The checkpoint's language model as a causal LM with inflight's attention, and its image encoder
+    (whose vision tower keeps transformers' own attention)."""
+    full = AutoModelForImageTextToText.from_pretrained(
+        model, dtype=dtype, trust_remote_code=trust_remote_code,
+        attn_implementation={"text_config": attn_implementation, "vision_config": "sdpa"}).eval()
+    text_config = full.config.text_config
+    with torch.device("meta"):  # (its own weights are replaced at once by the checkpoint's)
+        language_model = AutoModelForCausalLM.from_config(text_config, dtype=dtype)
+    language_model.config = text_config
+    language_model.model = full.get_decoder()
+    language_model.lm_head = full.get_output_embeddings()
+    left = [name for name, p in language_model.named_parameters() if p.is_meta]
+    if left:
+        raise refuse(full.config.model_type, f"its language model could not be run alone ({left[0]} is not "
+                                             "the checkpoint's)")
+    processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
+    return language_model.eval(), ImageEncoder(full.model, processor, full.config.image_token_id, max_images)
+
+
+class ImageEncoder:
+    def __init__(self, vision_language_model: torch.nn.Module, processor, image_token_id: int, max_images: int):
+        self.model = vision_language_model  # its get_image_features runs the vision tower and projector
+        self.processor = processor
+        self.image_token_id = image_token_id
+        self.placeholder = processor.image_token
+        self.max_images = max_images
+        self._lock = threading.Lock()  # (one request's images at a time: a fast tokenizer is not thread-safe)
+
+    def to(self, device: torch.device) -> "ImageEncoder":
+        self.model.to(device)
+        return self
+
+    @torch.inference_mode()
+    def prompt(self, text, images) -> tuple[list[int], torch.Tensor]:
+        """The prompt's token ids (each image's tokens as `image_token_id`) and the vectors of its image
+        tokens in order [image tokens, hidden]. ValueError naming what is wrong with the request."""
+        if not isinstance(text, str) or not text:
+            raise ValueError("a prompt with images needs its text, with a placeholder "
+                             f"({self.placeholder}) where each image goes")
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        if not images:
+            raise ValueError("multi_modal_data's image list is empty")
+        if len(images) > self.max_images:
+            raise ValueError(f"the prompt has {len(images)} images; this server takes at most {self.max_images} "
+                             "(max_images_per_prompt)")
+        placeholders = text.count(self.placeholder)
+        if placeholders != len(images):
+            raise ValueError(f"the prompt has {placeholders} image placeholders ({self.placeholder}) for "
+                             f"{len(images)} images: give one placeholder where each image goes")
+        pictures = [_picture(k, image) for k, image in enumerate(images)]
+        with self._lock:
+            inputs = self.processor(text=text, images=pictures, return_tensors="pt")
+            token_ids = inputs.pop("input_ids")[0].tolist()
+            pixels = {name: value.to(self.model.device) if torch.is_tensor(value) else value
+                      for name, value in inputs.items() if name not in ("attention_mask", "token_type_ids")}
+            pixels["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
+            features = self.model.get_image_features(**pixels, return_dict=True).pooler_output
+        vectors = torch.cat(list(features)).reshape(-1, features[0].shape[-1]).to("cpu")
+        if token_ids.count(self.image_token_id) != len(vectors):  # (the processor and the model disagree)
+            raise ValueError(f"the images made {len(vectors)} vectors for {token_ids.count(self.image_token_id)} "
+                             "image tokens of the prompt")
+        return token_ids, vectors
+
+
+def _picture(index: int, image):
+    """An RGB PIL image from a PIL image or an encoded file's bytes (PNG, JPEG, ...)."""
+    from PIL import Image  # (only where images are served: the engine does not need Pillow otherwise)
+
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        try:
+            with warnings.catch_warnings():  # a decompression bomb is refused, never decoded
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                image = Image.open(io.BytesIO(image))
+                image.load()
+        except (OSError, ValueError, Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
+            raise ValueError(f"image {index} could not be read: {e}") from None
+    elif not isinstance(image, Image.Image):
+        raise ValueError(f"image {index} must be a PIL image or an image file's bytes, got {type(image).__name__}")
+    return image.convert("RGB")

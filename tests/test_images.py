@@ -1,0 +1,238 @@
+"""Images in prompts (images.py): a tiny random LLaVA (a CLIP vision tower, a Llama language model) built
+here, its greedy output equal to HF `generate` with the same images token for token, through the engine
+and through tritonserver's `image` input (vllm_backend's)."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import DEFAULT_MODEL, assert_all_blocks_free, serve, stream_to_the_end
+from inflight import LLM, SamplingParams
+
+PIL = pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+PLACEHOLDER = "<image>"
+IMAGE_SIZE, PATCH = 30, 6  # 25 patches: 25 image tokens an image (the class token dropped)
+
+
+def make_tiny_llava(out) -> str:
+    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    tokenizer.add_special_tokens({"additional_special_tokens": [PLACEHOLDER]})
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=2,
+                       bos_token_id=1, tie_word_embeddings=False)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(
+        PLACEHOLDER), vision_feature_layer=-2, vision_feature_select_strategy="default", initializer_range=0.2)
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(out)
+    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=size),
+                   tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+                   image_token=PLACEHOLDER, num_additional_image_tokens=1).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory) -> str:
+    return make_tiny_llava(tmp_path_factory.mktemp("llava"))
+
+
+class Reference:
+    """HF transformers' own LLaVA of the checkpoint and its processor: greedy continuations."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+
+    def __call__(self, text: str, images: list | None, max_new_tokens: int = 10) -> list[int]:
+        inputs = self.processor(text=text, images=images or None, return_tensors="pt")
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                  do_sample=False)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llava) -> Reference:
+    return Reference(tiny_llava)
+
+
+def pictures(count: int, seed: int = 0) -> list:
+    """Random RGB images of different sizes (the processor resizes and crops them)."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (36 + 5 * k, 44 - 3 * k, 3), dtype=np.uint8)) for k in range(count)]
+
+
+def png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def with_images(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+@pytest.mark.parametrize("settings", [
+    dict(),  # the CPU's defaults: packed weights, fused layers
+    # chunks of 16 tokens cut through the images' 25 tokens; a pool this small preempts and recomputes
+    dict(max_num_batched_tokens=16, max_num_seqs=8, num_kv_blocks=14, block_size=8, packed_weights=False),
+], ids=["defaults", "chunked-preempted"])
+def test_images_equal_hf_generate(tiny_llava, reference, settings):
+    """Prompts of one image, of two, of an image given as a file's bytes, and of text alone, in one
+    batch: each output HF's for the same text and images."""
+    a, b, c = pictures(3)
+    prompts = [("USER: <image>\nWhat is shown here? ASSISTANT:", [a]),
+               ("Compare <image> with <image>, please.", [b, c]),
+               ("<image> described in a word:", [png(c)]),
+               ("A prompt of text alone, beside them", [])]
+    llm = LLM(tiny_llava, **settings)
+    outs = llm.generate([with_images(text, images) if images else text for text, images in prompts],
+                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    for (text, images), out in zip(prompts, outs):
+        decoded = [Image.open(io.BytesIO(i)) if isinstance(i, bytes) else i for i in images]
+        assert out.outputs[0].token_ids == reference(text, decoded, 24), text
+        assert len(out.prompt_token_ids) == len(reference.processor(text=text, images=decoded or None)["input_ids"][0])
+    if "num_kv_blocks" in settings:
+        assert llm.stats()["num_preemptions"] > 0
+    llm.block_manager.check_all_free()
+
+
+def test_the_prefix_cache_finds_an_image_again_and_tells_images_apart(tiny_llava, reference):
+    """The same text and image again find their blocks; another image of the same size after the same
+    text finds only the text's blocks before it, and its output is HF's for its own image."""
+    first, other = pictures(2, seed=5)
+    other = other.resize(first.size)
+    text = "Here is a picture for you to see: <image> and a question about it"
+    llm = LLM(tiny_llava, block_size=8, num_kv_blocks=64)
+    before_image = len(llm.tokenizer(text.split(PLACEHOLDER)[0])["input_ids"]) // 8 * 8
+    hits = []
+    for image in (first, first, other):
+        start = llm.stats()["prefix_cache_hit_tokens"]
+        out = llm.generate([with_images(text, [image])], GREEDY)[0]
+        hits.append(llm.stats()["prefix_cache_hit_tokens"] - start)
+        assert out.outputs[0].token_ids == reference(text, [image])
+    full_blocks = (len(out.prompt_token_ids) - 1) // 8 * 8  # (a prompt's last token is always computed)
+    assert before_image > 0 and hits == [0, full_blocks, before_image]
+    llm.block_manager.check_all_free()
+
+
+def test_completions_and_beams_over_an_image(tiny_llava, reference):
+    """n greedy completions are each HF's; a beam search of width 1 equals greedy too."""
+    image = pictures(1, seed=9)[0]
+    text = "<image> Tell me about it."
+    llm = LLM(tiny_llava)
+    expected = reference(text, [image])
+    out = llm.generate([with_images(text, [image])], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                                     n=2))[0]
+    assert [c.token_ids for c in out.outputs] == [expected, expected]
+    beams = llm.generate([with_images(text, [image])], SamplingParams(max_tokens=10, beam_width=1, ignore_eos=True,
+                                                                       temperature=0))[0]
+    assert beams.outputs[0].token_ids == expected
+    llm.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    (with_images("no placeholder", ["IMAGE"]), GREEDY, "0 image placeholders (<image>) for 1 images"),
+    (with_images("<image> and <image>", ["IMAGE"]), GREEDY, "2 image placeholders (<image>) for 1 images"),
+    ("<image> without its image", GREEDY, "holds the image placeholder (<image>) but no image"),
+    (with_images("<image>", [b"not an image file"]), GREEDY, "image 0 could not be read"),
+    (with_images("<image>", [3]), GREEDY, "image 0 must be a PIL image or an image file's bytes, got int"),
+    (with_images("<image> <image> <image>", ["IMAGE"] * 3), GREEDY, "at most 2 (max_images_per_prompt)"),
+    (with_images("<image>", []), GREEDY, "image list is empty"),
+    (with_images(["ids"], ["IMAGE"]), GREEDY, "a prompt with images needs its text"),
+    ({"prompt": "<image>", "multi_modal_data": {"video": []}}, GREEDY, "multi_modal_data takes images alone"),
+    ({"prompt": "<image>", "multi_modal_data": {"image": []}, "extra": 1}, GREEDY, "a prompt with images is"),
+    (with_images("<image>", ["IMAGE"]), SamplingParams(truncate_prompt_tokens=5), "would cut a prompt's images"),
+    (with_images("<image>", ["IMAGE"]), SamplingParams(prompt_logprobs=1), "prompt_logprobs cannot be measured"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_image_prompts_are_refused_by_name(tiny_llava, reference, prompt, params, message):
+    llm = _refusing_llm(tiny_llava)
+    data = prompt.get("multi_modal_data", {}) if isinstance(prompt, dict) else {}
+    if isinstance(data.get("image"), list):
+        data["image"] = [pictures(1)[0] if i == "IMAGE" else i for i in data["image"]]
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        llm.generate([prompt], params)
+    text = "<image> still served"  # and the engine goes on
+    assert llm.generate([with_images(text, pictures(1))], GREEDY)[0].outputs[0].token_ids == reference(
+        text, pictures(1))
+    llm.block_manager.check_all_free()
+
+
+_engines: dict = {}
+
+
+def _refusing_llm(model_dir: str) -> LLM:
+    """One engine for every refusal (each refused before anything is queued)."""
+    if model_dir not in _engines:
+        _engines[model_dir] = LLM(model_dir, max_images_per_prompt=2)
+    return _engines[model_dir]
+
+
+def test_a_text_only_model_takes_no_images(tiny_models):
+    llm = LLM(tiny_models["llama"])
+    with pytest.raises(ValueError, match="this model \\(llama\\) takes no images"):
+        llm.generate([with_images("<image>", pictures(1))], GREEDY)
+    with pytest.raises(ValueError, match="max_images_per_prompt must be a positive integer"):
+        LLM(tiny_models["llama"], max_images_per_prompt=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_beside_cuda_graphs(tiny_llava, reference):
+    """On a GPU (float32; the vision tower there too; decode steps in CUDA graphs): HF's outputs, with a
+    prompt of text alone beside the images' prompts."""
+    images = pictures(2, seed=4)
+    prompts = [("<image> and <image>: what differs?", images), ("<image> again", images[1:])]
+    llm = LLM(tiny_llava, device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
+    assert llm.runner.graphs is not None
+    outs = llm.generate([with_images(t, i) for t, i in prompts] + ["text alone"], GREEDY)
+    for (text, images), out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference(text, images)
+    assert llm.runner.graphs.replays > 0
+    llm.block_manager.check_all_free()
+
+
+@pytest.fixture(scope="module")
+def llava_server(tiny_llava):
+    yield from serve(model=tiny_llava, max_images_per_prompt=2, max_image_bytes=16384)
+
+
+@pytest.mark.server
+def test_served_images_equal_hf_generate(llava_server, reference):
+    """vllm_backend's `image` input (base64-encoded files, one per element) beside `text_input`: streamed
+    output equal to HF's; bad images refused with the reason; every block free after."""
+    url = llava_server.grpc_url
+    a, b = pictures(2, seed=11)
+    text = "Compare <image> with <image>:"
+    tokenizer = reference.processor.tokenizer
+    images = [base64.b64encode(png(i)).decode() for i in (a, b)]
+    params = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    served = stream_to_the_end(url, text, image=images, sampling_parameters=params)
+    assert served["error"] is None and served["finals"] == 1 and served["after_final"] == 0
+    assert served["text"] == tokenizer.decode(reference(text, [a, b]), skip_special_tokens=True)
+    refusals = {
+        "not base64": dict(image=["***"]),
+        "(max_image_bytes)": dict(image=["A" * 16388]),
+        "could not be read": dict(image=[base64.b64encode(b"not a picture").decode()], prompt="<image>"),
+        "at most 2 (max_images_per_prompt)": dict(image=images + images[:1], prompt="<image><image><image>"),
+        "2 image placeholders": dict(image=images[:1]),
+        "input 'image' goes with 'text_input'": dict(image=images[:1], prompt=None,
+                                                     input_ids=np.array([1, 2], dtype=np.int32)),
+    }
+    for message, inputs in refusals.items():
+        prompt = inputs.pop("prompt", text)
+        result = stream_to_the_end(url, prompt, quiet_s=0.3, sampling_parameters=params, **inputs)
+        assert result["error"] is not None and message in result["error"], (message, result["error"])
+        assert result["finals"] == 1
+    assert_all_blocks_free(llava_server)
