@@ -1,6 +1,7 @@
-"""Images in prompts (images.py): a tiny random LLaVA (a CLIP vision tower, a Llama language model) built
-here, its greedy output equal to HF `generate` with the same images token for token, through the engine
-and through tritonserver's `image` input (vllm_backend's)."""
+"""Images in prompts (images.py): tiny random vision-language models built here (LLaVA and LLaVA-NeXT: a
+CLIP vision tower; Idefics3: a SigLIP-like one; each with a Llama language model), their greedy output
+equal to HF `generate` with the same images token for token, through the engine and through
+tritonserver's `image` input (vllm_backend's)."""
 
 import base64
 import io
@@ -20,31 +21,87 @@ PLACEHOLDER = "<image>"
 IMAGE_SIZE, PATCH = 30, 6  # 25 patches: 25 image tokens an image (the class token dropped)
 
 
-def make_tiny_llava(out) -> str:
-    from transformers import (AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+def _tokenizer(*special: str):
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    tokenizer.add_special_tokens({"additional_special_tokens": [PLACEHOLDER]})
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
-    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
+    return tokenizer
+
+
+def _text_config(vocab_size: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=2,
                        bos_token_id=1, tie_word_embeddings=False)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(
-        PLACEHOLDER), vision_feature_layer=-2, vision_feature_select_strategy="default", initializer_range=0.2)
+
+
+def _clip(**sizes):
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32, **sizes)
+
+
+def make_tiny_vlm(model_type: str, out) -> str:
+    """A tiny random checkpoint of a vision-language model type, with its processor, in `out`."""
+    import transformers as tf
+
+    crop = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    if model_type == "idefics3":  # (SmolVLM): a SigLIP-like tower, pixel shuffle, images as fake-token spans
+        tokenizer = _tokenizer("<fake_token_around_image>", PLACEHOLDER, "<end_of_utterance>", "<global-img>")
+        vision = tf.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, image_size=32, patch_size=8)
+        config = tf.Idefics3Config(vision_config=vision.to_dict(), text_config=_text_config(len(tokenizer)).to_dict(),
+                                   scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids(PLACEHOLDER),
+                                   initializer_range=0.2)
+        model = tf.Idefics3ForConditionalGeneration
+        sizes = {"longest_edge": 32}
+        processor = tf.Idefics3Processor(tf.Idefics3ImageProcessor(do_image_splitting=False, size=sizes,
+                                                                   max_image_size=sizes),
+                                         tokenizer=tokenizer, image_seq_len=4)
+    else:  # llava, llava_next (tiles of the image at the grid's resolutions, and a newline vector a row)
+        tokenizer = _tokenizer(PLACEHOLDER)
+        image_token = tokenizer.convert_tokens_to_ids(PLACEHOLDER)
+        common = dict(vision_config=_clip(), text_config=_text_config(len(tokenizer)), vision_feature_layer=-2,
+                      vision_feature_select_strategy="default", initializer_range=0.2)
+        words = dict(tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+                     image_token=PLACEHOLDER, num_additional_image_tokens=1)
+        if model_type == "llava":
+            config = tf.LlavaConfig(image_token_id=image_token, **common)
+            model = tf.LlavaForConditionalGeneration
+            processor = tf.LlavaProcessor(tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=crop),
+                                          **words)
+        else:
+            grid = [[IMAGE_SIZE, IMAGE_SIZE], [IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE]]
+            config = tf.LlavaNextConfig(image_token_index=image_token, image_grid_pinpoints=grid, **common)
+            model = tf.LlavaNextForConditionalGeneration
+            processor = tf.LlavaNextProcessor(tf.LlavaNextImageProcessor(
+                size={"shortest_edge": IMAGE_SIZE}, crop_size=crop, image_grid_pinpoints=grid), **words)
     torch.manual_seed(0)
-    LlavaForConditionalGeneration(config).save_pretrained(out)
-    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=size),
-                   tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
-                   image_token=PLACEHOLDER, num_additional_image_tokens=1).save_pretrained(out)
+    model(config).save_pretrained(out)
+    processor.save_pretrained(out)
     return str(out)
 
 
 @pytest.fixture(scope="module")
-def tiny_llava(tmp_path_factory) -> str:
-    return make_tiny_llava(tmp_path_factory.mktemp("llava"))
+def tiny_vlms(tmp_path_factory):
+    """The tiny checkpoint of a model type, made on first use."""
+    root = tmp_path_factory.mktemp("vlm")
+    made = {}
+
+    def checkpoint(model_type: str) -> str:
+        if model_type not in made:
+            made[model_type] = make_tiny_vlm(model_type, root / model_type)
+        return made[model_type]
+
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tiny_vlms) -> str:
+    return tiny_vlms("llava")
 
 
 class Reference:
@@ -64,8 +121,20 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llava) -> Reference:
-    return Reference(tiny_llava)
+def references(tiny_vlms):
+    made = {}
+
+    def reference(model_type: str) -> Reference:
+        if model_type not in made:
+            made[model_type] = Reference(tiny_vlms(model_type))
+        return made[model_type]
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> Reference:
+    return references("llava")
 
 
 def pictures(count: int, seed: int = 0) -> list:
@@ -84,12 +153,18 @@ def with_images(text: str, images: list) -> dict:
     return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
-@pytest.mark.parametrize("settings", [
-    dict(),  # the CPU's defaults: packed weights, fused layers
-    # chunks of 16 tokens cut through the images' 25 tokens; a pool this small preempts and recomputes
-    dict(max_num_batched_tokens=16, max_num_seqs=8, num_kv_blocks=14, block_size=8, packed_weights=False),
-], ids=["defaults", "chunked-preempted"])
-def test_images_equal_hf_generate(tiny_llava, reference, settings):
+# Chunks of 16 tokens cut through the images' tokens; a pool this small preempts and recomputes.
+CHUNKED_PREEMPTED = dict(max_num_batched_tokens=16, max_num_seqs=8, num_kv_blocks=14, block_size=8,
+                         packed_weights=False)
+
+
+@pytest.mark.parametrize("model_type,settings", [
+    ("llava", {}),  # the CPU's defaults: packed weights, fused layers
+    ("llava", CHUNKED_PREEMPTED),
+    ("llava_next", {}),
+    ("idefics3", CHUNKED_PREEMPTED),
+], ids=["llava", "llava-chunked-preempted", "llava_next", "idefics3-chunked-preempted"])
+def test_images_equal_hf_generate(tiny_vlms, references, model_type, settings):
     """Prompts of one image, of two, of an image given as a file's bytes, and of text alone, in one
     batch: each output HF's for the same text and images."""
     a, b, c = pictures(3)
@@ -97,14 +172,15 @@ def test_images_equal_hf_generate(tiny_llava, reference, settings):
                ("Compare <image> with <image>, please.", [b, c]),
                ("<image> described in a word:", [png(c)]),
                ("A prompt of text alone, beside them", [])]
-    llm = LLM(tiny_llava, **settings)
+    reference = references(model_type)
+    llm = LLM(tiny_vlms(model_type), **settings)
     outs = llm.generate([with_images(text, images) if images else text for text, images in prompts],
                         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for (text, images), out in zip(prompts, outs):
         decoded = [Image.open(io.BytesIO(i)) if isinstance(i, bytes) else i for i in images]
         assert out.outputs[0].token_ids == reference(text, decoded, 24), text
         assert len(out.prompt_token_ids) == len(reference.processor(text=text, images=decoded or None)["input_ids"][0])
-    if "num_kv_blocks" in settings:
+    if settings:
         assert llm.stats()["num_preemptions"] > 0
     llm.block_manager.check_all_free()
 

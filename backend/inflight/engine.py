@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from . import beam_search, lora_tasks, prompt_embeds, prompt_logprobs, raw_logits
+from . import beam_search, images, lora_tasks, prompt_embeds, prompt_logprobs, raw_logits
 from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -232,9 +232,10 @@ class LLMEngine:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if self.runner.images is not None and embeds is None and self.runner.images.image_token_id in token_ids:
-            raise ValueError(f"the prompt holds the image placeholder ({self.runner.images.placeholder}) but no "
-                             "image: send an image for each placeholder with it (multi_modal_data; served, the `image` input)")
+        encoder = self.runner.image_encoder
+        if encoder is not None and embeds is None and encoder.image_token_id in token_ids:
+            raise ValueError(f"the prompt holds the image placeholder ({encoder.placeholder}) but no image: send "
+                             "an image for each placeholder with it (multi_modal_data; served, the `image` input)")
         token_ids = params.truncated(token_ids, self.max_model_len)
         if not token_ids:
             raise ValueError("prompt must not be empty")
@@ -264,19 +265,16 @@ class LLMEngine:
     def _image_prompt(self, prompt: dict, vocab_size: int) -> dict:
         """vLLM's {"prompt": text, "multi_modal_data": {"image": images}} as a prompt of embeddings: the
         image tokens read the vectors the model's vision tower made of them (images.py)."""
-        if self.runner.images is None:
-            raise ValueError(f"this model ({self.runner.hf_config.model_type}) takes no images")
+        if self.runner.image_encoder is None:
+            raise ValueError(f"this model ({self.runner.hf_config.model_type}) takes no images: inflight serves "
+                             f"images with the model types {', '.join(images.IMAGE_MODEL_TYPES)}")
         if set(prompt) != {"prompt", "multi_modal_data"}:
             raise ValueError("a prompt with images is {'prompt': text, 'multi_modal_data': {'image': images}}, got "
                              f"the keys {sorted(prompt)}")
         data = prompt["multi_modal_data"]
         if not isinstance(data, dict) or set(data) != {"image"}:
             raise ValueError("multi_modal_data takes images alone: {'image': an image or a list of images}")
-        token_ids, vectors = self.runner.images.prompt(prompt["prompt"], data["image"])
-        rows = iter(range(vocab_size, vocab_size + len(vectors)))
-        image_token = self.runner.images.image_token_id
-        return {"prompt_token_ids": [next(rows) if t == image_token else t for t in token_ids],
-                "prompt_embedding_table": vectors}
+        return self.runner.image_encoder.prompt(prompt["prompt"], data["image"], vocab_size)
 
     def _start_beam_search(self, seq: Sequence, vocab_size: int) -> None:
         p = seq.params

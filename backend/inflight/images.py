@@ -1,4 +1,5 @@
-"""Images in prompts, for vision-language models (LLaVA): each image becomes rows of prompt embeddings.
+"""Images in prompts, for vision-language models (LLaVA, LLaVA-NeXT, Idefics3 / SmolVLM): each image
+becomes rows of prompt embeddings.
 
 A request gives a text prompt with the model's image placeholder (`<image>` for LLaVA) where each image
 goes, and the images (vLLM's {"prompt": text, "multi_modal_data": {"image": [...]}}). The checkpoint's
@@ -23,10 +24,11 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 from .model_support import refuse
 
-# Vision-language model types whose image tokens attend as text does (causally, with 1-D positions): the
-# engine's attention runs them exactly. (Gemma 3 lets an image's tokens see each other, Qwen2-VL gives
-# them 2-D positions, Mllama reads images by cross-attention: none of those is served with images.)
-IMAGE_MODEL_TYPES = ("llava",)
+# Vision-language model types whose image tokens attend as text does (causally, with 1-D positions), so
+# that the engine's attention runs them exactly, each tested against HF `generate`. (Gemma 3 lets an
+# image's tokens see each other, Qwen2-VL gives them 3-D positions, Mllama reads images by cross-attention:
+# none of those is served with images. Mistral 3 would fit, untested: its processor needs torchvision.)
+IMAGE_MODEL_TYPES = ("llava", "llava_next", "idefics3")
 
 
 def is_vision_language(hf_config) -> bool:
@@ -69,9 +71,10 @@ class ImageEncoder:
         return self
 
     @torch.inference_mode()
-    def prompt(self, text, images) -> tuple[list[int], torch.Tensor]:
-        """The prompt's token ids (each image's tokens as `image_token_id`) and the vectors of its image
-        tokens in order [image tokens, hidden]. ValueError naming what is wrong with the request."""
+    def prompt(self, text, images, first_virtual_id: int) -> dict:
+        """The prompt of embeddings (prompt_embeds.py) of a text and its images: the vectors of its image
+        tokens in order as the table, read by virtual ids from `first_virtual_id` (the model's vocab_size)
+        up in the image tokens' places. ValueError naming what is wrong with the request."""
         if not isinstance(text, str) or not text:
             raise ValueError("a prompt with images needs its text, with a placeholder "
                              f"({self.placeholder}) where each image goes")
@@ -98,7 +101,9 @@ class ImageEncoder:
         if token_ids.count(self.image_token_id) != len(vectors):  # (the processor and the model disagree)
             raise ValueError(f"the images made {len(vectors)} vectors for {token_ids.count(self.image_token_id)} "
                              "image tokens of the prompt")
-        return token_ids, vectors
+        rows = iter(range(first_virtual_id, first_virtual_id + len(vectors)))
+        return {"prompt_token_ids": [next(rows) if t == self.image_token_id else t for t in token_ids],
+                "prompt_embedding_table": vectors}
 
 
 def _picture(index: int, image):

@@ -73,14 +73,14 @@ class ModelRunner:
             from transformers.distributed import DistributedConfig
             sharding["distributed_config"] = DistributedConfig(tp_size=self.world_size, tp_plan="auto")
         attn_implementation = ATTN_IMPLEMENTATION_COMPILED if config.torch_compile else ATTN_IMPLEMENTATION
-        self.images = None  # a vision-language model's image encoder (images.py)
+        self.image_encoder = None  # a vision-language model's (images.py)
         try:
             if images.is_vision_language(full_config):
                 if self.world_size > 1:
                     raise refuse(full_config.model_type, "a vision-language model runs with tensor_parallel_size 1")
-                model, self.images = images.load(config.model, dtype, attn_implementation, config.trust_remote_code,
-                                                 config.max_images_per_prompt)
-                self.images.to(self.device)
+                model, self.image_encoder = images.load(config.model, dtype, attn_implementation,
+                                                        config.trust_remote_code, config.max_images_per_prompt)
+                self.image_encoder.to(self.device)
             else:
                 model = AutoModelForCausalLM.from_pretrained(
                     config.model, dtype=dtype, attn_implementation=attn_implementation,
