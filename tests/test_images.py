@@ -5,6 +5,7 @@ tritonserver's `image` input (vllm_backend's)."""
 
 import base64
 import io
+import random
 
 import numpy as np
 import pytest
@@ -216,6 +217,50 @@ def test_completions_and_beams_over_an_image(tiny_llava, reference):
     beams = llm.generate([with_images(text, [image])], SamplingParams(max_tokens=10, beam_width=1, ignore_eos=True,
                                                                        temperature=0))[0]
     assert beams.outputs[0].token_ids == expected
+    llm.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_requests_with_images(tiny_vlms, references, seed):
+    """Random prompts of 0 to 3 images of random sizes (some as files), greedy and sampled, n, aborts, a
+    pool small enough to preempt and to refuse the longest: every greedy completion HF's, every refusal
+    the limit's, every block back."""
+    rnd, rng = random.Random(seed), np.random.default_rng(seed)
+    model_type = ("llava", "llava_next")[seed % 2]
+    words = "the a cat red sky sea what is this tell me about it compare and".split()
+    llm = LLM(tiny_vlms(model_type), max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=24, block_size=8,
+              max_images_per_prompt=2)
+    requests = {}
+    for k in range(12):
+        count = rnd.choice([0, 1, 1, 2, 3])
+        text = PLACEHOLDER.join(" ".join(rnd.choices(words, k=rnd.randint(0, 6))) for _ in range(count + 1)) or "hi"
+        images = [Image.fromarray(rng.integers(0, 256, (rnd.randint(8, 80), rnd.randint(8, 80), 3), dtype=np.uint8))
+                  for _ in range(count)]
+        greedy = rnd.random() < 0.6
+        params = SamplingParams(max_tokens=rnd.randint(1, 16), temperature=0 if greedy else 1.0, seed=k,
+                                ignore_eos=True, n=1 if greedy else rnd.choice([1, 2]))
+        files = [png(i) for i in images] if rnd.random() < 0.3 else images
+        try:
+            llm.add_request(f"r{k}", with_images(text, files) if count else text, params)
+        except ValueError as e:
+            assert "max_images_per_prompt" in str(e) if count > 2 else "max_model_len" in str(e), e
+            continue
+        requests[f"r{k}"] = (text, images, params, greedy)
+    aborted = {rid: rnd.randint(1, 20) for rid in requests if rnd.random() < 0.2}
+    outputs, step = {}, 0
+    while llm.has_unfinished():
+        step += 1
+        for rid in [rid for rid, at in aborted.items() if at == step]:
+            llm.abort(rid)
+        for delta in llm.step():
+            assert not delta.error, delta.error
+            outputs.setdefault((delta.request_id, delta.index), []).extend(delta.new_token_ids)
+    checked = 0
+    for rid, (text, images, params, greedy) in requests.items():
+        if greedy and rid not in aborted:
+            assert outputs[rid, 0] == references(model_type)(text, images, params.max_tokens), (rid, text)
+            checked += 1
+    assert checked >= 3
     llm.block_manager.check_all_free()
 
 
