@@ -205,6 +205,27 @@ def test_the_prefix_cache_finds_an_image_again_and_tells_images_apart(tiny_llava
     llm.block_manager.check_all_free()
 
 
+def test_an_image_sent_again_skips_the_vision_tower(tiny_llava, reference):
+    """The same image again (another text around it: a chat's next turn) takes its vectors from the cache;
+    another image of the same size runs the tower; a cache holding one prompt's vectors keeps the latest;
+    none kept with image_cache_memory 0. Every output HF's."""
+    first, other = pictures(2, seed=7)
+    other = other.resize(first.size)
+    turns = [("<image> What is it?", first), ("USER: <image> What is it? ASSISTANT: a cat. USER: Sure?", first),
+             ("<image> What is it?", other), ("<image> And this?", first)]
+    one_image = 25 * 64 * 4  # its 25 vectors of 64 float32s
+    for memory, encoded in ((1 << 20, [1, 1, 2, 2]), (one_image, [1, 1, 2, 3]), (0, [1, 2, 3, 4])):
+        llm = LLM(tiny_llava, image_cache_memory=memory)
+        counts = []
+        for text, image in turns:
+            assert llm.generate([with_images(text, [image])], GREEDY)[0].outputs[0].token_ids == reference(text, [image])
+            counts.append(llm.stats()["images_encoded_total"])
+        assert counts == encoded, memory
+        assert llm.stats()["images_cached_total"] == len(turns) - encoded[-1]
+    with pytest.raises(ValueError, match="image_cache_memory must be a number of bytes"):
+        LLM(tiny_llava, image_cache_memory=-1)
+
+
 def test_completions_and_beams_over_an_image(tiny_llava, reference):
     """n greedy completions are each HF's; a beam search of width 1 equals greedy too."""
     image = pictures(1, seed=9)[0]
@@ -339,9 +360,12 @@ def test_served_images_equal_hf_generate(llava_server, reference):
     tokenizer = reference.processor.tokenizer
     images = [base64.b64encode(png(i)).decode() for i in (a, b)]
     params = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
-    served = stream_to_the_end(url, text, image=images, sampling_parameters=params)
-    assert served["error"] is None and served["finals"] == 1 and served["after_final"] == 0
-    assert served["text"] == tokenizer.decode(reference(text, [a, b]), skip_special_tokens=True)
+    for _ in range(2):  # the second time, the images' vectors come from the cache
+        served = stream_to_the_end(url, text, image=images, sampling_parameters=params)
+        assert served["error"] is None and served["finals"] == 1 and served["after_final"] == 0
+        assert served["text"] == tokenizer.decode(reference(text, [a, b]), skip_special_tokens=True)
+    llava_server.wait_for_metric("inflight_images_encoded_total", lambda v: v == 2, timeout=10)
+    llava_server.wait_for_metric("inflight_images_cached_total", lambda v: v == 2, timeout=10)
     refusals = {
         "not base64": dict(image=["***"]),
         "(max_image_bytes)": dict(image=["A" * 16388]),

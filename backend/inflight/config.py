@@ -120,6 +120,9 @@ class EngineConfig:
     # A vision-language model's images (images.py): at most this many in one prompt (vLLM's
     # limit_mm_per_prompt), each run through the vision tower when its request is added.
     max_images_per_prompt: int = 4
+    # Bytes of recent prompts' image vectors kept (by a digest of their pixels), so that an image sent
+    # again (a chat's every turn) skips the vision tower. 0: none kept.
+    image_cache_memory: int = 1 << 28
 
     # Share of free memory given to the KV pool when neither a block count nor bytes are set.
     # A GPU holds little else; on a CPU host the rest of the machine needs its memory.
@@ -161,6 +164,9 @@ class EngineConfig:
         positive("num_threads", allow_none=True)
         positive("max_consecutive_failed_steps")
         positive("max_images_per_prompt")
+        if isinstance(self.image_cache_memory, bool) or not isinstance(self.image_cache_memory, int) \
+                or self.image_cache_memory < 0:
+            raise ValueError(f"image_cache_memory must be a number of bytes (0: none), got {self.image_cache_memory!r}")
         graph_tokens = self.cuda_graph_max_tokens
         if isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be an integer of at least 0, got {graph_tokens!r}")

@@ -975,6 +975,9 @@ class LLMEngine:
             "failed_steps_total": self.num_failed_steps,
             **({"lora_requests": self._lora_requests()} if self.config.lora_modules else {}),
             **({"lora_task_loads": self.lora_tasks.loads} if self.lora_tasks is not None else {}),
+            **({"images_encoded_total": self.runner.image_encoder.images_encoded,
+                "images_cached_total": self.runner.image_encoder.images_cached}
+               if self.runner.image_encoder is not None else {}),
             **({"spec_decode_drafts_total": self.num_drafts, "spec_decode_draft_tokens_total": self.num_draft_tokens,
                 "spec_decode_accepted_tokens_total": self.num_accepted_draft_tokens}
                if self.config.speculative_config is not None or self.num_drafts else {}),

@@ -12,12 +12,15 @@ same image is found again, another never), n and beams work as for any prompt.
 The engine runs the language model as the text-only causal LM of its config, made of the checkpoint's own
 decoder and output head (shared, not copied): packing, fused layers, LoRA and CUDA graphs see the language
 model alone. The vision modules stay with the ImageEncoder, which runs them when a request is added, one
-request at a time.
+request at a time; the vectors of recent prompts' images are kept by a digest of their pixels, so that a
+chat sending its image again with every turn runs the vision tower once.
 """
 
+import hashlib
 import io
 import threading
 import warnings
+from collections import OrderedDict
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
@@ -37,7 +40,7 @@ def is_vision_language(hf_config) -> bool:
 
 
 def load(model: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool, max_images: int,
-         ) -> tuple[torch.nn.Module, "ImageEncoder"]:
+         cache_bytes: int) -> tuple[torch.nn.Module, "ImageEncoder"]:
     """The checkpoint's language model as a causal LM with inflight's attention, and its image encoder
     (whose vision tower keeps transformers' own attention)."""
     full = AutoModelForImageTextToText.from_pretrained(
@@ -54,16 +57,61 @@ def load(model: str, dtype: torch.dtype, attn_implementation: str, trust_remote_
         raise refuse(full.config.model_type, f"its language model could not be run alone ({left[0]} is not "
                                              "the checkpoint's)")
     processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
-    return language_model.eval(), ImageEncoder(full.model, processor, full.config.image_token_id, max_images)
+    return language_model.eval(), ImageEncoder(full.model, processor, full.config.image_token_id, max_images,
+                                               cache_bytes)
+
+
+class VectorCache:
+    """Recent prompts' image vectors by a digest of their pixels, least recently used first out, at most
+    `capacity` bytes of vectors (0: none kept)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.size = 0
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        vectors = self._entries.get(key)
+        if vectors is not None:
+            self._entries.move_to_end(key)
+        return vectors
+
+    def put(self, key: bytes, vectors: torch.Tensor) -> None:
+        size = vectors.numel() * vectors.element_size()
+        if size > self.capacity or key in self._entries:
+            return
+        self._entries[key] = vectors
+        self.size += size
+        while self.size > self.capacity:
+            _, evicted = self._entries.popitem(last=False)
+            self.size -= evicted.numel() * evicted.element_size()
+
+
+def pixels_digest(pixels: dict) -> bytes:
+    """A digest of the processor's pixel inputs (pixel values, image sizes, masks): the same digest, the same
+    vision tower inputs, so the same vectors."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(pixels):
+        value = pixels[name]
+        if torch.is_tensor(value):
+            digest.update(f"{name}{tuple(value.shape)}{value.dtype}".encode())
+            digest.update(value.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(f"{name}{value!r}".encode())
+    return digest.digest()
 
 
 class ImageEncoder:
-    def __init__(self, vision_language_model: torch.nn.Module, processor, image_token_id: int, max_images: int):
+    def __init__(self, vision_language_model: torch.nn.Module, processor, image_token_id: int, max_images: int,
+                 cache_bytes: int):
         self.model = vision_language_model  # its get_image_features runs the vision tower and projector
         self.processor = processor
         self.image_token_id = image_token_id
         self.placeholder = processor.image_token
         self.max_images = max_images
+        self.cache = VectorCache(cache_bytes)
+        self.images_encoded = 0  # images run through the vision tower
+        self.images_cached = 0  # images whose vectors the cache held
         self._lock = threading.Lock()  # (one request's images at a time: a fast tokenizer is not thread-safe)
 
     def to(self, device: torch.device) -> "ImageEncoder":
@@ -93,17 +141,29 @@ class ImageEncoder:
         with self._lock:
             inputs = self.processor(text=text, images=pictures, return_tensors="pt")
             token_ids = inputs.pop("input_ids")[0].tolist()
-            pixels = {name: value.to(self.model.device) if torch.is_tensor(value) else value
-                      for name, value in inputs.items() if name not in ("attention_mask", "token_type_ids")}
-            pixels["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
-            features = self.model.get_image_features(**pixels, return_dict=True).pooler_output
-        vectors = torch.cat(list(features)).reshape(-1, features[0].shape[-1]).to("cpu")
+            pixels = {name: value for name, value in inputs.items() if name not in ("attention_mask", "token_type_ids")}
+            key = pixels_digest(pixels)
+            vectors = self.cache.get(key)
+            if vectors is None:
+                vectors = self._vectors(pixels)
+                self.cache.put(key, vectors)
+                self.images_encoded += len(pictures)
+            else:
+                self.images_cached += len(pictures)
         if token_ids.count(self.image_token_id) != len(vectors):  # (the processor and the model disagree)
             raise ValueError(f"the images made {len(vectors)} vectors for {token_ids.count(self.image_token_id)} "
                              "image tokens of the prompt")
         rows = iter(range(first_virtual_id, first_virtual_id + len(vectors)))
         return {"prompt_token_ids": [next(rows) if t == self.image_token_id else t for t in token_ids],
                 "prompt_embedding_table": vectors}
+
+    def _vectors(self, pixels: dict) -> torch.Tensor:
+        """The vision tower's and projector's vectors of the images' tokens, in order [tokens, hidden], on the CPU."""
+        device = self.model.device
+        pixels = {name: value.to(device) if torch.is_tensor(value) else value for name, value in pixels.items()}
+        pixels["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
+        features = self.model.get_image_features(**pixels, return_dict=True).pooler_output
+        return torch.cat(list(features)).reshape(-1, features[0].shape[-1]).to("cpu")
 
 
 def _picture(index: int, image):

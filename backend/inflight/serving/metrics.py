@@ -67,6 +67,10 @@ SPEC_DECODE_COUNTERS = {
     "spec_decode_draft_tokens_total": ("inflight_spec_decode_num_draft_tokens_total", "Draft tokens judged"),
     "spec_decode_accepted_tokens_total": ("inflight_spec_decode_num_accepted_tokens_total", "Draft tokens kept"),
 }
+IMAGE_COUNTERS = {  # a vision-language model's (images.py)
+    "images_encoded_total": ("inflight_images_encoded_total", "Images of prompts run through the vision tower"),
+    "images_cached_total": ("inflight_images_cached_total", "Images of prompts whose vectors were kept from before"),
+}
 
 
 class _Sent:
@@ -151,7 +155,8 @@ class TritonMetrics:
         self._finished_counts = Counter()
         self._profile = None  # the serving profile's counters (profile.py), made when first sent
         self._lora: dict[str, tuple[_Sent, _Sent, _Sent]] = {}  # each adapter's, made when first sent
-        self._spec_decode: dict[str, _Sent] = {}
+        self._spec_decode: dict[str, _Sent] = {}  # made when first sent: the engine speculates
+        self._images: dict[str, _Sent] = {}  # made when first sent: the model takes images
         self._task_loads: _Sent | None = None  # made when first sent: the engine takes LoRA tasks
 
     def _metric(self, name: str, description: str, kind, labels: dict | None = None, **options):
@@ -190,13 +195,8 @@ class TritonMetrics:
         self._finished_counts.update(finished.popleft() for _ in range(len(finished)))
         for reason, counter in self._finished.items():
             counter.advance(self._finished_counts[reason])
-        if "spec_decode_drafts_total" in stats:
-            if not self._spec_decode:  # (made when first sent: the engine speculates)
-                kind = self._pb_utils.MetricFamily.COUNTER
-                self._spec_decode = {key: _Sent(self._metric(name, desc, kind))
-                                     for key, (name, desc) in SPEC_DECODE_COUNTERS.items()}
-            for key, counter in self._spec_decode.items():
-                counter.advance(stats[key])
+        self._spec_decode = self._advance_counters(stats, SPEC_DECODE_COUNTERS, self._spec_decode)
+        self._images = self._advance_counters(stats, IMAGE_COUNTERS, self._images)
         if "lora_task_loads" in stats:
             if self._task_loads is None:
                 self._task_loads = _Sent(self._metric("inflight_lora_task_loads_total", "LoRA tasks sent with "
@@ -208,6 +208,17 @@ class TritonMetrics:
             sent[0].set(running)
             sent[1].set(waiting)
             sent[2].advance(total)
+
+    def _advance_counters(self, stats: dict, counters: dict, sent: dict) -> dict:
+        """Counters that only some engines report (made when first reported): advanced to the stats'."""
+        if next(iter(counters)) not in stats:
+            return sent
+        if not sent:
+            kind = self._pb_utils.MetricFamily.COUNTER
+            sent = {key: _Sent(self._metric(name, desc, kind)) for key, (name, desc) in counters.items()}
+        for key, counter in sent.items():
+            counter.advance(stats[key])
+        return sent
 
     def _lora_metrics(self, adapter: str) -> tuple["_Sent", "_Sent", "_Sent"]:
         kinds, labels = self._pb_utils.MetricFamily, {**self._labels, "adapter": adapter}
