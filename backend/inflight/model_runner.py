@@ -67,7 +67,8 @@ class ModelRunner:
         full_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         hf_config = getattr(full_config, "text_config", full_config)
         self.attention_chunk = attention_chunk(hf_config)  # before loading the weights: refused at once
-        self.dtype = dtype = self._dtype(getattr(hf_config, "dtype", None))
+        # (a vision-language checkpoint may say its dtype at the top only)
+        self.dtype = dtype = self._dtype(getattr(hf_config, "dtype", None) or getattr(full_config, "dtype", None))
         sharding = {}
         if self.world_size > 1:  # transformers' own tensor-parallel plan over the process group
             from transformers.distributed import DistributedConfig
