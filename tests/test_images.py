@@ -218,7 +218,8 @@ def test_an_image_sent_again_skips_the_vision_tower(tiny_llava, reference):
         llm = LLM(tiny_llava, image_cache_memory=memory)
         counts = []
         for text, image in turns:
-            assert llm.generate([with_images(text, [image])], GREEDY)[0].outputs[0].token_ids == reference(text, [image])
+            out = llm.generate([with_images(text, [image])], GREEDY)[0]
+            assert out.outputs[0].token_ids == reference(text, [image])
             counts.append(llm.stats()["images_encoded_total"])
         assert counts == encoded, memory
         assert llm.stats()["images_cached_total"] == len(turns) - encoded[-1]

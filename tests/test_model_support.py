@@ -53,6 +53,18 @@ def test_models_the_engine_cannot_run_are_refused_at_start_up(model_type, tmp_pa
     assert reason in str(refused.value)
 
 
+def test_a_vision_language_model_whose_images_are_not_served_is_refused_by_name(tmp_path):
+    """Qwen2.5-VL (3-D positions for its images; transformers has no causal LM of it alone): refused with the
+    reason and the vision-language types served, not transformers' list of every model type."""
+    from transformers import Qwen2_5_VLConfig
+
+    vision = dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2)
+    Qwen2_5_VLConfig(text_config={**SMALL, "num_key_value_heads": 2}, vision_config=vision).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModel, match="model type 'qwen2_5_vl': transformers has no causal language model "
+                                               "for it; inflight serves vision-language models of the types llava"):
+        LLM(str(tmp_path), device="cpu", num_kv_blocks=16)
+
+
 def test_chunked_attention_runs_over_contexts_of_up_to_one_chunk(tmp_path):
     """Llama 4's chunked attention equals full attention within one chunk: the engine's context limit is the
     chunk unless set, and a longer one is refused."""

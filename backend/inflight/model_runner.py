@@ -88,6 +88,12 @@ class ModelRunner:
                     config.model, dtype=dtype, attn_implementation=attn_implementation,
                     trust_remote_code=config.trust_remote_code, **sharding)
             self.model = model.to(self.device).eval()
+        except ValueError as e:  # (transformers' message lists every model type it has: long, and not why)
+            if not str(e).startswith("Unrecognized configuration class"):
+                raise
+            vision = (f"; inflight serves vision-language models of the types {', '.join(images.IMAGE_MODEL_TYPES)}"
+                      if hasattr(full_config, "vision_config") else "")
+            raise refuse(full_config.model_type, f"transformers has no causal language model for it{vision}") from None
         except KeyError as e:  # modeling code that picks attention classes by name has none for ours
             if e.args != (attn_implementation,):
                 raise
