@@ -227,6 +227,37 @@ def test_an_image_sent_again_skips_the_vision_tower(tiny_llava, reference):
         LLM(tiny_llava, image_cache_memory=-1)
 
 
+def test_a_lora_adapter_of_the_whole_checkpoint(tiny_llava, tmp_path):
+    """A peft adapter trained on the whole LLaVA (its layers named model.language_model.layers...) serves
+    images and text beside the base model, each output peft's model's; one that targets the vision tower
+    is refused by name at start-up (the engine adapts the language model only)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    def adapter(name: str, targets: str, seed: int) -> str:
+        torch.manual_seed(seed)
+        base = AutoModelForImageTextToText.from_pretrained(tiny_llava, dtype=torch.float32)
+        config = LoraConfig(init_lora_weights=False, r=4, lora_alpha=8, target_modules=targets)
+        get_peft_model(base, config).save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    language = adapter("language", r".*language_model.*\.(q_proj|v_proj|down_proj)", 3)
+    vision = adapter("vision", r".*vision_tower.*\.(q_proj|v_proj)", 4)
+    reference = Reference(tiny_llava)
+    base_reference = Reference(tiny_llava)
+    reference.model = PeftModel.from_pretrained(reference.model, language).eval()
+    image = pictures(1, seed=12)[0]
+    text = "<image> What does the adapter say?"
+    llm = LLM(tiny_llava, lora_modules={"language": language})
+    outs = llm.generate([with_images(text, [image]), with_images(text, [image]), "Text alone"], GREEDY,
+                        lora_name=["language", None, "language"])
+    assert outs[0].outputs[0].token_ids == reference(text, [image])
+    assert outs[1].outputs[0].token_ids == base_reference(text, [image]) != outs[0].outputs[0].token_ids
+    assert outs[2].outputs[0].token_ids == reference("Text alone", [])
+    with pytest.raises(ValueError, match="'model.vision_tower.encoder.layers.0.self_attn.q_proj': not a linear"):
+        LLM(tiny_llava, lora_modules={"vision": vision})
+
+
 def test_completions_and_beams_over_an_image(tiny_llava, reference):
     """n greedy completions are each HF's; a beam search of width 1 equals greedy too."""
     image = pictures(1, seed=9)[0]

@@ -56,6 +56,11 @@ def load(model: str, dtype: torch.dtype, attn_implementation: str, trust_remote_
     if left:
         raise refuse(full.config.model_type, f"its language model could not be run alone ({left[0]} is not "
                                              "the checkpoint's)")
+    # The language model's layers by their names in the whole checkpoint too, as a LoRA adapter trained on it
+    # names them (model.language_model.layers.0.self_attn.q_proj): lora.py finds them so.
+    own = {id(module) for module in language_model.modules()}
+    language_model.checkpoint_module_names = {name: module for name, module in full.named_modules()
+                                              if name and id(module) in own}
     processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
     return language_model.eval(), ImageEncoder(full.model, processor, full.config.image_token_id, max_images,
                                                cache_bytes)

@@ -76,7 +76,8 @@ def load_adapter(name: str, path: str, model: torch.nn.Module, adapter_id: int) 
     except (OSError, ValueError) as e:
         raise ValueError(f"LoRA adapter {name!r} could not be read from {path}: {e}") from None
     _check_config(name, config)
-    modules = dict(model.named_modules())
+    modules = {**getattr(model, "checkpoint_module_names", {}), **dict(model.named_modules())}
+    canonical = {id(module): module_name for module_name, module in model.named_modules()}
     head = model.get_output_embeddings()
     head_name = next((n for n, m in modules.items() if m is head), None) if head is not None else None
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -102,7 +103,7 @@ def load_adapter(name: str, path: str, model: torch.nn.Module, adapter_id: int) 
                              f"{list(b.shape)}) do not fit the layer ({module.in_features} -> {module.out_features})")
         alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module_name), config.lora_alpha)
         scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-        layers[module_name] = _LayerAdapter(adapter_id, a, b, scale)
+        layers[canonical[id(module)]] = _LayerAdapter(adapter_id, a, b, scale)
     if not layers:
         raise ValueError(f"LoRA adapter {name!r} at {path} holds no LoRA matrices")
     return layers
