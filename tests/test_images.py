@@ -1,7 +1,7 @@
-"""Images in prompts (images.py): tiny random vision-language models built here (LLaVA and LLaVA-NeXT: a
-CLIP vision tower; Idefics3: a SigLIP-like one; each with a Llama language model), their greedy output
-equal to HF `generate` with the same images token for token, through the engine and through
-tritonserver's `image` input (vllm_backend's)."""
+"""Images in prompts (images.py): tiny random vision-language models built here (LLaVA, LLaVA-NeXT and
+ViP-LLaVA: a CLIP vision tower; Idefics3: a SigLIP-like one; each with a Llama language model), their
+greedy output equal to HF `generate` with the same images token for token, through the engine and
+through tritonserver's `image` input (vllm_backend's)."""
 
 import base64
 import io
@@ -38,11 +38,11 @@ def _text_config(vocab_size: int):
                        bos_token_id=1, tie_word_embeddings=False)
 
 
-def _clip(**sizes):
+def _clip(num_hidden_layers: int = 2):
     from transformers import CLIPVisionConfig
 
-    return CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                            image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32, **sizes)
+    return CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
+                            num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
 
 
 def make_tiny_vlm(model_type: str, out) -> str:
@@ -62,18 +62,25 @@ def make_tiny_vlm(model_type: str, out) -> str:
         processor = tf.Idefics3Processor(tf.Idefics3ImageProcessor(do_image_splitting=False, size=sizes,
                                                                    max_image_size=sizes),
                                          tokenizer=tokenizer, image_seq_len=4)
-    else:  # llava, llava_next (tiles of the image at the grid's resolutions, and a newline vector a row)
+    else:  # llava, vipllava (several layers' features), llava_next (tiles of the image at the grid's
+        # resolutions, and a newline vector a row)
         tokenizer = _tokenizer(PLACEHOLDER)
         image_token = tokenizer.convert_tokens_to_ids(PLACEHOLDER)
         common = dict(vision_config=_clip(), text_config=_text_config(len(tokenizer)), vision_feature_layer=-2,
                       vision_feature_select_strategy="default", initializer_range=0.2)
         words = dict(tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
                      image_token=PLACEHOLDER, num_additional_image_tokens=1)
+        clip_processor = tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=crop)
         if model_type == "llava":
             config = tf.LlavaConfig(image_token_id=image_token, **common)
             model = tf.LlavaForConditionalGeneration
-            processor = tf.LlavaProcessor(tf.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=crop),
-                                          **words)
+            processor = tf.LlavaProcessor(clip_processor, **words)
+        elif model_type == "vipllava":
+            config = tf.VipLlavaConfig(vision_config=_clip(num_hidden_layers=4), text_config=common["text_config"],
+                                       image_token_index=image_token, vision_feature_layers=[-2, -3, -4],
+                                       initializer_range=0.2)
+            model = tf.VipLlavaForConditionalGeneration
+            processor = tf.LlavaProcessor(clip_processor, **words)
         else:
             grid = [[IMAGE_SIZE, IMAGE_SIZE], [IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE]]
             config = tf.LlavaNextConfig(image_token_index=image_token, image_grid_pinpoints=grid, **common)
@@ -163,8 +170,9 @@ CHUNKED_PREEMPTED = dict(max_num_batched_tokens=16, max_num_seqs=8, num_kv_block
     ("llava", {}),  # the CPU's defaults: packed weights, fused layers
     ("llava", CHUNKED_PREEMPTED),
     ("llava_next", {}),
+    ("vipllava", {}),
     ("idefics3", CHUNKED_PREEMPTED),
-], ids=["llava", "llava-chunked-preempted", "llava_next", "idefics3-chunked-preempted"])
+], ids=["llava", "llava-chunked-preempted", "llava_next", "vipllava", "idefics3-chunked-preempted"])
 def test_images_equal_hf_generate(tiny_vlms, references, model_type, settings):
     """Prompts of one image, of two, of an image given as a file's bytes, and of text alone, in one
     batch: each output HF's for the same text and images."""

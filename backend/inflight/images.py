@@ -1,5 +1,5 @@
-"""Images in prompts, for vision-language models (LLaVA, LLaVA-NeXT, Idefics3 / SmolVLM): each image
-becomes rows of prompt embeddings.
+"""Images in prompts, for vision-language models (LLaVA, LLaVA-NeXT, ViP-LLaVA, Idefics3 / SmolVLM): each
+image becomes rows of prompt embeddings.
 
 A request gives a text prompt with the model's image placeholder (`<image>` for LLaVA) where each image
 goes, and the images (vLLM's {"prompt": text, "multi_modal_data": {"image": [...]}}). The checkpoint's
@@ -31,7 +31,7 @@ from .model_support import refuse
 # that the engine's attention runs them exactly, each tested against HF `generate`. (Gemma 3 lets an
 # image's tokens see each other, Qwen2-VL gives them 3-D positions, Mllama reads images by cross-attention:
 # none of those is served with images. Mistral 3 would fit, untested: its processor needs torchvision.)
-IMAGE_MODEL_TYPES = ("llava", "llava_next", "idefics3")
+IMAGE_MODEL_TYPES = ("llava", "llava_next", "vipllava", "idefics3")
 
 
 def is_vision_language(hf_config) -> bool:
