@@ -352,6 +352,14 @@ def test_bad_image_prompts_are_refused_by_name(tiny_llava, reference, prompt, pa
     llm.block_manager.check_all_free()
 
 
+def test_a_decompression_bomb_is_refused(tiny_llava, monkeypatch):
+    """A file of more pixels than Pillow's limit (lowered here to 1,000) is refused, never decoded."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    bomb = png(Image.new("RGB", (40, 40)))  # 1,600 pixels
+    with pytest.raises(ValueError, match="image 0 could not be read: DecompressionBombWarning"):
+        _refusing_llm(tiny_llava).generate([with_images("<image>", [bomb])], GREEDY)
+
+
 _engines: dict = {}
 
 

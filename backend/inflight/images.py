@@ -181,8 +181,8 @@ def _picture(index: int, image):
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 image = Image.open(io.BytesIO(image))
                 image.load()
-        except (OSError, ValueError, Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
-            raise ValueError(f"image {index} could not be read: {e}") from None
+        except Exception as e:  # (any: Pillow's decoders raise OSError, ValueError, SyntaxError, ... on bad bytes)
+            raise ValueError(f"image {index} could not be read: {type(e).__name__}: {e}") from None
     elif not isinstance(image, Image.Image):
         raise ValueError(f"image {index} must be a PIL image or an image file's bytes, got {type(image).__name__}")
     return image.convert("RGB")
