@@ -204,7 +204,6 @@ def test_unknown_adapters_and_settings_are_refused(model, adapters):
     assert llm.stats()["lora_requests"]["beta"] == (0, 0, 1)
     for settings, message in ((dict(lora_modules={"a": ""}), "lora_modules must map adapter names"),
                               (dict(lora_modules=["a"]), "lora_modules must map adapter names"),
-                              (dict(lora_modules=adapters, tensor_parallel_size=2), "tensor_parallel_size 1"),
                               (dict(lora_modules=adapters, torch_compile=True), "torch_compile")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(model, device="cpu", **settings)

@@ -87,6 +87,35 @@ def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused,
         llm.close()
 
 
+def test_lora_adapters_sharded_over_two_ranks(tmp_path):
+    """LoRA adapters of q and v (column-parallel) and of k, o, gate and down (o and down row-parallel: each
+    rank's shrunk product summed over the ranks) with the base model in one batch: the outputs of one rank,
+    which equal peft's (test_lora.py), and unlike the base model's."""
+    from lora_adapters import make_lora_adapters
+
+    model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
+    adapters = make_lora_adapters(model, tmp_path / "lora")
+    prompts = random_prompts(4, 3, 40, 512, seed=7)
+    names = [None, "alpha", "beta"]
+    cases = [(p, name) for name in names for p in prompts]
+    settings = dict(num_kv_blocks=48, max_num_seqs=8, max_num_batched_tokens=32, num_threads=1, lora_modules=adapters)
+
+    def outputs(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([p for p, _ in cases], GREEDY, lora_name=[name for _, name in cases])
+        assert llm.block_manager.num_used_blocks == 0
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = outputs(LLM(model, **settings))
+    for name in ("alpha", "beta"):
+        changed = sum(expected[names.index(name) * 4 + k] != expected[k] for k in range(4))
+        assert changed >= 3, f"adapter {name} changed only {changed} of 4 outputs"
+    llm = LLM(model, tensor_parallel_size=2, **settings)
+    try:
+        assert outputs(llm) == expected
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gpt2", "mistral"])
 def test_other_model_types_sharded_or_refused(tmp_path, family):
     """Gemma 2 (its softcap in every rank's kernels), sharded by transformers' plan, equals one rank; GPT-2,

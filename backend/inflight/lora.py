@@ -23,6 +23,12 @@ task sent by a request and gives its columns that load's adapter id; lora_tasks.
 
 The hooks run on whatever computes the layer (transformers' nn.Linear, the CPU's packed layers); layers
 with hooks are not merged by fused_layers, which keeps each projection's own output for its hook.
+
+Under tensor parallelism each rank holds its share of the matrices, as transformers' plan shards the
+layer: a column-parallel layer (q, k, v, gate, up: each rank computes some of the outputs) takes A whole
+and the rows of B for its outputs; a row-parallel one (o, down: each rank reads some of the inputs, its
+partial output summed over the ranks) takes the columns of A for its inputs and B whole, and sums the
+small `x @ A.T` over the ranks ([tokens, ranks' columns]) before B, since its hook sees the summed output.
 """
 
 import logging
@@ -31,6 +37,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .lora_tasks import projection_parts
 
@@ -109,6 +116,25 @@ def load_adapter(name: str, path: str, model: torch.nn.Module, adapter_id: int) 
     return layers
 
 
+def _rank_share(layer: torch.nn.Linear) -> tuple[slice, slice, object]:
+    """The rows of B and the columns of A this rank holds for `layer` (all of both without tensor
+    parallelism), and the process group its shrunk product is summed over (a row-parallel layer's)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = layer.weight
+    everything = slice(None)
+    if not isinstance(weight, DTensor) or not isinstance(weight.placements[0], Shard):
+        return everything, everything, None
+    dim = weight.placements[0].dim % 2  # 0: the layer's outputs are split (column-parallel); 1: its inputs
+    size = weight.shape[dim]
+    chunk = -(-size // weight.device_mesh.size())  # (torch.chunk's split: as DTensor shards)
+    start = min(size, weight.device_mesh.get_local_rank() * chunk)
+    share = slice(start, min(size, start + chunk))
+    if dim == 0:
+        return share, everything, None
+    return everything, share, weight.device_mesh.get_group()
+
+
 class LoRAAdapters:
     """The adapters, attached to the model's layers; `begin_step` gives each token its adapter. With
     `task_slots`, every projection a TensorRT-LLM task can adapt (lora_tasks.py) also holds that many
@@ -150,9 +176,11 @@ class LoRAAdapters:
             layer = modules[module_name]
             a = torch.cat([x.a for x in adapters] + [torch.zeros(slots, layer.in_features)]).to(device, dtype)
             b = torch.cat([x.b for x in adapters] + [torch.zeros(layer.out_features, slots)], dim=1).to(device, dtype)
+            outputs, inputs, summed_over = _rank_share(layer)
+            a, b = a[:, inputs].contiguous(), b[outputs].contiguous()
             if slots:
                 self._slot_matrices[module_name] = (a[len(a) - slots:], b[:, b.shape[1] - slots:])
-            layer.register_forward_hook(self._hook(layouts[key], a, b))
+            layer.register_forward_hook(self._hook(layouts[key], a, b, summed_over))
         logger.info("LoRA: %d adapter(s) (%s)%s on %d layers", len(self.names), ", ".join(self.names),
                     f", {task_slots} slot(s) of rank {max_rank} for LoRA tasks" if task_slots else "", len(by_layer))
 
@@ -172,12 +200,15 @@ class LoRAAdapters:
         for owners in self._slot_owners:
             owners[columns].fill_(lora_id)
 
-    def _hook(self, layout: int, a: torch.Tensor, b: torch.Tensor):
+    def _hook(self, layout: int, a: torch.Tensor, b: torch.Tensor, summed_over=None):
         def add_delta(module, args, output):
             if self._masks is None:
                 return None  # the layer's own output
             x = args[0].reshape(-1, a.shape[1])
-            shrunk = (x @ a.t()).mul_(self._masks[layout])
+            shrunk = x @ a.t()
+            if summed_over is not None:  # (a row-parallel layer's share of the inputs: see the module's doc)
+                dist.all_reduce(shrunk, group=summed_over)
+            shrunk.mul_(self._masks[layout])
             return torch.addmm(output.reshape(-1, b.shape[0]), shrunk, b.t()).view(output.shape)
         return add_delta
 
