@@ -384,7 +384,6 @@ def test_lora_task_settings_are_checked(model, adapters):
     for settings, message in ((dict(lora_task_slots=-1), "lora_task_slots must be an integer of at least 0"),
                               (dict(lora_task_slots=True), "lora_task_slots must be an integer"),
                               (dict(max_lora_rank=0), "max_lora_rank must be an integer of at least 1"),
-                              (dict(lora_task_slots=2, tensor_parallel_size=2), "lora_task_slots needs tensor"),
                               (dict(lora_task_slots=2, torch_compile=True), "lora_task_slots and torch_compile")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(model, device="cpu", **settings)

@@ -5,12 +5,13 @@ import os
 import signal
 import time
 
+import numpy as np
 import psutil
 import pytest
 import torch
 
 from conftest import make_tiny_model, random_prompts
-from inflight import LLM, SamplingParams
+from inflight import LLM, LoRATask, SamplingParams
 from inflight.engine import EngineDeadError
 
 pytestmark = [
@@ -90,8 +91,8 @@ def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused,
 def test_lora_adapters_sharded_over_two_ranks(tmp_path):
     """LoRA adapters of q and v (column-parallel) and of k, o, gate and down (o and down row-parallel: each
     rank's shrunk product summed over the ranks) with the base model in one batch: the outputs of one rank,
-    which equal peft's (test_lora.py), and unlike the base model's."""
-    from lora_adapters import make_lora_adapters
+    which equal peft's (test_lora.py), and unlike the base model's; the same sent as LoRA tasks."""
+    from lora_adapters import make_lora_adapters, trtllm_lora_tensors
 
     model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
     adapters = make_lora_adapters(model, tmp_path / "lora")
@@ -112,6 +113,18 @@ def test_lora_adapters_sharded_over_two_ranks(tmp_path):
     llm = LLM(model, tensor_parallel_size=2, **settings)
     try:
         assert outputs(llm) == expected
+    finally:
+        llm.close()
+    # Sent with requests as TensorRT-LLM's LoRA tasks into one slot: alpha's loaded, then beta's in its
+    # place (each rank loads its share from the step's message).
+    settings = dict(settings, lora_modules=None, lora_task_slots=1)
+    llm = LLM(model, tensor_parallel_size=2, **settings)
+    try:
+        for k, name in enumerate(("alpha", "beta"), start=1):
+            task = LoRATask(k, *trtllm_lora_tensors(adapters[name], np.float32))
+            outs = llm.generate(prompts + prompts, GREEDY, lora_task=[task] * 4 + [None] * 4)
+            assert [o.outputs[0].token_ids for o in outs] == expected[names.index(name) * 4:][:4] + expected[:4]
+        assert llm.stats()["lora_task_loads"] == 2
     finally:
         llm.close()
 

@@ -226,8 +226,6 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
         setting = "lora_modules" if modules is not None else "lora_task_slots" if self.lora_task_slots else None
-        if self.lora_task_slots and self.tensor_parallel_size > 1:
-            raise ValueError("lora_task_slots needs tensor_parallel_size 1 (a task's weights reach rank 0 alone)")
         if setting and self.torch_compile:
             raise ValueError(f"{setting} and torch_compile: set one (LoRA layers run as hooks, not compiled)")
 

@@ -317,7 +317,7 @@ class LLMEngine:
         in_use = lambda: {s.lora_id for seqs in self._requests.values() for s in seqs}  # noqa: E731
         slot, seq.lora_id, load = self.lora_tasks.place(task, in_use)
         if load:
-            self.runner.lora.load_slot(slot, seq.lora_id, task.matrices)
+            self.runner.load_lora_slot(slot, seq.lora_id, task.matrices)
             logger.info("LoRA task %d loaded into slot %d", task.task_id, slot)
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,

@@ -42,6 +42,9 @@ class StepInputs:
     # Virtual prompt tokens (prompt_embeds.py): their flat positions and their vectors [V, hidden].
     embeds_at: np.ndarray | None = None
     embeds: torch.Tensor | None = None
+    # Under tensor parallelism: LoRA tasks loaded into slots since the last step, (slot, adapter id, each
+    # layer's A and B), which every rank loads before the step (lora.py's load_slot).
+    lora_slot_loads: list = field(default_factory=list)
     # The sequences that lead the batch with one generated token each (build_step_inputs: a prompt's last
     # token computed alone is not one); None: inferred from the shapes (num_decodes).
     decodes: int | None = None

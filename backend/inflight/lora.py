@@ -159,7 +159,8 @@ class LoRAAdapters:
         layouts: dict[tuple, int] = {}  # (adapter id, rank, scale) of each adapter of a layer, slots -> layout index
         self._layouts: list[tuple[torch.Tensor, torch.Tensor]] = []  # each column's adapter id, its scale
         self._slot_owners: list[torch.Tensor] = []  # the slots' columns of each layout's owners
-        self._slot_matrices: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # a layer's slots' A and B columns
+        # a layer's slots' A and B columns, and this rank's share of B's rows and A's columns (_rank_share)
+        self._slot_matrices: dict[str, tuple[torch.Tensor, torch.Tensor, slice, slice]] = {}
         self._masks: list[torch.Tensor] | None = None  # this step's, one per layout; None: no adapter in it
         modules = dict(model.named_modules())
         for module_name, adapters in by_layer.items():
@@ -179,7 +180,7 @@ class LoRAAdapters:
             outputs, inputs, summed_over = _rank_share(layer)
             a, b = a[:, inputs].contiguous(), b[outputs].contiguous()
             if slots:
-                self._slot_matrices[module_name] = (a[len(a) - slots:], b[:, b.shape[1] - slots:])
+                self._slot_matrices[module_name] = (a[len(a) - slots:], b[:, b.shape[1] - slots:], outputs, inputs)
             layer.register_forward_hook(self._hook(layouts[key], a, b, summed_over))
         logger.info("LoRA: %d adapter(s) (%s)%s on %d layers", len(self.names), ", ".join(self.names),
                     f", {task_slots} slot(s) of rank {max_rank} for LoRA tasks" if task_slots else "", len(by_layer))
@@ -189,14 +190,14 @@ class LoRAAdapters:
         give them to adapter `lora_id`. Between steps: a step in flight on the GPU reads them before the
         copies run (one stream), and the slot held no adapter of a request still running."""
         columns = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        for module_name, (slot_a, slot_b) in self._slot_matrices.items():
+        for module_name, (slot_a, slot_b, outputs, inputs) in self._slot_matrices.items():
             a, b = slot_a[columns], slot_b[:, columns]
             a.zero_()
             b.zero_()
             if module_name in matrices:
-                task_a, task_b = matrices[module_name]
-                a[:len(task_a)].copy_(task_a, non_blocking=True)
-                b[:, :len(task_a)].copy_(task_b, non_blocking=True)
+                task_a, task_b = matrices[module_name]  # (whole: this rank's share taken here)
+                a[:len(task_a)].copy_(task_a[:, inputs], non_blocking=True)
+                b[:, :len(task_a)].copy_(task_b[outputs], non_blocking=True)
         for owners in self._slot_owners:
             owners[columns].fill_(lora_id)
 

@@ -391,9 +391,15 @@ class ModelRunner:
             inputs.pending_at, inputs.pending_rows = np.asarray(at, dtype=np.int64), np.asarray(rows, dtype=np.int64)
         return self.run(inputs, sampled)
 
+    def load_lora_slot(self, slot: int, lora_id: int, matrices: dict) -> None:
+        """Between steps: a LoRA task's A and B into a slot (lora.py)."""
+        self.lora.load_slot(slot, lora_id, matrices)
+
     @torch.inference_mode()
     def run(self, inputs: StepInputs, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(logits_at), vocab], float32; valid until the next step."""
+        for slot, lora_id, matrices in inputs.lora_slot_loads:  # (tensor parallelism's: parallel.py)
+            self.load_lora_slot(slot, lora_id, matrices)
         self.copy_blocks(inputs.block_copies)
         self.token_history.step_ran(self.buffers.device_tables, inputs.seq_lens)
         logits = self.graphs.replay(inputs, sampled) if self.graphs is not None else None

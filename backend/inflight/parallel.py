@@ -120,7 +120,7 @@ class _Worker:
 
 class TensorParallelRunner:
     """The engine's runner when tensor_parallel_size > 1: rank 0's ModelRunner plus the workers.
-    Everything but execute() and close() is rank 0's ModelRunner's."""
+    Everything but execute(), load_lora_slot() and close() is rank 0's ModelRunner's."""
 
     def __init__(self, config: EngineConfig):
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
@@ -130,6 +130,7 @@ class TensorParallelRunner:
                                "one tensor-parallel engine per process")
         self.workers: list[_Worker] = []
         self._closed = False
+        self._slot_loads: list = []  # LoRA tasks loaded since the last step: sent with the next (load_lora_slot)
         self.step_messages = 0  # steps sent to the workers: how many, their bytes, the seconds sending them
         self.step_message_bytes = 0
         self.step_message_seconds = 0.0
@@ -181,6 +182,7 @@ class TensorParallelRunner:
         (config.py), since the workers would need rank 0's sampled tokens."""
         assert pending is None
         inputs = self.runner.prepare(batch, logits_at, block_copies)
+        inputs.lora_slot_loads, self._slot_loads = self._slot_loads, []
         try:
             self._send(inputs)
             return self.runner.run(inputs)
@@ -188,6 +190,10 @@ class TensorParallelRunner:
             # Whatever failed, the ranks may be out of step in their collectives: none can go on.
             reports = self._failure_reports()
             raise RanksFailedError(f"tensor-parallel step failed: {reports or f'rank 0: {e}'}") from e
+
+    def load_lora_slot(self, slot: int, lora_id: int, matrices: dict) -> None:
+        """A LoRA task's A and B: every rank loads them before the next step, from its message."""
+        self._slot_loads.append((slot, lora_id, matrices))
 
     def _send(self, inputs: StepInputs) -> None:
         started = time.perf_counter()
