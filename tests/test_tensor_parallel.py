@@ -129,6 +129,24 @@ def test_lora_adapters_sharded_over_two_ranks(tmp_path):
         llm.close()
 
 
+def test_a_vision_language_model_sharded_over_two_ranks(tmp_path):
+    """A tiny LLaVA's language model sharded over two ranks (the images' vectors made on rank 0 travel as
+    rows of the step's message): prompts of one and two images and of text alone, as one rank."""
+    from test_images import make_tiny_vlm, pictures, with_images  # (skips where Pillow is missing)
+
+    model = make_tiny_vlm("llava", tmp_path / "llava")
+    a, b = pictures(2)
+    prompts = [with_images("<image> hello", [a]), with_images("two: <image> <image>", [a, b]), "text alone"]
+    settings = dict(num_kv_blocks=64, num_threads=1, max_num_batched_tokens=32, max_num_seqs=4)
+    expected = run_to_the_end(LLM(model, **settings), prompts, GREEDY)
+    llm = LLM(model, tensor_parallel_size=2, **settings)
+    try:
+        assert llm.runner.num_kv_heads == 1  # (of the model's 2: the language model is sharded)
+        assert run_to_the_end(llm, prompts, GREEDY) == expected
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gpt2", "mistral"])
 def test_other_model_types_sharded_or_refused(tmp_path, family):
     """Gemma 2 (its softcap in every rank's kernels), sharded by transformers' plan, equals one rank; GPT-2,

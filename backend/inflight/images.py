@@ -40,12 +40,13 @@ def is_vision_language(hf_config) -> bool:
 
 
 def load(model: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool, max_images: int,
-         cache_bytes: int) -> tuple[torch.nn.Module, "ImageEncoder"]:
+         cache_bytes: int, sharding: dict) -> tuple[torch.nn.Module, "ImageEncoder"]:
     """The checkpoint's language model as a causal LM with inflight's attention, and its image encoder
-    (whose vision tower keeps transformers' own attention)."""
+    (whose vision tower keeps transformers' own attention). `sharding`: transformers' tensor-parallel
+    options (the language model sharded by its plan)."""
     full = AutoModelForImageTextToText.from_pretrained(
         model, dtype=dtype, trust_remote_code=trust_remote_code,
-        attn_implementation={"text_config": attn_implementation, "vision_config": "sdpa"}).eval()
+        attn_implementation={"text_config": attn_implementation, "vision_config": "sdpa"}, **sharding).eval()
     text_config = full.config.text_config
     with torch.device("meta"):  # (its own weights are replaced at once by the checkpoint's)
         language_model = AutoModelForCausalLM.from_config(text_config, dtype=dtype)

@@ -77,11 +77,9 @@ class ModelRunner:
         self.image_encoder = None  # a vision-language model's (images.py)
         try:
             if images.is_vision_language(full_config):
-                if self.world_size > 1:
-                    raise refuse(full_config.model_type, "a vision-language model runs with tensor_parallel_size 1")
                 model, self.image_encoder = images.load(config.model, dtype, attn_implementation,
                                                         config.trust_remote_code, config.max_images_per_prompt,
-                                                        config.image_cache_memory)
+                                                        config.image_cache_memory, sharding)
                 self.image_encoder.to(self.device)
             else:
                 model = AutoModelForCausalLM.from_pretrained(
