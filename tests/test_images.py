@@ -4,6 +4,7 @@ greedy output equal to HF `generate` with the same images token for token, throu
 through tritonserver's `image` input (vllm_backend's)."""
 
 import base64
+import functools
 import io
 import random
 
@@ -97,14 +98,7 @@ def make_tiny_vlm(model_type: str, out) -> str:
 def tiny_vlms(tmp_path_factory):
     """The tiny checkpoint of a model type, made on first use."""
     root = tmp_path_factory.mktemp("vlm")
-    made = {}
-
-    def checkpoint(model_type: str) -> str:
-        if model_type not in made:
-            made[model_type] = make_tiny_vlm(model_type, root / model_type)
-        return made[model_type]
-
-    return checkpoint
+    return functools.cache(lambda model_type: make_tiny_vlm(model_type, root / model_type))
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +124,8 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def references(tiny_vlms):
-    made = {}
-
-    def reference(model_type: str) -> Reference:
-        if model_type not in made:
-            made[model_type] = Reference(tiny_vlms(model_type))
-        return made[model_type]
-
-    return reference
+    """HF's model of a model type's checkpoint, made on first use."""
+    return functools.cache(lambda model_type: Reference(tiny_vlms(model_type)))
 
 
 @pytest.fixture(scope="module")
