@@ -7,7 +7,8 @@ own processor (AutoProcessor) expands each placeholder into the image's tokens a
 the model's own vision tower and projector (`get_image_features`) make one vector per image token, as HF
 `generate` does. The prompt then runs as a prompt of embeddings (prompt_embeds.py): its image tokens are
 virtual ids reading those vectors, so chunked prefill, preemption, the prefix cache (a row's digest: the
-same image is found again, another never), n and beams work as for any prompt.
+same image is found again, another never), n, beams and tensor parallelism (rank 0 makes the vectors;
+the step's message carries them) work as for any prompt.
 
 The engine runs the language model as the text-only causal LM of its config, made of the checkpoint's own
 decoder and output head (shared, not copied): packing, fused layers, LoRA and CUDA graphs see the language
