@@ -183,6 +183,9 @@ def _picture(index: int, image):
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 image = Image.open(io.BytesIO(image))
                 image.load()
+        except Image.UnidentifiedImageError:
+            raise ValueError(f"image {index} could not be read: not an image file Pillow reads (PNG, JPEG, WebP, "
+                             "GIF, ...)") from None
         except Exception as e:  # (any: Pillow's decoders raise OSError, ValueError, SyntaxError, ... on bad bytes)
             raise ValueError(f"image {index} could not be read: {type(e).__name__}: {e}") from None
     elif not isinstance(image, Image.Image):
