@@ -107,7 +107,7 @@ def tiny_llava(tiny_vlms) -> str:
 
 
 class Reference:
-    """HF transformers' own LLaVA of the checkpoint and its processor: greedy continuations."""
+    """HF transformers' own model of the checkpoint and its processor: greedy continuations."""
 
     def __init__(self, model_dir: str):
         from transformers import AutoModelForImageTextToText, AutoProcessor
