@@ -782,6 +782,44 @@ def test_engine_process_serves_refuses_and_cancels(tiny_models):
         time.sleep(0.05)
 
 
+def test_the_engine_process_adds_requests_with_images_on_a_thread_of_their_own():
+    """While a request's images are encoded (held here), the commands thread reads on: another request is
+    added, an abort and an acknowledged send are read (a step waits for those); then the held request is
+    added."""
+    import multiprocessing
+
+    from inflight.serving.engine_process import _Serve
+
+    release, added = threading.Event(), []
+
+    class Engine:
+        def add_request(self, request_id, prompt, *args, **kwargs):
+            if isinstance(prompt, dict):
+                release.wait(10)  # (the vision tower)
+            added.append(request_id)
+
+        def abort(self, request_id):
+            added.append(f"abort {request_id}")
+
+    ours, theirs = multiprocessing.Pipe()
+    serve = _Serve(Engine(), theirs)
+    threads = [threading.Thread(target=serve.read_commands), threading.Thread(target=serve.add_with_images)]
+    for thread in threads:
+        thread.start()
+    with_images = {"prompt": "<image>", "multi_modal_data": {"image": [b"an image file"]}}
+    ours.send(("add", "with-images", with_images, SamplingParams(), 0, None, False, None))
+    ours.send(("add", "text", [1, 2], SamplingParams(), 0, None, False, None))
+    ours.send(("abort", "with-images"))
+    ours.send(("sent",))
+    assert serve.sends_done.acquire(timeout=5), "the acknowledged send waited for the images"
+    assert added == ["text", "abort with-images"]
+    release.set()
+    ours.send(("stop",))
+    for thread in threads:
+        thread.join(5)
+    assert added == ["text", "abort with-images", "with-images"]
+
+
 def test_an_idle_engine_process_reports_once_its_last_responses_are_out(tiny_models):
     """The report of an engine that fell idle (the metrics' last until the next request) comes once the
     responder has handed on every delta: it must count their latencies and the serving profile's parts."""

@@ -23,6 +23,7 @@ with an error through `on_dead`, as when the engine stops for good; nothing wait
 
 import logging
 import multiprocessing.connection
+import queue
 import signal
 import subprocess
 import sys
@@ -239,7 +240,10 @@ class EngineProcess(EngineThread):
 # -- the engine process ------------------------------------------------------------------------------
 class _Serve:
     """The engine process's loop: a thread applies the commands as they come (the engine's add_request
-    and abort are thread-safe); the main thread steps while there is work and reports each step."""
+    and abort are thread-safe); the main thread steps while there is work and reports each step. Requests
+    with images are added on a thread of their own: the vision tower runs when a request is added (seconds
+    an image on a CPU), and the commands thread must go on reading the other requests, the aborts (one that
+    overtakes its request waits for it in the engine) and the acknowledged sends each step waits for."""
 
     def __init__(self, engine, conn: multiprocessing.connection.Connection, frozen_objects: int = 0):
         self.engine = engine
@@ -251,6 +255,7 @@ class _Serve:
         self.sends_done = threading.Semaphore(0)
         self.send_lock = threading.Lock()
         self.profile = ServingProfile()
+        self.image_adds: queue.SimpleQueue = queue.SimpleQueue()  # add commands with images; None: stop
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "engine_profile": self.profile.snapshot(),
@@ -267,7 +272,9 @@ class _Serve:
             except (EOFError, OSError):  # the Triton model's process is gone
                 command = ("stop",)
             kind = command[0]
-            if kind == "add":
+            if kind == "add" and isinstance(command[2], dict) and "multi_modal_data" in command[2]:
+                self.image_adds.put(command[1:])
+            elif kind == "add":
                 self.add(*command[1:])
             elif kind == "abort":
                 self.engine.abort(command[1])
@@ -280,7 +287,14 @@ class _Serve:
                 self.wake.notify()
             if kind == "stop":
                 self.sends_done.release()  # a step waiting for its sends must not hold up the stop
+                self.image_adds.put(None)
                 return
+
+    def add_with_images(self) -> None:
+        while (command := self.image_adds.get()) is not None:
+            self.add(*command)
+            with self.wake:
+                self.wake.notify()
 
     def add(self, request_id: str, prompt: list[int], params, priority: int, lora_name: str | None,
             final_only: bool, lora_task) -> None:
@@ -300,6 +314,7 @@ class _Serve:
 
     def run(self) -> None:
         threading.Thread(target=self.read_commands, name="inflight-commands", daemon=True).start()
+        threading.Thread(target=self.add_with_images, name="inflight-images", daemon=True).start()
         reported_idle = False
         while True:
             with self.wake:
