@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Wheels for the lent GPU machine (Python 3.12, no package registry), at the versions requirements.txt
-# pins: transformers, peft with accelerate (LoRA) and pillow (images), into .whl/ (carried on every call), xgrammar and what it imports into .whl-grammar/
-# (carried when the call runs the grammar tests; kept apart so that .serving/ and .whl/ still fit in
-# what one call may carry). scripts/gpu_session.sh installs whatever of them is there.
+# pins: transformers, and peft with accelerate (LoRA), into .whl/ (carried on every call), xgrammar and what it imports into .whl-grammar/
+# (carried when the call runs the grammar tests), pillow into .whl-images/ (7 MB: carried when the call
+# runs test_images.py; with .serving/, .whl/ and the tokenizer it would pass the 64 MiB a call may carry).
+# scripts/gpu_session.sh installs whatever of them is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pin() { grep -i "^$1==" requirements.txt; }
@@ -13,7 +14,8 @@ fetch() {  # fetch FOLDER REQUIREMENT...
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$folder" "$@"
 }
-fetch .whl "$(pin transformers)" "$(pin peft)" "$(pin accelerate)" "$(pin pillow)"
+fetch .whl "$(pin transformers)" "$(pin peft)" "$(pin accelerate)"
 fetch .whl-grammar "$(pin xgrammar)" "$(pin apache-tvm-ffi)" "$(pin pydantic)" "$(pin pydantic_core)" \
   "$(pin annotated-types)" "$(pin typing-inspection)" "$(pin typing_extensions)"
-du -sh .whl .whl-grammar
+fetch .whl-images "$(pin pillow)"
+du -sh .whl .whl-grammar .whl-images
