@@ -67,6 +67,10 @@ SPEC_DECODE_COUNTERS = {
     "spec_decode_draft_tokens_total": ("inflight_spec_decode_num_draft_tokens_total", "Draft tokens judged"),
     "spec_decode_accepted_tokens_total": ("inflight_spec_decode_num_accepted_tokens_total", "Draft tokens kept"),
 }
+LORA_TASK_COUNTERS = {  # with lora_task_slots (lora_tasks.py)
+    "lora_task_loads": ("inflight_lora_task_loads_total", "LoRA tasks sent with requests (lora_weights) loaded "
+                                                          "into a slot"),
+}
 IMAGE_COUNTERS = {  # a vision-language model's (images.py)
     "images_encoded_total": ("inflight_images_encoded_total", "Images of prompts run through the vision tower"),
     "images_cached_total": ("inflight_images_cached_total", "Images of prompts whose vectors were kept from before"),
@@ -157,7 +161,7 @@ class TritonMetrics:
         self._lora: dict[str, tuple[_Sent, _Sent, _Sent]] = {}  # each adapter's, made when first sent
         self._spec_decode: dict[str, _Sent] = {}  # made when first sent: the engine speculates
         self._images: dict[str, _Sent] = {}  # made when first sent: the model takes images
-        self._task_loads: _Sent | None = None  # made when first sent: the engine takes LoRA tasks
+        self._task_loads: dict[str, _Sent] = {}  # made when first sent: the engine takes LoRA tasks
 
     def _metric(self, name: str, description: str, kind, labels: dict | None = None, **options):
         family = self._families_by_name.get(name)
@@ -197,12 +201,7 @@ class TritonMetrics:
             counter.advance(self._finished_counts[reason])
         self._spec_decode = self._advance_counters(stats, SPEC_DECODE_COUNTERS, self._spec_decode)
         self._images = self._advance_counters(stats, IMAGE_COUNTERS, self._images)
-        if "lora_task_loads" in stats:
-            if self._task_loads is None:
-                self._task_loads = _Sent(self._metric("inflight_lora_task_loads_total", "LoRA tasks sent with "
-                                                      "requests (lora_weights) loaded into a slot",
-                                                      self._pb_utils.MetricFamily.COUNTER))
-            self._task_loads.advance(stats["lora_task_loads"])
+        self._task_loads = self._advance_counters(stats, LORA_TASK_COUNTERS, self._task_loads)
         for adapter, (running, waiting, total) in stats.get("lora_requests", {}).items():
             sent = self._lora.get(adapter) or self._lora_metrics(adapter)
             sent[0].set(running)
