@@ -253,6 +253,48 @@ def save_random_model(model_dir: str, out: str, config_class, keys: tuple[str, .
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
 
 
+def long_prompts_run(llm, prompts: list[list[int]], max_tokens: int = 64) -> tuple[float, list, int, int]:
+    """Greedy outputs of `prompts` offline: (seconds, token ids, the most sequences running at once,
+    preemptions); every block free after."""
+    from inflight import SamplingParams
+
+    peak, schedule = [0], llm.scheduler.schedule
+
+    def counted():
+        batch = schedule()
+        peak[0] = max(peak[0], len(llm.scheduler.running))
+        return batch
+
+    llm.scheduler.schedule = counted
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    llm.block_manager.check_all_free()
+    return elapsed, [o.token_ids for o in outs], peak[0], llm.stats()["num_preemptions"]
+
+
+def compare_long_prompts(runs: dict, work: "Workload", repeats: int) -> dict:
+    """Each labelled way (a callable returning long_prompts_run's tuple) run `repeats` times, alternating:
+    output tok/s (medians), the most sequences at once, preemptions, and whether every way's outputs are
+    the same."""
+    last = {}
+
+    def timed(label):
+        last[label] = runs[label]()
+        return last[label][0]
+
+    seconds = alternating({label: lambda label=label: timed(label) for label in runs}, repeats)
+    outputs = [result[1] for result in last.values()]
+    return {"rates": {label: work.output_tokens / statistics.median(t) for label, t in seconds.items()},
+            "peaks": {label: result[2] for label, result in last.items()},
+            "preemptions": {label: result[3] for label, result in last.items()},
+            "same": all(out == outputs[0] for out in outputs)}
+
+
+LONG_PROMPT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+
+
 def bench_sliding_window(model_dir: str, repeats: int, budget: int, seed: int, window: int = 512,
                          requests: int = 12) -> dict:
     """Long prompts (1,536-2,048 tokens, 64 out) on a model whose layers all share a sliding window: the
@@ -264,43 +306,52 @@ def bench_sliding_window(model_dir: str, repeats: int, budget: int, seed: int, w
 
     from transformers import MistralConfig
 
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
     work = make_workload(requests, seed, prompt_range=(1536, 2048), output_range=(64, 64))
-    longest = max(map(len, work.prompts)) + 64
-    blocks = 2 * -(-longest // 16)
-    outputs, peaks, preemptions = {}, {}, {}
+    blocks = 2 * -(-(max(map(len, work.prompts)) + 64) // 16)
     with tempfile.TemporaryDirectory() as out:
-        save_random_model(model_dir, out, MistralConfig, keys, sliding_window=window, max_position_embeddings=8192)
+        save_random_model(model_dir, out, MistralConfig, LONG_PROMPT_KEYS, sliding_window=window,
+                          max_position_embeddings=8192)
 
-        def run(given_back: bool) -> float:
-            from inflight import SamplingParams
-
+        def run(given_back: bool):
             llm = make_llm(out, num_kv_blocks=blocks, block_size=16, max_num_batched_tokens=budget)
             assert llm.block_manager.sliding_window == window
             if not given_back:
                 llm.block_manager.sliding_window = None
-            peak, schedule = [0], llm.scheduler.schedule
+            return long_prompts_run(llm, work.prompts)
 
-            def counted():
-                batch = schedule()
-                peak[0] = max(peak[0], len(llm.scheduler.running))
-                return batch
+        result = compare_long_prompts({given_back: lambda g=given_back: run(g) for given_back in (True, False)},
+                                      work, repeats)
+    return dict(result, blocks=blocks, requests=requests, window=window)
 
-            llm.scheduler.schedule = counted
-            params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-            start = time.perf_counter()
-            outs = llm.generate(work.prompts, params)
-            elapsed = time.perf_counter() - start
-            llm.block_manager.check_all_free()
-            outputs[given_back], peaks[given_back] = [o.token_ids for o in outs], peak[0]
-            preemptions[given_back] = llm.stats()["num_preemptions"]
-            return elapsed
 
-        seconds = alternating({given_back: lambda g=given_back: run(g) for given_back in (True, False)}, repeats)
-    return {"rates": {g: work.output_tokens / statistics.median(t) for g, t in seconds.items()}, "peaks": peaks,
-            "preemptions": preemptions, "same": outputs[True] == outputs[False], "blocks": blocks,
-            "requests": requests, "window": window}
+def bench_hybrid_tables(model_dir: str, repeats: int, budget: int, seed: int, window: int = 512,
+                        requests: int = 12) -> dict:
+    """Long prompts (1,536-2,048 tokens, 64 out) on a model whose layers are five windowed to one full: the
+    default model's shape (30 layers) with random weights as model type gemma3_text, a window of 512, the
+    KV cache's memory that of twice the longest sequence in every layer. The windowed layers' blocks in
+    tables of their own (hybrid_kv_cache, the engine's way) against one table for every layer: output tok/s
+    (medians of alternating runs), the most sequences running at once, preemptions, equal outputs."""
+    import tempfile
+
+    from transformers import AutoConfig, Gemma3TextConfig
+
+    work = make_workload(requests, seed, prompt_range=(1536, 2048), output_range=(64, 64))
+    shape = AutoConfig.from_pretrained(model_dir)
+    head_dim = shape.hidden_size // shape.num_attention_heads
+    every_layer = 16 * (2 * shape.num_hidden_layers * shape.num_key_value_heads * head_dim * 4 + 8)
+    memory = 2 * -(-(max(map(len, work.prompts)) + 64) // 16) * every_layer
+    with tempfile.TemporaryDirectory() as out:
+        save_random_model(model_dir, out, Gemma3TextConfig, LONG_PROMPT_KEYS, sliding_window=window,
+                          max_position_embeddings=8192, query_pre_attn_scalar=head_dim)
+
+        def run(hybrid: bool):
+            llm = make_llm(out, num_kv_blocks=None, kv_cache_memory=memory, block_size=16,
+                           max_num_batched_tokens=budget, hybrid_kv_cache=hybrid)
+            assert llm.runner.window_groups == (5 if hybrid else 0)
+            return long_prompts_run(llm, work.prompts)
+
+        result = compare_long_prompts({hybrid: lambda h=hybrid: run(h) for hybrid in (True, False)}, work, repeats)
+    return dict(result, memory=memory, requests=requests, window=window)
 
 
 def bench_mixture_of_experts(model_dir: str, work: Workload, repeats: int, dtype: str = "float32") -> dict:
@@ -720,6 +771,14 @@ def bench_tensor_parallel(model_dir: str, work: Workload, threads: int, repeats:
             llm.close()
 
 
+def print_long_prompts(r: dict, what: str, repeats: int, labels: dict) -> None:
+    print(f"\n| {r['requests']} prompts of 1,536-2,048 tokens, 64 out, {what}, median of {repeats} | output tok/s | "
+          "most sequences at once | preemptions |\n|---|---:|---:|---:|")
+    for way, label in labels.items():
+        print(f"| {label} | {r['rates'][way]:.1f} | {r['peaks'][way]} | {r['preemptions'][way]} |")
+    print(f"\ngreedy outputs identical both ways: {r['same']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -728,7 +787,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers",
                         default="hf-static,hf-cb,inflight,triton,prefix,structured,logprobs,n,lora,beams,spec,tp,"
-                                "detok,sampling,attention,kv-dtype,window,moe",
+                                "detok,sampling,attention,kv-dtype,window,hybrid,moe",
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
                              "lora (the cost of serving two LoRA adapters, by name and as LoRA tasks), beams (beam "
                              "search against HF generate's), spec (n-gram speculative decoding against HF's prompt "
@@ -736,7 +795,9 @@ def main() -> None:
                              "sampling (the sampler's cost for 128 streams), attention (the CPU attention kernels "
                              "against the torch paths, bench_cpu_attention.py), kv-dtype (bfloat16 and fp8 KV caches "
                              "against the model's float32 one), window (long prompts on a model whose layers share a "
-                             "sliding window: blocks behind it given back or kept), moe (a mixture-of-experts model's "
+                             "sliding window: blocks behind it given back or kept), hybrid (long prompts on a model of "
+                             "Gemma 3's windowed and full layers: the windowed ones' block tables of their own or one "
+                             "table for all), moe (a mixture-of-experts model's "
                              "experts packed or as transformers runs them)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
@@ -835,13 +896,14 @@ def main() -> None:
                   "request's tokens) |")
     if "window" in peers:
         r = bench_sliding_window(args.model, args.repeats, args.max_num_batched_tokens, args.seed)
-        print(f"\n| {r['requests']} prompts of 1,536-2,048 tokens, 64 out, a window of {r['window']} in every layer, "
-              f"{r['blocks']} blocks of 16, median of {args.repeats} | output tok/s | most sequences at once | "
-              "preemptions |\n|---|---:|---:|---:|")
-        for given_back, label in ((False, "blocks behind the window kept"), (True, "given back (the engine's way)")):
-            print(f"| {label} | {r['rates'][given_back]:.1f} | {r['peaks'][given_back]} | "
-                  f"{r['preemptions'][given_back]} |")
-        print(f"\ngreedy outputs identical both ways: {r['same']}")
+        print_long_prompts(r, f"a window of {r['window']} in every layer, {r['blocks']} blocks of 16", args.repeats,
+                           {False: "blocks behind the window kept", True: "given back (the engine's way)"})
+    if "hybrid" in peers:
+        r = bench_hybrid_tables(args.model, args.repeats, args.max_num_batched_tokens, args.seed)
+        print_long_prompts(r, f"Gemma 3's layers (25 within a window of {r['window']}, 5 full), "
+                              f"{r['memory'] / 2**20:.0f} MiB of KV cache", args.repeats,
+                           {False: "one block table for every layer",
+                            True: "the windowed layers' own (the engine's way)"})
     if "moe" in peers:
         for dtype in ("float32", "bfloat16"):
             r = bench_mixture_of_experts(args.model, work, args.repeats, dtype)

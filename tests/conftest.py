@@ -73,7 +73,8 @@ MORE_FAMILIES = {
 
 
 def make_tiny_model(family: str, out: Path, vocab_size: int = 512, num_attention_heads: int = 4,
-                    num_key_value_heads: int = 2) -> Path:
+                    num_key_value_heads: int = 2, **config) -> Path:
+    """`family`'s tiny checkpoint (`config`: settings beyond the family's, e.g. more layers) saved to `out`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     settings = dict(TINY_FAMILIES.get(family) or MORE_FAMILIES[family])
@@ -81,7 +82,7 @@ def make_tiny_model(family: str, out: Path, vocab_size: int = 512, num_attention
     sizes = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                  max_position_embeddings=1024)
-    sizes.update(settings)
+    sizes.update(settings, **config)
     config = AutoConfig.for_model(
         model_type, **{k: v for k, v in sizes.items() if v is not None}, initializer_range=0.2,
         tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
@@ -190,7 +191,8 @@ def graphs_on_a_cpu(llm, max_tokens: int | None = None):
 
     runner = llm.runner
     held = runner.buffers
-    runner.buffers = InputBuffers(held.max_tokens, held.max_seqs, held.max_blocks, held.device.device, staged=True)
+    runner.buffers = InputBuffers(held.max_tokens, held.max_seqs, held.max_blocks, held.device.device, staged=True,
+                                  window_groups=held.window_groups)
     graphs = StepGraphs(runner._forward, runner.buffers, runner.config.max_num_seqs, lora=runner.lora is not None,
                         verify_len=runner._verify_len(), verify_seqs=runner._verify_seqs(),
                         max_tokens=runner.config.cuda_graph_max_tokens if max_tokens is None else max_tokens)

@@ -261,6 +261,7 @@ def test_steps_with_prompt_chunks_replay_graphs_of_their_token_bucket(tiny_model
     assert any(sum(counts) < shape.tokens for shape, counts in ragged)
     assert len({shape.tokens for shape, _ in ragged}) > 1, "steps were meant to replay several buckets"
     stats = llm.stats()
+    print(stats)
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     llm.block_manager.check_all_free()
     logprobs = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
@@ -479,4 +480,28 @@ def test_the_largest_steps_memory_is_measured_and_fits_beside_the_pool_on_a_gpu(
     params = dataclasses.replace(WIDEST_SAMPLING, max_tokens=4, logprobs=5, ignore_eos=True)
     [out] = llm.generate([random_prompts(1, 256, 256, vocab=512)[0]], params)
     assert len(out.token_ids) == 4
+    llm.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["decodes-and-chunks", "verifying-drafts"])
+def test_hybrid_models_replay_graphs_with_their_windowed_layers_tables(more_tiny_models, hf_eager_reference,
+                                                                       speculative):
+    """Gemma 2's windowed layer reads block tables of its own (hybrid_blocks.py): a graph's replay reads its
+    cache slots and tables from buffers of their own, padded as the step's own (decodes, steps with prompt
+    chunks, steps verifying n-gram drafts), under the prefix cache and, drafts aside, preemption; every
+    output is HF's."""
+    model = more_tiny_models("gemma2")
+    llm = LLM(model, block_size=8, num_kv_blocks=200 if speculative else 60, max_num_seqs=4,
+              max_num_batched_tokens=48, speculative_config={"num_speculative_tokens": 3} if speculative else None)
+    graphs = graphs_on_a_cpu(llm)
+    assert llm.runner.buffers.window_groups == 1
+    pieces = random_prompts(6, 5, 9, vocab=512, seed=43)
+    prompts = [piece * (120 // len(piece)) for piece in pieces] if speculative else random_prompts(6, 1, 300, 512, 43)
+    for round_ in range(2):  # (the second finds the prompts' blocks in the prefix cache)
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == [hf_eager_reference(model, p, GREEDY.max_tokens) for p in prompts]
+    assert graphs.ragged_replays > 0 and graphs.replays > graphs.ragged_replays + graphs.verify_replays
+    assert graphs.verify_replays > 0 if speculative else graphs.verify_replays == 0
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] > 0 and (speculative or stats["num_preemptions"] > 0)
     llm.block_manager.check_all_free()

@@ -34,6 +34,11 @@ class AttentionContext:
     num_decodes: int | None = None  # the sequences that lead the batch with one token each (None: unknown)
     query_len: int | None = None  # every sequence's query tokens, where they are all alike (a padded verify step)
     calls: list["AttentionCall"] | None = None  # when set, each layer's call is recorded here, nothing attended
+    # A hybrid model's: each layer's group (0: the full layers', which read the step's own slots and tables;
+    # g: windowed layers', which read the (g - 1)th of these), hybrid_blocks.py
+    layer_groups: list[int] | None = None
+    window_slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    window_block_tables: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -62,11 +67,16 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                                        tuple(value.shape), {k: v for k, v in arguments.items() if v is not None}))
         return query.new_zeros(*query.shape[:3], value.shape[3]).transpose(1, 2), None
     key_cache, value_cache = ctx.kv_caches[module.layer_idx]
+    group = ctx.layer_groups[module.layer_idx] if ctx.layer_groups is not None else 0
+    if group:
+        slot_mapping, block_tables = ctx.window_slot_mappings[group - 1], ctx.window_block_tables[group - 1]
+    else:
+        slot_mapping, block_tables = ctx.slot_mapping, ctx.block_tables
     # [1, heads, T, D] -> [T, heads, D]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    ops.write_kv_cache(k, v, key_cache, value_cache, ctx.slot_mapping, impl=ctx.impl)
+    ops.write_kv_cache(k, v, key_cache, value_cache, slot_mapping, impl=ctx.impl)
     out = ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.cu_seqlens_q, ctx.seq_lens,
-                              ctx.block_tables, scaling if scaling is not None else q.shape[-1] ** -0.5,
+                              block_tables, scaling if scaling is not None else q.shape[-1] ** -0.5,
                               sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux, impl=ctx.impl,
                               new_key=k, new_value=v, num_decodes=ctx.num_decodes, query_len=ctx.query_len)
     return out.unsqueeze(0), None

@@ -12,6 +12,7 @@ tokens are behind the window of the next token it computes (`release_behind_wind
 holds the window's blocks, not its whole length's.
 """
 
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ class Block:
     token_ids: tuple | None = None  # its tokens as Sequence.cache_key gives them
     parent_id: int | None = None  # the block before it in the sequence that filled it
     lora_id: int = 0  # the LoRA adapter of the sequence that filled it
+    # Which registration in the prefix cache is its present one (0: none): a hybrid model's windowed blocks
+    # are keyed by their full block's (hybrid_blocks.py)
+    registration: int = 0
 
 
 class BlockManager:
@@ -38,7 +42,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_empty: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
-        self._cached: dict[int, int] = {}  # hash -> block id
+        self._cached: dict = {}  # hash (a hybrid model's windowed block's: its key, hybrid_blocks.py) -> block id
+        self._registrations = itertools.count(1)
         # (source, destination) block pairs to copy before the next forward: a shared block about to
         # be written is copied first (copy-on-write), as the completions of one prompt diverge.
         self.pending_copies: list[tuple[int, int]] = []
@@ -52,11 +57,20 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def blocks_of(self, seq: Sequence):
+        """Where the blocks of `seq` are kept: its block_table, num_released_blocks and block_hashes (a hybrid
+        model's windowed layers' are in seq.windows: hybrid_blocks.py)."""
+        return seq
+
+    def fits(self, seq: Sequence, num_new_tokens: int, spare: int = 0) -> bool:
+        """Whether `num_new_tokens` more tokens of `seq` get their blocks with `spare` blocks left free."""
+        return self.blocks_needed(seq, num_new_tokens) + spare <= self.num_free_blocks
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """The free blocks `num_new_tokens` more tokens of `seq` take: new ones past its table, and one
         more when the block its next token is written to is shared (copied first; as _shared_next, inline:
         the scheduler asks this of every decoding sequence every step)."""
-        computed, table, size = seq.num_computed_tokens, seq.block_table, self.block_size
+        computed, table, size = seq.num_computed_tokens, self.blocks_of(seq).block_table, self.block_size
         held = len(table)
         new = -(-(computed + num_new_tokens) // size) - held
         i = computed // size
@@ -66,12 +80,12 @@ class BlockManager:
     def _shared_next(self, seq: Sequence) -> int | None:
         """The table index of the block the next token of `seq` is written to, when that block is shared
         with another sequence (it must be copied first); else None."""
-        i = seq.num_computed_tokens // self.block_size
-        return i if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1 else None
+        i, table = seq.num_computed_tokens // self.block_size, self.blocks_of(seq).block_table
+        return i if i < len(table) and self.blocks[table[i]].ref_count > 1 else None
 
     def max_new_tokens(self, seq: Sequence) -> int:
         """How many more tokens of `seq` fit in its blocks plus the whole free pool."""
-        capacity = (len(seq.block_table) + self.num_free_blocks) * self.block_size
+        capacity = (len(self.blocks_of(seq).block_table) + self.num_free_blocks) * self.block_size
         return capacity - seq.num_computed_tokens
 
     # -- allocation ----------------------------------------------------------------------------
@@ -80,25 +94,33 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             return False
+        table = self.blocks_of(seq).block_table
         i = self._shared_next(seq)
         if i is not None:
-            shared = self.blocks[seq.block_table[i]]
+            shared = self.blocks[table[i]]
             shared.ref_count -= 1
-            seq.block_table[i] = self._take_free_block()
-            self.pending_copies.append((shared.block_id, seq.block_table[i]))
+            table[i] = self._take_free_block()
+            self.pending_copies.append((shared.block_id, table[i]))
             needed -= 1
         for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+            table.append(self._take_free_block())
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (a shared block is copied when first written)."""
-        for block_id in parent.block_table[parent.num_released_blocks:]:
+        ours, theirs = self.blocks_of(parent), self.blocks_of(child)
+        for block_id in ours.block_table[ours.num_released_blocks:]:
             self.blocks[block_id].ref_count += 1
-        child.block_table = parent.block_table.copy()
-        child.num_released_blocks = parent.num_released_blocks
-        child.block_hashes = list(parent.block_hashes)
+        theirs.block_table = ours.block_table.copy()
+        theirs.num_released_blocks = ours.num_released_blocks
+        theirs.block_hashes = list(ours.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copies asked for since the last call, for the next step to make first."""
+        copies = list(self.pending_copies)
+        self.pending_copies.clear()  # (in place: a hybrid model's groups of layers share the list)
+        return copies
 
     def _take_free_block(self) -> int:
         if self._free_empty:
@@ -114,15 +136,16 @@ class BlockManager:
         """Return every block of `seq`. Tail blocks are freed first, so they are evicted before the
         shared prefix blocks that precede them; blocks it gave back behind a sliding window, which the
         cache still holds for it, move behind its tail too (a prefix is found from its first block on)."""
-        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+        held = self.blocks_of(seq)
+        for block_id in reversed(held.block_table[held.num_released_blocks:]):
             self._release(block_id)
-        for i in reversed(range(min(seq.num_released_blocks, len(seq.block_hashes)))):
-            block_id = seq.block_table[i]
-            if block_id in self._free_cached and self.blocks[block_id].hash == seq.block_hashes[i]:
+        for i in reversed(range(min(held.num_released_blocks, len(held.block_hashes)))):
+            block_id = held.block_table[i]
+            if block_id in self._free_cached and self.blocks[block_id].hash == held.block_hashes[i]:
                 self._free_cached.move_to_end(block_id)
-        seq.block_table.clear()
-        seq.num_released_blocks = 0
-        seq.block_hashes.clear()
+        held.block_table.clear()
+        held.num_released_blocks = 0
+        held.block_hashes.clear()
         seq.num_computed_tokens = 0
 
     def release_behind_window(self, seq: Sequence) -> None:
@@ -134,13 +157,14 @@ class BlockManager:
         before may be another sequence's by then."""
         if self.sliding_window is None:
             return
+        held = self.blocks_of(seq)
         behind = (seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
-        behind = min(max(behind, 0), len(seq.block_table))
+        behind = min(max(behind, 0), len(held.block_table))
         if self.enable_prefix_caching:
-            behind = min(behind, len(seq.block_hashes))
-        for block_id in seq.block_table[seq.num_released_blocks:behind]:
+            behind = min(behind, len(held.block_hashes))
+        for block_id in held.block_table[held.num_released_blocks:behind]:
             self._release(block_id)
-        seq.num_released_blocks = max(seq.num_released_blocks, behind)
+        held.num_released_blocks = max(held.num_released_blocks, behind)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -166,10 +190,15 @@ class BlockManager:
         """For a sequence without blocks: take the longest run of cached full blocks of its tokens and
         mark them computed. The last token is always left to compute, so that there is a token to sample
         from. Returns the number of tokens reused."""
-        assert not seq.block_table
+        return self.take_prefix(seq, self.cached_prefix(seq))
+
+    def cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+        """The longest run of cached full blocks that begins the tokens of `seq` (all but its last token),
+        as (hash, block id) pairs; nothing taken."""
+        assert not self.blocks_of(seq).block_table
         if not self.enable_prefix_caching or seq.params.needs_prompt_logits:
-            return 0  # prompt logprobs and context logits need every prompt position computed
-        parent_hash, parent_id = self._root_hash(seq), None
+            return []  # prompt logprobs and context logits need every prompt position computed
+        run, parent_hash, parent_id = [], self._root_hash(seq), None
         known = seq.num_prompt_tokens + len(seq.output_token_ids)
         for start in range(0, known - 1 - self.block_size + 1, self.block_size):
             chunk = seq.cache_key(start, start + self.block_size)
@@ -181,13 +210,22 @@ class BlockManager:
             # Compare contents, not only hashes: a collision must never hand out wrong KV.
             if block.token_ids != chunk or block.parent_id != parent_id or block.lora_id != seq.lora_id:
                 break
+            run.append((h, block_id))
+            parent_hash, parent_id = h, block_id
+        return run
+
+    def take_prefix(self, seq: Sequence, run: list[tuple[int, int]]) -> int:
+        """Give `seq` (without blocks) the cached blocks of `run` (cached_prefix's, or a part of it that
+        begins it) and mark their tokens computed; returns how many."""
+        held = self.blocks_of(seq)
+        for h, block_id in run:
+            block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free_cached[block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
-            seq.block_hashes.append(h)
-            parent_hash, parent_id = h, block_id
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+            held.block_table.append(block_id)
+            held.block_hashes.append(h)
+        seq.num_computed_tokens = len(run) * self.block_size
         self.release_behind_window(seq)
         return seq.num_computed_tokens
 
@@ -195,30 +233,33 @@ class BlockManager:
         """Register the blocks of `seq` that became full of computed tokens since the last call."""
         if not self.enable_prefix_caching:
             return
+        held = self.blocks_of(seq)
         num_full = seq.num_computed_tokens // self.block_size
-        start = len(seq.block_hashes)
+        start = len(held.block_hashes)
         if num_full <= start:
             return
-        parent_hash = seq.block_hashes[-1] if seq.block_hashes else self._root_hash(seq)
+        parent_hash = held.block_hashes[-1] if held.block_hashes else self._root_hash(seq)
         for i in range(start, num_full):
             chunk = seq.cache_key(i * self.block_size, (i + 1) * self.block_size)
             h = self.hash_block(parent_hash, chunk)
-            block = self.blocks[seq.block_table[i]]
-            parent_id = seq.block_table[i - 1] if i else None
+            block = self.blocks[held.block_table[i]]
+            parent_id = held.block_table[i - 1] if i else None
             # Only extend a chain whose parent is itself the cached block for the parent hash, so that
             # a match (which checks parent ids) proves the whole prefix is identical. (A parent given back
             # behind a sliding window qualifies while the cache still holds it: its hash says so.)
             parent_cached = parent_id is None or self.blocks[parent_id].hash == parent_hash
             if parent_cached and h not in self._cached and block.hash is None:
                 block.hash, block.token_ids, block.parent_id, block.lora_id = h, chunk, parent_id, seq.lora_id
+                block.registration = next(self._registrations)
                 self._cached[h] = block.block_id
-            seq.block_hashes.append(h)
+            held.block_hashes.append(h)
             parent_hash = h
 
     def _uncache(self, block: Block) -> None:
         if block.hash is not None:
             del self._cached[block.hash]
             block.hash = block.token_ids = block.parent_id = None
+            block.registration = 0
 
     def check_all_free(self) -> None:
         """Raise if any block is still referenced (used by tests and at shutdown)."""

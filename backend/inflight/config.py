@@ -80,6 +80,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # prompt + output; default: the model's limit, capped by the pool
     enable_prefix_caching: bool = True
+    # Models that alternate windowed and full layers (Gemma 2 and 3, gpt-oss) keep the windowed layers' KV in
+    # a pool of its own, which holds a sequence's window alone (hybrid_blocks.py); false: one pool for every
+    # layer (vLLM's disable_hybrid_kv_cache_manager).
+    hybrid_kv_cache: bool = True
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N
     # Steps replay CUDA graphs captured at start-up (cuda_graphs.py): decode steps, steps verifying drafts,
     # and steps with prompt chunks of up to cuda_graph_max_tokens tokens (0: none of those); no effect on a CPU.
@@ -171,7 +175,8 @@ class EngineConfig:
         if isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be an integer of at least 0, got {graph_tokens!r}")
         positive("tensor_parallel_size")
-        for name in ("cuda_graphs", "packed_weights", "torch_compile", "enable_prefix_caching", "trust_remote_code"):
+        for name in ("cuda_graphs", "packed_weights", "torch_compile", "enable_prefix_caching", "hybrid_kv_cache",
+                     "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_gpu_device_ids()

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .input_buffers import InputBuffers, StepInputs, StepTensors, empty_step, to_device
+from .input_buffers import InputBuffers, StepInputs, StepTensors, WindowInputs, empty_step, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,12 @@ def uniform_step(inputs: StepInputs, seqs: int, query_len: int) -> tuple[StepInp
     padded = StepInputs(input_ids, positions, slots, np.arange(seqs + 1, dtype=np.int64) * query_len, seq_lens,
                         tables, np.zeros(0, dtype=np.int64), pending_at=rows[inputs.pending_at],
                         pending_rows=inputs.pending_rows, lora_ids=lora_ids)
+    for window in inputs.windows:  # (a hybrid model's groups of windowed layers': laid out as the step's own)
+        window_slots = np.full(tokens, -1, dtype=np.int64)
+        window_slots[rows] = window.slot_mapping
+        window_tables = np.zeros_like(tables)
+        window_tables[:real] = window.block_tables
+        padded.windows.append(WindowInputs(window_slots, window_tables))
     return padded, rows[inputs.logits_at]
 
 
@@ -120,7 +126,9 @@ def ragged_step(inputs: StepInputs, shape: GraphShape) -> StepInputs:
                       padded(inputs.seq_lens, shape.seqs, 0), inputs.block_tables[:real],
                       padded(inputs.logits_at, shape.logits, 0), pending_at=inputs.pending_at,
                       pending_rows=inputs.pending_rows,
-                      lora_ids=None if inputs.lora_ids is None else padded(inputs.lora_ids, shape.tokens, 0))
+                      lora_ids=None if inputs.lora_ids is None else padded(inputs.lora_ids, shape.tokens, 0),
+                      windows=[WindowInputs(padded(window.slot_mapping, shape.tokens, -1), window.block_tables[:real])
+                               for window in inputs.windows])
 
 
 class StepGraphs:

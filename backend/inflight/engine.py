@@ -29,6 +29,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
 from .encoders import Encoders, copy_or_load
+from .hybrid_blocks import HybridBlockManager
 from .input_buffers import to_device
 from .logprobs import MeasuredLogprobs, entries, measure
 from .lora_tasks import LoRATask, TaskRefused, TaskSlots, TaskWeights
@@ -117,8 +118,13 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(model)
         compile_sampling_kernels(self.runner.device, self.runner.hf_config.vocab_size)
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, self.runner.sliding_window)
+        if self.runner.window_groups:  # (windowed layers beside full ones: block tables of their own)
+            self.block_manager = HybridBlockManager(self.runner.num_blocks, self.config.block_size,
+                                                    self.config.enable_prefix_caching, self.runner.hybrid_window,
+                                                    self.runner.window_groups)
+        else:
+            self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                              self.config.enable_prefix_caching, self.runner.sliding_window)
         self._grammars: StructuredOutputs | None = None  # built with the first constrained request
         self._grammars_lock = threading.Lock()
         # TensorRT-LLM's LoRA tasks: which slot of the LoRA layers holds which (lora_tasks.py)
@@ -447,7 +453,7 @@ class LLMEngine:
         self.num_computed_tokens += num_tokens
         self.steps_by_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
         # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward.
-        copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        copies = self.block_manager.take_pending_copies()
         # Sequences whose last scheduled token is their last token sample a next token; those that asked
         # for prompt logprobs also need logits at their prompt positions.
         sampling, logits_at, pending_at, pending_rows, prompt_positions = [], [], [], [], []

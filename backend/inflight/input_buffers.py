@@ -23,6 +23,15 @@ from .sequence import BlockTable
 
 
 @dataclass
+class WindowInputs:
+    """What a group of a hybrid model's windowed layers reads in place of the step's own (hybrid_blocks.py):
+    its cache slots and block tables."""
+
+    slot_mapping: np.ndarray  # [T]
+    block_tables: np.ndarray  # [S, max_blocks], as wide as the step's own
+
+
+@dataclass
 class StepInputs:
     """One step's model inputs over the ragged batch; all that another rank needs to run it."""
 
@@ -48,6 +57,7 @@ class StepInputs:
     # The sequences that lead the batch with one generated token each (build_step_inputs: a prompt's last
     # token computed alone is not one); None: inferred from the shapes (num_decodes).
     decodes: int | None = None
+    windows: list[WindowInputs] = field(default_factory=list)  # each group of a hybrid model's windowed layers'
 
     @property
     def is_decode(self) -> bool:
@@ -101,11 +111,13 @@ class BlockTableRows:
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[int],
                       block_copies: list[tuple[int, int]] | None = None,
-                      table_rows: BlockTableRows | None = None) -> StepInputs:
+                      table_rows: BlockTableRows | None = None,
+                      window_rows: list[BlockTableRows] = ()) -> StepInputs:
     """The flat inputs of a step: its scheduled tokens, their positions and cache slots, and the
     attention metadata; logits are returned at the flat positions `logits_at`. Python runs once per
     sequence; everything per token is numpy. `table_rows`: the runner's, kept from step to step (the
-    step's block tables are a view of it, valid until the next step's)."""
+    step's block tables are a view of it, valid until the next step's). `window_rows`: a hybrid model's, one
+    for each group of its windowed layers, which read the sequences' tables in seq.windows (hybrid_blocks.py)."""
     seqs = batch.seqs
     counts = np.asarray(batch.num_tokens, dtype=np.int64)
     starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
@@ -126,6 +138,10 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[in
                         np.asarray(logits_at, dtype=np.int64), list(block_copies or []),
                         lora_ids=np.repeat(adapters, counts) if adapters.any() else None,
                         decodes=_leading_decodes(batch, counts))
+    for group, rows in enumerate(window_rows):
+        window_tables = rows.of([s.windows[group].block_table for s in seqs])
+        window_slots = window_tables[token_rows, positions // block_size] * block_size + positions % block_size
+        inputs.windows.append(WindowInputs(window_slots, window_tables))
     _add_virtual_tokens(inputs, seqs)
     return inputs
 
@@ -170,6 +186,9 @@ class StepTensors:
     embeds_at: torch.Tensor | None = None  # [V] the positions of virtual prompt tokens (prompt_embeds.py)
     embeds: torch.Tensor | None = None  # [V, hidden] their vectors
     query_len: int | None = None  # every sequence's tokens, where a graph padded them alike (cuda_graphs.py)
+    # each group of a hybrid model's windowed layers' (hybrid_blocks.py)
+    window_slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    window_block_tables: list[torch.Tensor] = field(default_factory=list)
 
 
 def empty_step(lora: bool = False) -> StepInputs:
@@ -203,13 +222,16 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) ->
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 staged: bool | None = None):
+                 staged: bool | None = None, window_groups: int = 0):
         """`staged`: host and device buffers apart, a step's values copied from one to the other (None: on
-        a GPU; a CPU's device buffer is its host buffer, unless a test asks)."""
+        a GPU; a CPU's device buffer is its host buffer, unless a test asks). `window_groups`: sets of cache
+        slots and block tables of a hybrid model's groups of windowed layers (hybrid_blocks.py)."""
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.window_groups = window_groups
         sizes = dict(input_ids=max_tokens, positions=max_tokens, slot_mapping=max_tokens, logits_at=max_tokens,
                      lora_ids=max_tokens, cu_seqlens=max_seqs + 1, seq_lens=max_seqs, pending_at=max_seqs,
-                     pending_rows=max_seqs, block_tables=max_seqs * max_blocks)
+                     pending_rows=max_seqs, window_slot_mappings=window_groups * max_tokens,
+                     block_tables=(1 + window_groups) * max_seqs * max_blocks)
         self._offsets, start = {}, 0
         for name, size in sizes.items():
             self._offsets[name] = (start, start + size)
@@ -223,8 +245,10 @@ class InputBuffers:
         # a step's tables cross as its rows packed to the step's width (the longest table), then spread
         # into their rows on the device: a row as long as max_model_len allows (8,192 ids for 128k tokens)
         # would otherwise cross whole, 8 MB for 128 sequences, a step's GPU waiting for it.
-        self.device_tables = (torch.zeros(max_seqs, max_blocks, dtype=torch.int64, device=device) if staged
-                              else self.tables(self.host))
+        # (a hybrid model's groups of windowed layers read theirs from device_window_tables)
+        self.device_tables, *self.device_window_tables = (
+            torch.zeros(max_seqs, max_blocks, dtype=torch.int64, device=device) if staged
+            else self.tables(self.host, group) for group in range(1 + window_groups))
         # The pinned buffer is rewritten only once the GPU has taken the last step's values from it.
         self._copied = torch.cuda.Event() if on_gpu else None
 
@@ -232,8 +256,11 @@ class InputBuffers:
         begin, end = self._offsets[name]
         return buffer[begin:end]
 
-    def tables(self, buffer) -> torch.Tensor | np.ndarray:
-        return self._field(buffer, "block_tables").reshape(self.max_seqs, self.max_blocks)
+    def tables(self, buffer, group: int = 0) -> torch.Tensor | np.ndarray:
+        """The block tables the kernels read, unstaged: the step's (group 0) or a group of windowed layers'."""
+        size = self.max_seqs * self.max_blocks
+        return self._field(buffer, "block_tables")[group * size:(group + 1) * size].reshape(self.max_seqs,
+                                                                                          self.max_blocks)
 
     def check(self, inputs: StepInputs) -> None:
         """A clear error for a step larger than the buffers (the scheduler's limits should prevent it)."""
@@ -259,6 +286,12 @@ class InputBuffers:
             values = getattr(inputs, name)
             begin = self._offsets[name][0]
             host[begin:begin + len(values)] = values
+        # (a step built without the windowed groups' own, as the warm-up steps over block 0 are, gives them
+        # the step's own)
+        windows = inputs.windows or [WindowInputs(inputs.slot_mapping, inputs.block_tables)] * self.window_groups
+        window_slots = self._window_slots(host)
+        for group, window in enumerate(windows):
+            window_slots[group, :tokens] = window.slot_mapping
         if inputs.lora_ids is not None:  # (otherwise nothing reads them: the views leave them out)
             self._field(host, "lora_ids")[:tokens] = inputs.lora_ids
         begin = self._offsets["cu_seqlens"][0]
@@ -271,25 +304,32 @@ class InputBuffers:
             pad = slice(seqs, rows)
             for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("lora_ids", 0)):
                 self._field(host, name)[pad] = value
+            window_slots[:, pad] = -1
             self._field(host, "cu_seqlens")[seqs + 1:rows + 1] = np.arange(seqs + 1, rows + 1)
             self._field(host, "seq_lens")[pad] = 1
         # The tables' rows: the step's, and a padded decode step's padding sequences' (they read their row's
         # first block id: block 0).
         table_rows, table_width = max(given_rows, pad_seqs or 0), max(width, 1 if rows > seqs else 0)
-        if self.device is self.host:  # the kernels read the tables where they are written
-            tables = self.tables(host)
-        else:  # packed to the step's width, spread into their rows once on the device
-            begin = self._offsets["block_tables"][0]
-            tables = host[begin:begin + table_rows * table_width].reshape(table_rows, table_width)
-        tables[:given_rows, :width] = inputs.block_tables
-        tables[given_rows:table_rows, :table_width] = 0
+        groups = [(inputs.block_tables, self.device_tables)]
+        groups += [(window.block_tables, tables) for window, tables in zip(windows, self.device_window_tables)]
+        packed_size = table_rows * table_width
+        begin = self._offsets["block_tables"][0]
+        for group, (given, _) in enumerate(groups):
+            if self.device is self.host:  # the kernels read the tables where they are written
+                tables = self.tables(host, group)
+            else:  # packed to the step's width one group after the other, spread into their rows on the device
+                start = begin + group * packed_size
+                tables = host[start:start + packed_size].reshape(table_rows, table_width)
+            tables[:given_rows, :width] = given
+            tables[given_rows:table_rows, :table_width] = 0
         if self.device is not self.host:
-            used = self._offsets["block_tables"][0] + table_rows * table_width
+            used = begin + len(groups) * packed_size
             self.device[:used].copy_(self.host[:used], non_blocking=True)
             if self._copied is not None:
                 self._copied.record()
-            packed = self._field(self.device, "block_tables")[:table_rows * table_width]
-            self.device_tables[:table_rows, :table_width].copy_(packed.view(table_rows, table_width))
+            for group, (_, device_tables) in enumerate(groups):
+                packed = self.device[begin + group * packed_size:begin + (group + 1) * packed_size]
+                device_tables[:table_rows, :table_width].copy_(packed.view(table_rows, table_width))
         pending = len(inputs.pending_at)
         if pending:  # tokens the previous step sampled, straight from the device
             at = self._field(self.device, "pending_at")[:pending]
@@ -309,8 +349,16 @@ class InputBuffers:
         """New view objects each call (torch_ops caches its plan by the identity of these tensors).
         `num_decodes`: StepInputs.num_decodes; None for a decode step (every sequence)."""
         field = lambda name, n: self._field(self.device, name)[:n]  # noqa: E731
-        return StepTensors(field("input_ids", tokens), field("positions", tokens), field("slot_mapping", tokens),
+        step = StepTensors(field("input_ids", tokens), field("positions", tokens), field("slot_mapping", tokens),
                            field("cu_seqlens", seqs + 1), field("seq_lens", seqs),
                            self.device_tables[:seqs, :width],
                            None if logits is None else field("logits_at", logits),
                            field("lora_ids", tokens) if lora else None, seqs if num_decodes is None else num_decodes)
+        if self.window_groups:
+            step.window_slot_mappings = [slots[:tokens] for slots in self._window_slots(self.device)]
+            step.window_block_tables = [tables[:seqs, :width] for tables in self.device_window_tables]
+        return step
+
+    def _window_slots(self, buffer):
+        """[window groups, max_tokens]: each group's cache slots."""
+        return self._field(buffer, "window_slot_mappings").reshape(self.window_groups, self.max_tokens)

@@ -21,11 +21,13 @@ from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_availabl
 from .compile_warmup import compile_shape_classes
 from .cuda_graphs import StepGraphs
 from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
+from .hybrid_blocks import blocks_a_window_holds
 from .input_buffers import (BlockTableRows, InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill,
                             to_device)
 from .kernel_warmup import compile_attention_kernels
 from .lora import LoRAAdapters
-from .model_support import UnsupportedModel, attention_chunk, check_attention_calls, common_sliding_window, refuse
+from .model_support import (UnsupportedModel, attention_chunk, check_attention_calls, common_sliding_window, refuse,
+                            windowed_layers)
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
 from .step_memory import largest_step, peak_bytes, run_largest_step
@@ -112,8 +114,13 @@ class ModelRunner:
         self.lora = None
         # The first forward passes (what the attention layers ask; on a GPU, the largest step's memory) run
         # over a pool of one block, into which they write nothing; then the pool is sized and allocated.
+        self.layer_groups = None  # a hybrid model's: each layer's group of block tables (hybrid_blocks.py)
         self._allocate_pool(1)
-        self.sliding_window = self._check_attention_calls()  # every layer's, when they share one; else None
+        calls = self._check_attention_calls()
+        self.sliding_window = common_sliding_window(calls)  # every layer's, when they share one; else None
+        self.hybrid_window, self.window_groups = None, 0
+        if config.hybrid_kv_cache:
+            self._group_layers(*windowed_layers(calls))
         self._allocate_pool(self._pool_size())
         # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
         self.lora = (LoRAAdapters(self.model, config.lora_modules or {}, dtype, self.device, config.lora_task_slots,
@@ -123,8 +130,10 @@ class ModelRunner:
         # (a step verifying drafts in a CUDA graph pads a sequence's tokens to the verify length: its
         # table is read that far past max_model_len)
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
-                                    -(-(self.max_model_len + self._verify_len() - 1) // self.block_size), self.device)
+                                    -(-(self.max_model_len + self._verify_len() - 1) // self.block_size), self.device,
+                                    window_groups=self.window_groups)
         self.table_rows = BlockTableRows()
+        self.window_table_rows = [BlockTableRows() for _ in range(self.window_groups)]
         if self._use_packed_weights():
             # A step samples one row a sequence: the output head needs no more rows, prompt logprobs aside.
             pack_linear_layers(self.model, config.max_num_seqs, config.max_num_batched_tokens,
@@ -143,22 +152,46 @@ class ModelRunner:
                                       self.num_kv_heads, self.block_size, num_sms)
         self.graphs = self._capture_graphs() if self._use_cuda_graphs() else None
 
+    def _group_layers(self, window: int | None, windowed: frozenset[int]) -> None:
+        """Layers within a window beside layers over their whole context, at least as many of them: groups
+        of as many layers as the full ones, group 0 the full layers, 1.. the windowed ones, each group with
+        block tables of its own, its layer i in the cache's slot i (hybrid_blocks.py)."""
+        full = [layer for layer in range(self.num_layers) if layer not in windowed]
+        if not windowed or len(windowed) < len(full):
+            return  # (fewer windowed layers than full ones: one table for all, as gains little)
+        self.hybrid_window = window
+        self.window_groups = -(-len(windowed) // len(full))
+        self.layer_groups = [0] * self.num_layers
+        self._layer_slots = list(range(self.num_layers))
+        for i, layer in enumerate(full):
+            self._layer_slots[layer] = i
+        for i, layer in enumerate(sorted(windowed)):
+            self.layer_groups[layer], self._layer_slots[layer] = 1 + i // len(full), i % len(full)
+        logger.info("KV cache: %d layers attend within a window of %d and %d over their whole context: "
+                    "%d groups of block tables", len(windowed), window, len(full), 1 + self.window_groups)
+
+    @property
+    def _cache_slots(self) -> int:
+        """Layers a block holds: every layer, or a hybrid model's group's."""
+        return self.num_layers if self.layer_groups is None else max(self._layer_slots) + 1
+
     def _allocate_pool(self, num_blocks: int) -> None:
         """The KV pool of `num_blocks` blocks, in place of any before, and its tokens' ids (token_history.py)."""
         self.num_blocks = num_blocks
         self._kv_bytes = self.kv_cache = self.kv_caches = self.token_history = None  # (the old pool freed first)
-        # One tensor for the whole pool: [layer, key/value, block, slot, kv head, head dim].
+        # One tensor for the whole pool: [layer (a hybrid model's: slot), key/value, block, slot, kv head, head dim].
         # (fp8 through bytes: torch's fills and indexed copies do not take every fp8 dtype on every device)
-        self._kv_bytes = torch.zeros(self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
+        self._kv_bytes = torch.zeros(self._cache_slots, 2, num_blocks, self.block_size, self.num_kv_heads,
                                      self.head_dim * self.kv_dtype.itemsize, dtype=torch.uint8, device=self.device)
         self.kv_cache = self._kv_bytes.view(self.kv_dtype)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        slots = range(self.num_layers) if self.layer_groups is None else self._layer_slots
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in slots]
         self.token_history = TokenHistory(num_blocks, self.block_size, self.hf_config.vocab_size, self.device)
 
     @torch.inference_mode()
-    def _check_attention_calls(self) -> int | None:
-        """One forward pass of two tokens that records what each attention layer asks (model_support.py).
-        Returns the sliding window all layers share, if they do."""
+    def _check_attention_calls(self) -> list:
+        """One forward pass of two tokens that records what each attention layer asks (model_support.py);
+        returns the calls."""
         calls = []
         probe = empty_prefill(min(2, self.config.max_num_batched_tokens), self.block_size)
         step = InputBuffers(len(probe.input_ids), 1, 1, self.device).load(probe)
@@ -171,7 +204,7 @@ class ModelRunner:
                                                     f"{type(e).__name__}: {e}") from e
         check_attention_calls(calls, self.hf_config.model_type, self.num_layers, self.num_kv_heads, self.head_dim,
                               self.world_size)
-        return common_sliding_window(calls)
+        return calls
 
     def _capture_graphs(self) -> StepGraphs | None:
         """The steps' graphs; where those of steps with prompt chunks fail to capture, the others alone;
@@ -241,7 +274,7 @@ class ModelRunner:
     def _max_model_len(self) -> int:
         """Prompt plus output of one sequence: the setting, or the model's limit capped by the pool (not
         by the pool when its layers share a sliding window: a sequence holds only the window's blocks)."""
-        pool_tokens = self.num_blocks * self.block_size
+        pool_tokens = self._sequence_blocks() * self.block_size
         capacity = None if self._pool_holds_window() else pool_tokens
         if self.config.max_model_len is None:
             limit = getattr(self.hf_config, "max_position_embeddings", None) or pool_tokens
@@ -264,6 +297,20 @@ class ModelRunner:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the KV pool's "
                              f"{capacity} tokens; raise num_kv_blocks or kv_cache_memory")
         return self.config.max_model_len
+
+    def _sequence_blocks(self) -> int:
+        """The most blocks of the full layers one sequence may hold: the pool's; a hybrid model's, the pool's
+        less what its windowed groups hold of it (hybrid_blocks.py): as many as its full layers' while it is
+        shorter than a window, at most a window's and two blocks each."""
+        if not self.window_groups:
+            return self.num_blocks
+        groups = 1 + self.window_groups
+        if self.num_blocks < groups:
+            raise ValueError(f"the KV pool's {self.num_blocks} blocks hold no sequence, which takes a block in each "
+                             f"of the model's {groups} groups of layers (hybrid_kv_cache); raise num_kv_blocks or "
+                             "kv_cache_memory")
+        window = blocks_a_window_holds(self.hybrid_window, self.block_size)
+        return max(self.num_blocks // groups, self.num_blocks - self.window_groups * window)
 
     def _pool_holds_window(self) -> bool:
         """Whether the layers share a sliding window and the pool holds a sequence's blocks within it plus
@@ -311,8 +358,10 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        """A block's keys and values in every layer, and its tokens' ids (token_history.py)."""
-        return self.block_size * (2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize + 8)
+        """A block's keys and values in every layer (a hybrid model's group's), and its tokens' ids
+        (token_history.py)."""
+        return self.block_size * (2 * self._cache_slots * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+                                  + 8)
 
     def _pool_size(self) -> int:
         """The pool's blocks: the setting's, or as many as its budget holds (kv_cache_memory, or a share of
@@ -375,7 +424,8 @@ class ModelRunner:
                 block_copies: list[tuple[int, int]] | None = None) -> StepInputs:
         """The step's inputs; logits are returned at the flat positions `logits_at` (a sequence's last
         scheduled token where it samples; prompt positions where prompt logprobs are asked for)."""
-        return build_step_inputs(batch, self.block_size, logits_at, block_copies, self.table_rows)
+        return build_step_inputs(batch, self.block_size, logits_at, block_copies, self.table_rows,
+                                 self.window_table_rows)
 
     def execute(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]] | None = None,
                 pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
@@ -419,6 +469,9 @@ class ModelRunner:
             num_decodes=step.num_decodes,
             query_len=step.query_len,
             calls=calls,
+            layer_groups=self.layer_groups if step.window_block_tables else None,
+            window_slot_mappings=step.window_slot_mappings,
+            window_block_tables=step.window_block_tables,
         )
         if step.embeds is None:
             tokens = dict(input_ids=step.input_ids[None])

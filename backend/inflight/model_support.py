@@ -92,3 +92,14 @@ def common_sliding_window(calls: list[AttentionCall]) -> int | None:
     to the pool. None when a layer attends over its whole context (Gemma 2 and 3, gpt-oss alternate)."""
     windows = {call.arguments.get("sliding_window") for call in calls}
     return windows.pop() if len(windows) == 1 else None
+
+
+def windowed_layers(calls: list[AttentionCall]) -> tuple[int | None, frozenset[int]]:
+    """Where some layers attend within a sliding window and others over their whole context (Gemma 2 and
+    3, gpt-oss, Exaone 4): the largest window and the windowed layers, whose blocks can go back behind it
+    from block tables of their own (hybrid_blocks.py). Else (None, no layers)."""
+    windows = {call.layer_idx: call.arguments.get("sliding_window") for call in calls}
+    windowed = frozenset(layer for layer, window in windows.items() if window is not None)
+    if not windowed or len(windowed) == len(windows):
+        return None, frozenset()
+    return max(windows[layer] for layer in windowed), windowed

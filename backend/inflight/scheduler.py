@@ -175,7 +175,7 @@ class Scheduler:
         limit = min(spare, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
         drafts = self._drafts(seq, limit) if limit > 0 else []
         bm = self.block_manager
-        while drafts and bm.blocks_needed(seq, scheduled + len(drafts)) > bm.num_free_blocks - blocks_kept:
+        while drafts and not bm.fits(seq, scheduled + len(drafts), spare=blocks_kept):
             drafts.pop()
         if drafts:
             bm.allocate(seq, scheduled + len(drafts))
@@ -203,7 +203,7 @@ class Scheduler:
                 break
             hit = self.block_manager.match_prefix(seq)
             wanted = min(seq.num_uncomputed_tokens, budget)
-            short = self.block_manager.blocks_needed(seq, wanted) + reserve > self.block_manager.num_free_blocks
+            short = not self.block_manager.fits(seq, wanted, spare=reserve)
             n = 0 if short and self.running else self._schedule_chunk(batch, seq, budget)
             if n == 0:
                 self.block_manager.free(seq)  # give back the prefix blocks taken for nothing
@@ -241,7 +241,7 @@ class Scheduler:
         """Preempt unscheduled sequences, lowest priority and newest first, until `seq` can get blocks
         for `num_tokens` more tokens; when `seq` itself comes last in that order (or none is left to
         preempt), preempt `seq` and return False."""
-        while self.block_manager.blocks_needed(seq, num_tokens) > self.block_manager.num_free_blocks:
+        while not self.block_manager.fits(seq, num_tokens):
             candidates = [s for s in self.running if s is not seq and s not in batch]
             victim = max(candidates, key=_queue_order, default=None)
             if victim is None or _queue_order(victim) < _queue_order(seq):

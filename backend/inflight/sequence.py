@@ -90,6 +90,16 @@ class BlockTable:
         return f"BlockTable({self.ids.tolist()})"
 
 
+@dataclass
+class WindowBlocks:
+    """A sequence's blocks for one group of the windowed layers of a model that alternates them with layers
+    attending over the whole context, as its own fields are for those (hybrid_blocks.py)."""
+
+    block_table: BlockTable = field(default_factory=BlockTable)
+    num_released_blocks: int = 0  # leading entries given back, behind the window
+    block_hashes: list = field(default_factory=list)  # each full block's key in the prefix cache (None: none)
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -118,6 +128,8 @@ class Sequence:
     # read again (their stale ids stay, for positions; the kernels skip or mask what is out of the window).
     num_released_blocks: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks cached so far
+    # Its blocks of each group of windowed layers, where a model mixes them with full ones (hybrid_blocks.py).
+    windows: list["WindowBlocks"] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     # Under async scheduling: output tokens sampled on the GPU whose values the host has not read yet.
     # They count in num_tokens (the scheduler plans with them) but not in output_token_ids.
