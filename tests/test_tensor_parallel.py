@@ -149,12 +149,14 @@ def test_a_vision_language_model_sharded_over_two_ranks(tmp_path):
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt2", "mistral"])
 def test_other_model_types_sharded_or_refused(tmp_path, family):
-    """Gemma 2 (its softcap in every rank's kernels), sharded by transformers' plan, equals one rank; GPT-2,
-    which transformers has no plan to shard, would hold every head on each rank: refused at start-up with
-    the reason, no worker left behind. Mistral, its blocks given back behind its window of 48 (rank 0's
-    tables, every rank's caches): sequences of up to 224 tokens in a pool of 192, as one rank."""
+    """Gemma 2 (its softcap in every rank's kernels), sharded by transformers' plan, equals one rank, its
+    windowed layer's blocks in tables of their own (the step's message carries them) given back behind its
+    window of 48: sequences of up to 224 tokens in a pool of 24 blocks of 16; GPT-2, which transformers has
+    no plan to shard, would hold every head on each rank: refused at start-up with the reason, no worker left
+    behind. Mistral, its blocks given back behind its window of 48 (rank 0's tables, every rank's caches):
+    sequences of up to 224 tokens in a pool of 192, as one rank."""
     model = str(make_tiny_model(family, tmp_path / family, num_attention_heads=8, num_key_value_heads=4))
-    prompts = random_prompts(4, 100, 200, 512, seed=5) if family == "mistral" else random_prompts(4, 3, 40, 512, seed=5)
+    prompts = random_prompts(4, 100, 200, 512, seed=5) if family != "gpt2" else random_prompts(4, 3, 40, 512, seed=5)
     settings = dict(num_kv_blocks=12 if family == "mistral" else 24, max_num_seqs=4, max_num_batched_tokens=32,
                     num_threads=1)
     expected = run_to_the_end(LLM(model, **settings), prompts, [GREEDY] * 4)
