@@ -172,6 +172,7 @@ class EagerGraph:
     now, into the same output tensor, as a CUDA graph's replay does (through fresh views: the CPU attention
     keeps its plan by the views' identity)."""
 
+    @torch.inference_mode()  # (as StepGraphs.capture: its output an inference tensor, as a CUDA graph's is)
     def __init__(self, graphs, shape):
         self._run = lambda: graphs._forward(graphs.step_tensors(shape))
         graphs.step_tensors(shape, padding=True)
