@@ -2,6 +2,8 @@
 only the window's KV blocks of a sequence: the blocks behind it go back to the pool (block_manager.py), so
 sequences longer than the whole pool run, token for token as HF's."""
 
+import random
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -368,4 +370,81 @@ def test_the_windowed_tables_find_only_blocks_of_the_same_tokens():
     again = Sequence("c", second, GREEDY, detokenizer=None)
     assert pool.match_prefix(again) == 24 and list(again.windows[0].block_table) == filled[:3]
     pool.free(again)
+    pool.check_all_free()
+
+
+@pytest.mark.parametrize("seed", range(0, 100, 25))
+def test_random_histories_leave_every_table_on_its_own_tokens(seed):
+    """Random histories of the hybrid tables (block sizes 2-8, windows 2-40, one to three windowed groups,
+    pools of 8-80): sequences sharing prefixes arriving, found in the cache, computed in random chunks,
+    forked and copied on write, preempted, finished. A model of what each block holds (each group's KV of
+    the tokens up to the block's end, as written) checks every block a sequence's tables name, past what a
+    windowed group gave back, after every match and step; every block back at the end. 25 histories a
+    case, 400 events each."""
+    for history in range(seed, seed + 25):
+        run_random_history(history)
+
+
+def run_random_history(seed: int) -> None:
+    rng = random.Random(seed)
+    bs, window, groups = rng.choice([2, 4, 8]), rng.randint(2, 40), rng.randint(1, 3)
+    pool = HybridBlockManager(rng.randint(4 * (groups + 1), 80), bs, True, window, groups)
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    holds = {}  # block id -> (group, the tokens whose KV it holds)
+    prefixes = [[rng.randrange(6) for _ in range(rng.randint(1, 30))] for _ in range(4)]
+    live = []
+
+    def tables(seq):
+        return [(0, seq.block_table, 0)] + [(g + 1, w.block_table, w.num_released_blocks)
+                                            for g, w in enumerate(seq.windows)]
+
+    def check(seq):
+        computed = seq.num_computed_tokens
+        for group, table, released in tables(seq):
+            for i in range(released, min(len(table), -(-computed // bs))):
+                tokens = tuple(seq.token_ids[:min((i + 1) * bs, computed)])
+                held = holds.get(table[i])
+                assert held is not None and held[0] == group and held[1][:len(tokens)] == tokens, (seed, group, i)
+
+    for event in range(400):
+        action = rng.random()
+        if action < 0.3 or not live:  # a sequence arrives
+            tokens = rng.choice(prefixes) + [rng.randrange(6) for _ in range(rng.randint(1, 30))]
+            seq = Sequence(f"s{event}", tokens, params, detokenizer=None)
+            pool.match_prefix(seq)
+            check(seq)
+            live.append(seq)
+        elif action < 0.8:  # a step of one sequence: its next chunk, or a token more
+            seq = rng.choice(live)
+            pool.release_behind_window(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(rng.randrange(6))
+            n = min(rng.randint(1, seq.num_tokens - seq.num_computed_tokens), pool.max_new_tokens(seq))
+            if n <= 0 or not pool.allocate(seq, n):
+                victim = rng.choice(live)  # preempted
+                pool.free(victim)
+                live.remove(victim)
+                continue
+            for source, destination in pool.take_pending_copies():
+                holds[destination] = holds[source]
+            end = seq.num_computed_tokens + n
+            for group, table, _ in tables(seq):
+                for i in range(seq.num_computed_tokens // bs, -(-end // bs)):
+                    holds[table[i]] = (group, tuple(seq.token_ids[:min((i + 1) * bs, end)]))
+            seq.num_computed_tokens = end
+            pool.cache_full_blocks(seq)
+            check(seq)
+        elif action < 0.9:  # a computed sequence forks
+            parent = rng.choice(live)
+            if parent.num_computed_tokens == parent.num_tokens:
+                child = Sequence(parent.request_id + "+", list(parent.prompt_token_ids), params, detokenizer=None)
+                child.output_token_ids = list(parent.output_token_ids)
+                pool.fork(parent, child)
+                live.append(child)
+        else:  # one finishes
+            seq = rng.choice(live)
+            pool.free(seq)
+            live.remove(seq)
+    for seq in live:
+        pool.free(seq)
     pool.check_all_free()
