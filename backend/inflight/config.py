@@ -80,9 +80,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # prompt + output; default: the model's limit, capped by the pool
     enable_prefix_caching: bool = True
-    # Models that alternate windowed and full layers (Gemma 2 and 3, gpt-oss) keep the windowed layers' KV in
-    # a pool of its own, which holds a sequence's window alone (hybrid_blocks.py); false: one pool for every
-    # layer (vLLM's disable_hybrid_kv_cache_manager).
+    # Models that alternate windowed and full layers (Gemma 2 and 3, gpt-oss) keep the windowed layers' blocks
+    # in block tables of their own, which hold a sequence's window alone (hybrid_blocks.py); false: one table
+    # for every layer (vLLM's disable_hybrid_kv_cache_manager).
     hybrid_kv_cache: bool = True
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N
     # Steps replay CUDA graphs captured at start-up (cuda_graphs.py): decode steps, steps verifying drafts,

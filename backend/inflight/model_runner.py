@@ -273,7 +273,8 @@ class ModelRunner:
 
     def _max_model_len(self) -> int:
         """Prompt plus output of one sequence: the setting, or the model's limit capped by the pool (not
-        by the pool when its layers share a sliding window: a sequence holds only the window's blocks)."""
+        by the pool when its layers share a sliding window: a sequence holds only the window's blocks; a
+        hybrid model's, by the pool less its windowed groups' blocks of one sequence)."""
         pool_tokens = self._sequence_blocks() * self.block_size
         capacity = None if self._pool_holds_window() else pool_tokens
         if self.config.max_model_len is None:
