@@ -306,13 +306,14 @@ def test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, more_t
 
 
 @pytest.mark.parametrize("family, seed", [("llama", 19), ("mistral", 12)])
-def test_mixes_reading_the_context_logits_of_one_graph_replayed_back_to_back(tiny_models, tmp_path_factory, family,
-                                                                             seed):
+def test_mixes_reading_the_context_logits_of_one_graph_replayed_back_to_back(tiny_models, more_tiny_models,
+                                                                             tmp_path_factory, family, seed):
     """Two mixes through the graphs (found among 50 more seeds) where a prompt's chunks replayed one graph
     step after step: a graph writes every replay's logits into the same output, and the chunks' context
     logits, read a step later (pipelined), were the next chunk's: raw_logits.to_host returned the rows
     themselves on a CPU (a copy from a GPU), harmless for eager steps' fresh outputs only."""
-    test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, tmp_path_factory, family, "graphs", seed)
+    test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, more_tiny_models, tmp_path_factory, family,
+                                                             "graphs", seed)
 
 
 @pytest.mark.parametrize("seed", range(2))
