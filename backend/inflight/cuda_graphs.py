@@ -87,25 +87,26 @@ def uniform_step(inputs: StepInputs, seqs: int, query_len: int) -> tuple[StepInp
     positions = np.zeros(tokens, dtype=np.int64)
     positions[:real * query_len] = np.repeat(inputs.positions[inputs.cu_seqlens[1:] - 1], query_len)
     positions[rows] = inputs.positions
-    slots = np.full(tokens, -1, dtype=np.int64)
-    slots[rows] = inputs.slot_mapping
     seq_lens = np.full(seqs, query_len, dtype=np.int64)
     seq_lens[:real] = inputs.seq_lens - counts + query_len
-    tables = np.zeros((seqs, inputs.block_tables.shape[1]), dtype=np.int64)
-    tables[:real] = inputs.block_tables
+
+    def laid_out(slot_mapping: np.ndarray, block_tables: np.ndarray) -> WindowInputs:
+        """Cache slots and block tables in the padded layout (the step's own, or a hybrid model's group's)."""
+        slots = np.full(tokens, -1, dtype=np.int64)
+        slots[rows] = slot_mapping
+        tables = np.zeros((seqs, block_tables.shape[1]), dtype=np.int64)
+        tables[:real] = block_tables
+        return WindowInputs(slots, tables)
+
+    own = laid_out(inputs.slot_mapping, inputs.block_tables)
     lora_ids = None
     if inputs.lora_ids is not None:
         lora_ids = np.zeros(tokens, dtype=np.int64)
         lora_ids[rows] = inputs.lora_ids
-    padded = StepInputs(input_ids, positions, slots, np.arange(seqs + 1, dtype=np.int64) * query_len, seq_lens,
-                        tables, np.zeros(0, dtype=np.int64), pending_at=rows[inputs.pending_at],
-                        pending_rows=inputs.pending_rows, lora_ids=lora_ids)
-    for window in inputs.windows:  # (a hybrid model's groups of windowed layers': laid out as the step's own)
-        window_slots = np.full(tokens, -1, dtype=np.int64)
-        window_slots[rows] = window.slot_mapping
-        window_tables = np.zeros_like(tables)
-        window_tables[:real] = window.block_tables
-        padded.windows.append(WindowInputs(window_slots, window_tables))
+    padded = StepInputs(input_ids, positions, own.slot_mapping, np.arange(seqs + 1, dtype=np.int64) * query_len,
+                        seq_lens, own.block_tables, np.zeros(0, dtype=np.int64), pending_at=rows[inputs.pending_at],
+                        pending_rows=inputs.pending_rows, lora_ids=lora_ids,
+                        windows=[laid_out(window.slot_mapping, window.block_tables) for window in inputs.windows])
     return padded, rows[inputs.logits_at]
 
 

@@ -35,7 +35,7 @@ class WindowBlockManager(BlockManager):
         self.num_blocks, self.block_size, self.enable_prefix_caching = (full.num_blocks, full.block_size,
                                                                         full.enable_prefix_caching)
         self.blocks, self._free_empty, self._free_cached = full.blocks, full._free_empty, full._free_cached
-        self._cached, self._registrations, self.pending_copies = full._cached, full._registrations, full.pending_copies
+        self._cached, self.pending_copies = full._cached, full.pending_copies
 
     def blocks_of(self, seq: Sequence) -> WindowBlocks:
         while len(seq.windows) <= self.group:
@@ -57,7 +57,7 @@ class WindowBlockManager(BlockManager):
             key = self._key(full_id) if self.full.blocks[full_id].hash == seq.block_hashes[i] else None
             block = self.blocks[held.block_table[i]]
             if key is not None and key not in self._cached and block.hash is None:
-                block.hash, block.registration = key, next(self._registrations)
+                block.hash = key  # (its registration is never read: a key names a full block's)
                 self._cached[key] = block.block_id
             held.block_hashes.append(key)
 
@@ -154,8 +154,7 @@ class HybridBlockManager:
     def release_behind_window(self, seq: Sequence) -> None:
         """(Asked of every running sequence every step: the groups are asked only when the window has moved
         past a block, which they all give back alike.)"""
-        if seq.windows and (seq.num_computed_tokens - self.sliding_window + 1) // self.block_size > \
-                seq.windows[0].num_released_blocks:
+        if seq.windows and self.windows[0].first_needed(seq.num_computed_tokens) > seq.windows[0].num_released_blocks:
             for group in self.windows:
                 group.release_behind_window(seq)
 
