@@ -1,7 +1,8 @@
 """Images in prompts (images.py): tiny random vision-language models built here (LLaVA, LLaVA-NeXT and
-ViP-LLaVA: a CLIP vision tower; Idefics3: a SigLIP-like one; each with a Llama language model), their
-greedy output equal to HF `generate` with the same images token for token, through the engine and
-through tritonserver's `image` input (vllm_backend's)."""
+ViP-LLaVA: a CLIP vision tower; Idefics3: a SigLIP-like one; each with a Llama language model; Gemma 3: a
+SigLIP tower and a Gemma 3 language model of windowed and full layers, whose image tokens see each
+other), their greedy output equal to HF `generate` with the same images token for token, through the
+engine and through tritonserver's `image` input (vllm_backend's)."""
 
 import base64
 import functools
@@ -23,12 +24,43 @@ PLACEHOLDER = "<image>"
 IMAGE_SIZE, PATCH = 30, 6  # 25 patches: 25 image tokens an image (the class token dropped)
 
 
+# Gemma 3's placeholder is its start-of-image token, which its processor follows with the image's tokens
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+GEMMA3_IMAGE_TOKENS = 16
+
+
+def placeholder(model_type: str) -> str:
+    return GEMMA3_TOKENS["boi_token"] if model_type == "gemma3" else PLACEHOLDER
+
+
 def _tokenizer(*special: str):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
     return tokenizer
+
+
+def _tiny_gemma3():
+    """A tiny Gemma 3: a SigLIP tower of 8 x 8 patches pooled to 16 tokens an image, a language model whose
+    windowed layers (a window of 24 tokens, beyond an image's 16) alternate with full ones."""
+    import transformers as tf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL, extra_special_tokens=GEMMA3_TOKENS)
+    text = tf.Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                               layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=1024,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=32, patch_size=4)
+    config = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                             mm_tokens_per_image=GEMMA3_IMAGE_TOKENS, image_token_index=tokenizer.image_token_id,
+                             boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+                             initializer_range=0.2)
+    processor = tf.Gemma3Processor(tf.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tokenizer,
+                                   image_seq_length=GEMMA3_IMAGE_TOKENS)
+    return config, tf.Gemma3ForConditionalGeneration, processor
 
 
 def _text_config(vocab_size: int):
@@ -51,7 +83,9 @@ def make_tiny_vlm(model_type: str, out) -> str:
     import transformers as tf
 
     crop = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    if model_type == "idefics3":  # (SmolVLM): a SigLIP-like tower, pixel shuffle, images as fake-token spans
+    if model_type == "gemma3":
+        config, model, processor = _tiny_gemma3()
+    elif model_type == "idefics3":  # (SmolVLM): a SigLIP-like tower, pixel shuffle, images as fake-token spans
         tokenizer = _tokenizer("<fake_token_around_image>", PLACEHOLDER, "<end_of_utterance>", "<global-img>")
         vision = tf.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, image_size=32, patch_size=8)
@@ -160,15 +194,19 @@ CHUNKED_PREEMPTED = dict(max_num_batched_tokens=16, max_num_seqs=8, num_kv_block
     ("llava_next", {}),
     ("vipllava", {}),
     ("idefics3", CHUNKED_PREEMPTED),
-], ids=["llava", "llava-chunked-preempted", "llava_next", "vipllava", "idefics3-chunked-preempted"])
+    ("gemma3", {}),
+    ("gemma3", CHUNKED_PREEMPTED),  # (a chunk of 16 tokens holds an image's 16 whole, or none of them)
+], ids=["llava", "llava-chunked-preempted", "llava_next", "vipllava", "idefics3-chunked-preempted", "gemma3",
+        "gemma3-chunked-preempted"])
 def test_images_equal_hf_generate(tiny_vlms, references, model_type, settings):
     """Prompts of one image, of two, of an image given as a file's bytes, and of text alone, in one
     batch: each output HF's for the same text and images."""
     a, b, c = pictures(3)
-    prompts = [("USER: <image>\nWhat is shown here? ASSISTANT:", [a]),
-               ("Compare <image> with <image>, please.", [b, c]),
-               ("<image> described in a word:", [png(c)]),
-               ("A prompt of text alone, beside them", [])]
+    prompts = [(text.replace(PLACEHOLDER, placeholder(model_type)), images) for text, images in [
+        ("USER: <image>\nWhat is shown here? ASSISTANT:", [a]),
+        ("Compare <image> with <image>, please.", [b, c]),
+        ("<image> described in a word:", [png(c)]),
+        ("A prompt of text alone, beside them", [])]]
     reference = references(model_type)
     llm = LLM(tiny_vlms(model_type), **settings)
     outs = llm.generate([with_images(text, images) if images else text for text, images in prompts],
@@ -254,6 +292,113 @@ def test_a_lora_adapter_of_the_whole_checkpoint(tiny_llava, tmp_path):
         LLM(tiny_llava, lora_modules={"vision": vision})
 
 
+def test_gemma3_images_are_computed_whole_and_found_again(tiny_vlms, references):
+    """Gemma 3's image tokens see each other, so an image is computed in one chunk: a budget of 20 tokens
+    stops a chunk before an image it would cut, then takes its 16 tokens whole. The prefix cache finds the
+    same prompt again up to its last block, but never a part of an image: a prompt that ends in its image is
+    found only up to the block the image begins in. Every output HF's; a budget below an image's tokens is
+    refused by name."""
+    reference = references("gemma3")
+    llm = LLM(tiny_vlms("gemma3"), max_num_batched_tokens=20, max_num_seqs=4, block_size=8, num_kv_blocks=64)
+    image = pictures(1, seed=3)[0]
+    schedule, chunks = llm.scheduler.schedule, []
+
+    def recorded():
+        batch = schedule()
+        chunks.append([(seq.num_computed_tokens, n) for seq, n in zip(batch.seqs, batch.num_tokens)])
+        return batch
+
+    llm.scheduler.schedule = recorded
+    runs = []
+    # images at positions [8, 24) of 30 tokens, then [13, 29) of 31: the text's 2 last tokens after it
+    texts = ("a question about the picture, <start_of_image> what is it?",
+             "Here is a long question about the picture you see: <start_of_image>")
+    for text in texts:
+        for _ in range(2):
+            start = llm.stats()["prefix_cache_hit_tokens"]
+            chunks.clear()
+            out = llm.generate([with_images(text, [image])], GREEDY)[0]
+            assert out.outputs[0].token_ids == reference(text, [image]), text
+            ids = out.prompt_token_ids
+            first = next(k for k, t in enumerate(ids) if t >= llm.runner.hf_config.vocab_size)
+            runs.append((llm.stats()["prefix_cache_hit_tokens"] - start, first, len(ids), [c[0] for c in chunks]))
+    assert [run[1:3] for run in runs] == [(8, 30)] * 2 + [(13, 31)] * 2
+    assert [run[0] for run in runs] == [0, 24, 0, 8]
+    assert [run[3][:3] for run in runs] == [[(0, 8), (8, 20), (28, 2)], [(24, 6), (30, 1), (31, 1)],
+                                            [(0, 13), (13, 18), (31, 1)], [(8, 5), (13, 18), (31, 1)]]
+    llm.block_manager.check_all_free()
+    with pytest.raises(ValueError, match=r"an image of 16 tokens, which see each other, is computed in one step: "
+                                         r"more than max_num_batched_tokens \(12\)"):
+        small = LLM(tiny_vlms("gemma3"), max_num_batched_tokens=12, max_num_seqs=4)
+        small.generate([with_images(texts[0], [image])], GREEDY)
+
+
+def test_a_span_attends_as_hf_masks_it():
+    """attend_within_spans against a dense mask built as HF builds Gemma 3's (AND(window, OR(causal, same
+    image))): a window shorter than the span, grouped heads, a softcap and sinks, keys in a paged cache of
+    scattered blocks, rows outside the spans untouched."""
+    from inflight.ops import attend_within_spans
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block = 4, 2, 8, 4
+    seq_len, spans = 30, [(5, 17), (20, 29)]
+    query = torch.randn(3 + seq_len, heads, dim)  # (the sequence's rows after another's 3)
+    keys, values = torch.randn(seq_len, kv_heads, dim), torch.randn(seq_len, kv_heads, dim)
+    table = torch.randperm(16)[:8]
+    key_cache, value_cache = torch.zeros(16, block, kv_heads, dim), torch.zeros(16, block, kv_heads, dim)
+    positions = torch.arange(seq_len)
+    for cache, x in ((key_cache, keys), (value_cache, values)):
+        cache[table[positions // block], positions % block] = x
+    sinks = torch.randn(heads)
+    for window, softcap, with_sinks in ((None, None, False), (7, 5.0, True), (100, None, True)):
+        out = torch.full_like(query, 7.0)
+        attend_within_spans(out, query, key_cache, value_cache, table[None].repeat(2, 1),
+                            np.array([[1, 3 + start, start, end] for start, end in spans]), 0.3, window, softcap,
+                            sinks if with_sinks else None)
+        group = torch.full((seq_len,), -1)
+        for k, (start, end) in enumerate(spans):
+            group[start:end] = k
+        q, k = positions[:, None], positions[None, :]
+        visible = (k <= q) | ((group[:, None] == group[None, :]) & (group[:, None] >= 0))
+        if window is not None:
+            visible &= k > q - window
+        scores = torch.einsum("qhd,khd->hqk", query[3:], keys.repeat_interleave(2, dim=1)) * 0.3
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if with_sinks:
+            scores = torch.cat([scores, sinks[:, None, None].expand(heads, seq_len, 1)], dim=-1)
+        expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., :seq_len], values.repeat_interleave(2, dim=1))
+        inside = torch.zeros(seq_len, dtype=torch.bool)
+        for start, end in spans:
+            inside[start:end] = True
+            torch.testing.assert_close(out[3 + start:3 + end], expected[start:end], atol=1e-5, rtol=1e-5)
+        outside = torch.ones(seq_len + 3, dtype=torch.bool)
+        outside[3:][inside] = False
+        assert (out[outside] == 7.0).all()
+
+
+def test_an_image_block_is_found_again_only_with_its_whole_span():
+    """A token of a span that sees itself depends on the span's rows after it too: its digest for the prefix
+    cache takes in the whole span's, so two images whose first rows agree share no block of them."""
+    from inflight.prompt_embeds import resolve
+
+    rows = torch.randn(4, 8)
+    other = rows.clone()
+    other[3] += 1
+    keys = []
+    for table in (rows, rows.clone(), other):
+        ids, embeds = resolve({"prompt_token_ids": [5, 100, 101, 6, 102, 103], "prompt_embedding_table": table}, 100,
+                              8, torch.float32, 64)
+        plain = embeds.cache_key(ids)
+        embeds.attend_within_runs(ids)
+        assert embeds.spans == [(1, 3), (4, 6)]
+        keys.append((plain, embeds.cache_key(ids)))
+    assert keys[0] == keys[1]
+    assert keys[0][0][:5] == keys[2][0][:5]  # row by row, the first three rows agree
+    assert keys[0][1][:3] == keys[2][1][:3] and keys[0][1][4] != keys[2][1][4]  # ... not with the span after
+
+
 def test_completions_and_beams_over_an_image(tiny_llava, reference):
     """n greedy completions are each HF's; a beam search of width 1 equals greedy too."""
     image = pictures(1, seed=9)[0]
@@ -269,20 +414,21 @@ def test_completions_and_beams_over_an_image(tiny_llava, reference):
     llm.block_manager.check_all_free()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_requests_with_images(tiny_vlms, references, seed):
     """Random prompts of 0 to 3 images of random sizes (some as files), greedy and sampled, n, aborts, a
     pool small enough to preempt and to refuse the longest: every greedy completion HF's, every refusal
     the limit's, every block back."""
     rnd, rng = random.Random(seed), np.random.default_rng(seed)
-    model_type = ("llava", "llava_next")[seed % 2]
+    model_type = ("llava", "llava_next", "gemma3")[seed % 3]
     words = "the a cat red sky sea what is this tell me about it compare and".split()
     llm = LLM(tiny_vlms(model_type), max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=24, block_size=8,
               max_images_per_prompt=2)
     requests = {}
     for k in range(12):
         count = rnd.choice([0, 1, 1, 2, 3])
-        text = PLACEHOLDER.join(" ".join(rnd.choices(words, k=rnd.randint(0, 6))) for _ in range(count + 1)) or "hi"
+        text = placeholder(model_type).join(" ".join(rnd.choices(words, k=rnd.randint(0, 6)))
+                                            for _ in range(count + 1)) or "hi"
         images = [Image.fromarray(rng.integers(0, 256, (rnd.randint(8, 80), rnd.randint(8, 80), 3), dtype=np.uint8))
                   for _ in range(count)]
         greedy = rnd.random() < 0.6
@@ -367,12 +513,15 @@ def test_a_text_only_model_takes_no_images(tiny_models):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_on_a_gpu_beside_cuda_graphs(tiny_llava, reference):
-    """On a GPU (float32; the vision tower there too; decode steps in CUDA graphs): HF's outputs, with a
-    prompt of text alone beside the images' prompts."""
+@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+def test_on_a_gpu_beside_cuda_graphs(tiny_vlms, references, model_type):
+    """On a GPU (float32; the vision tower there too; decode steps in CUDA graphs; Gemma 3's images' spans
+    attended after the Triton kernels): HF's outputs, with a prompt of text alone beside the images' prompts."""
     images = pictures(2, seed=4)
-    prompts = [("<image> and <image>: what differs?", images), ("<image> again", images[1:])]
-    llm = LLM(tiny_llava, device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
+    image = placeholder(model_type)
+    prompts = [(f"{image} and {image}: what differs?", images), (f"{image} again", images[1:])]
+    reference = references(model_type)
+    llm = LLM(tiny_vlms(model_type), device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
     assert llm.runner.graphs is not None
     outs = llm.generate([with_images(t, i) for t, i in prompts] + ["text alone"], GREEDY)
     for (text, images), out in zip(prompts, outs):
@@ -417,3 +566,24 @@ def test_served_images_equal_hf_generate(llava_server, reference):
         assert result["error"] is not None and message in result["error"], (message, result["error"])
         assert result["finals"] == 1
     assert_all_blocks_free(llava_server)
+
+
+@pytest.fixture(scope="module")
+def gemma3_server(tiny_vlms):
+    yield from serve(model=tiny_vlms("gemma3"), max_num_batched_tokens=20, max_num_seqs=4)
+
+
+@pytest.mark.server
+def test_served_gemma3_images_equal_hf_generate(gemma3_server, references):
+    """Gemma 3 served, chunks of at most 20 tokens: prompts of one and two images, whose tokens see each
+    other, streamed equal to HF's output; every block free after."""
+    reference = references("gemma3")
+    a, b = pictures(2, seed=13)
+    params = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    image = placeholder("gemma3")
+    for text, images in ((f"What is in {image}?", [a]), (f"Compare {image} and {image}:", [a, b])):
+        sent = [base64.b64encode(png(i)).decode() for i in images]
+        served = stream_to_the_end(gemma3_server.grpc_url, text, image=sent, sampling_parameters=params)
+        assert served["error"] is None and served["finals"] == 1, served["error"]
+        assert served["text"] == reference.processor.tokenizer.decode(reference(text, images), skip_special_tokens=True)
+    assert_all_blocks_free(gemma3_server)

@@ -13,6 +13,7 @@ attending.
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 
@@ -39,6 +40,8 @@ class AttentionContext:
     layer_groups: list[int] | None = None
     window_slot_mappings: list[torch.Tensor] = field(default_factory=list)
     window_block_tables: list[torch.Tensor] = field(default_factory=list)
+    # Spans of tokens that see each other (a Gemma 3 image's): StepInputs.attend_within
+    attend_within: np.ndarray | None = None
 
 
 @dataclass
@@ -75,10 +78,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     # [1, heads, T, D] -> [T, heads, D]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     ops.write_kv_cache(k, v, key_cache, value_cache, slot_mapping, impl=ctx.impl)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.cu_seqlens_q, ctx.seq_lens,
-                              block_tables, scaling if scaling is not None else q.shape[-1] ** -0.5,
-                              sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux, impl=ctx.impl,
-                              new_key=k, new_value=v, num_decodes=ctx.num_decodes, query_len=ctx.query_len)
+                              block_tables, scale, sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux,
+                              impl=ctx.impl, new_key=k, new_value=v, num_decodes=ctx.num_decodes,
+                              query_len=ctx.query_len)
+    if ctx.attend_within is not None:  # (their rows attended causally above: computed again, seeing the span)
+        ops.attend_within_spans(out, q, key_cache, value_cache, block_tables, ctx.attend_within, scale,
+                                sliding_window, softcap or None, s_aux)
     return out.unsqueeze(0), None
 
 

@@ -212,6 +212,8 @@ class BlockManager:
                 break
             run.append((h, block_id))
             parent_hash, parent_id = h, block_id
+        while run and seq.span_split_by(len(run) * self.block_size):  # (the span is computed again whole)
+            run.pop()
         return run
 
     def take_prefix(self, seq: Sequence, run: list[tuple[int, int]]) -> int:

@@ -227,13 +227,16 @@ class LLMEngine:
         elif isinstance(prompt, dict):
             if params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs cannot be measured for a prompt given as embeddings or images")
-            if "multi_modal_data" in prompt:
+            with_images = "multi_modal_data" in prompt
+            if with_images:
                 if params.truncate_prompt_tokens:
                     raise ValueError("truncate_prompt_tokens would cut a prompt's images: not taken with images")
                 prompt = self._image_prompt(prompt, vocab)
             hf_config = self.runner.hf_config
             token_ids, embeds = prompt_embeds.resolve(prompt, vocab, hf_config.hidden_size, self.runner.dtype,
                                                       self.max_model_len)
+            if with_images and self.runner.image_encoder.see_themselves:
+                self._images_see_themselves(embeds, token_ids)
         else:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
@@ -281,6 +284,15 @@ class LLMEngine:
         if not isinstance(data, dict) or set(data) != {"image"}:
             raise ValueError("multi_modal_data takes images alone: {'image': an image or a list of images}")
         return self.runner.image_encoder.prompt(prompt["prompt"], data["image"], vocab_size)
+
+    def _images_see_themselves(self, embeds: PromptEmbeddings, token_ids: list[int]) -> None:
+        """Each image's tokens a span that sees itself (Gemma 3), computed in one step: refused where one
+        has more tokens than a step's budget."""
+        embeds.attend_within_runs(token_ids)
+        longest = max(end - start for start, end in embeds.spans)
+        if longest > self.config.max_num_batched_tokens:
+            raise ValueError(f"an image of {longest} tokens, which see each other, is computed in one step: more "
+                             f"than max_num_batched_tokens ({self.config.max_num_batched_tokens})")
 
     def _start_beam_search(self, seq: Sequence, vocab_size: int) -> None:
         p = seq.params

@@ -1,5 +1,5 @@
-"""Images in prompts, for vision-language models (LLaVA, LLaVA-NeXT, ViP-LLaVA, Idefics3 / SmolVLM): each
-image becomes rows of prompt embeddings.
+"""Images in prompts, for vision-language models (LLaVA, LLaVA-NeXT, ViP-LLaVA, Idefics3 / SmolVLM, Gemma 3):
+each image becomes rows of prompt embeddings.
 
 A request gives a text prompt with the model's image placeholder (`<image>` for LLaVA) where each image
 goes, and the images (vLLM's {"prompt": text, "multi_modal_data": {"image": [...]}}). The checkpoint's
@@ -24,15 +24,19 @@ import warnings
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from .model_support import refuse
 
-# Vision-language model types whose image tokens attend as text does (causally, with 1-D positions), so
-# that the engine's attention runs them exactly, each tested against HF `generate`. (Gemma 3 lets an
-# image's tokens see each other, Qwen2-VL gives them 3-D positions, Mllama reads images by cross-attention:
-# none of those is served with images. Mistral 3 would fit, untested: its processor needs torchvision.)
-IMAGE_MODEL_TYPES = ("llava", "llava_next", "vipllava", "idefics3")
+# Vision-language model types whose image tokens have 1-D positions, each tested against HF `generate`:
+# their image tokens attend as text does (causally), except those of the types below. (Qwen2-VL gives them
+# 3-D positions, Mllama reads images by cross-attention: neither is served with images. Mistral 3 would fit,
+# untested: its processor needs torchvision.)
+IMAGE_MODEL_TYPES = ("llava", "llava_next", "vipllava", "idefics3", "gemma3")
+# ... and those whose image's tokens see each other, before and after (prompt_embeds.py's spans)
+IMAGES_SEE_THEMSELVES = ("gemma3",)
 
 
 def is_vision_language(hf_config) -> bool:
@@ -54,6 +58,8 @@ def load(model: str, dtype: torch.dtype, attn_implementation: str, trust_remote_
     language_model.config = text_config
     language_model.model = full.get_decoder()
     language_model.lm_head = full.get_output_embeddings()
+    if isinstance(language_model.lm_head.weight, DTensor):  # (tied to the embedding transformers' plan shards)
+        language_model.lm_head = GatheredHead(language_model.lm_head)
     left = [name for name, p in language_model.named_parameters() if p.is_meta]
     if left:
         raise refuse(full.config.model_type, f"its language model could not be run alone ({left[0]} is not "
@@ -64,8 +70,23 @@ def load(model: str, dtype: torch.dtype, attn_implementation: str, trust_remote_
     language_model.checkpoint_module_names = {name: module for name, module in full.named_modules()
                                               if name and id(module) in own}
     processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
-    return language_model.eval(), ImageEncoder(full.model, processor, full.config.image_token_id, max_images,
-                                               cache_bytes)
+    encoder = ImageEncoder(full.model, processor, full.config.image_token_id, max_images, cache_bytes,
+                           see_themselves=full.config.model_type in IMAGES_SEE_THEMSELVES)
+    return language_model.eval(), encoder
+
+
+class GatheredHead(torch.nn.Module):
+    """Under tensor parallelism, an output head whose weight is the input embedding's, which transformers'
+    plan shards by vocabulary rows while the checkpoint's own plan leaves the head alone (Gemma 3's): each
+    rank's logits of its rows, gathered."""
+
+    def __init__(self, head: torch.nn.Linear):
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.head.weight
+        return F.linear(DTensor.from_local(hidden, weight.device_mesh, [Replicate()]), weight).full_tensor()
 
 
 class VectorCache:
@@ -110,11 +131,12 @@ def pixels_digest(pixels: dict) -> bytes:
 
 class ImageEncoder:
     def __init__(self, vision_language_model: torch.nn.Module, processor, image_token_id: int, max_images: int,
-                 cache_bytes: int):
+                 cache_bytes: int, see_themselves: bool = False):
         self.model = vision_language_model  # its get_image_features runs the vision tower and projector
         self.processor = processor
         self.image_token_id = image_token_id
-        self.placeholder = processor.image_token
+        self.placeholder = processor.image_token  # (Gemma 3's: its start-of-image token, which the image follows)
+        self.see_themselves = see_themselves  # an image's tokens see each other (IMAGES_SEE_THEMSELVES)
         self.max_images = max_images
         self.cache = VectorCache(cache_bytes)
         self.images_encoded = 0  # images run through the vision tower
@@ -148,7 +170,8 @@ class ImageEncoder:
         with self._lock:
             inputs = self.processor(text=text, images=pictures, return_tensors="pt")
             token_ids = inputs.pop("input_ids")[0].tolist()
-            pixels = {name: value for name, value in inputs.items() if name not in ("attention_mask", "token_type_ids")}
+            unused = ("attention_mask", "token_type_ids", *getattr(self.processor, "unused_input_names", ()))
+            pixels = {name: value for name, value in inputs.items() if name not in unused}
             key = pixels_digest(pixels)
             vectors = self.cache.get(key)
             if vectors is None:

@@ -51,6 +51,9 @@ class StepInputs:
     # Virtual prompt tokens (prompt_embeds.py): their flat positions and their vectors [V, hidden].
     embeds_at: np.ndarray | None = None
     embeds: torch.Tensor | None = None
+    # Spans of virtual tokens that see each other (a Gemma 3 image's, prompt_embeds.py), each whole in the
+    # step: [N, 4] (the sequence, the flat position of its first token, its first and end positions).
+    attend_within: np.ndarray | None = None
     # Under tensor parallelism: LoRA tasks loaded into slots since the last step, (slot, adapter id, each
     # layer's A and B), which every rank loads before the step (lora.py's load_slot).
     lora_slot_loads: list = field(default_factory=list)
@@ -158,16 +161,21 @@ def _leading_decodes(batch: ScheduledBatch, counts: np.ndarray) -> int:
 
 def _add_virtual_tokens(inputs: StepInputs, seqs: list) -> None:
     """The positions and vectors of the step's virtual prompt tokens, if it has any."""
-    found = []
+    found, spans = [], []
     for row, seq in enumerate(seqs):
         if seq.prompt_embeds is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
             begin, end = inputs.cu_seqlens[row], inputs.cu_seqlens[row + 1]
             at, rows = seq.prompt_embeds.rows(inputs.input_ids[begin:end])
             if len(at):
                 found.append((at + begin, rows))
+            first = seq.num_computed_tokens
+            spans += [(row, begin + start - first, start, stop) for start, stop in seq.prompt_embeds.spans
+                      if first <= start and stop <= first + end - begin and stop - start > 1]
     if found:
         inputs.embeds_at = np.concatenate([at for at, _ in found])
         inputs.embeds = torch.cat([rows for _, rows in found])
+    if spans:
+        inputs.attend_within = np.asarray(spans, dtype=np.int64)
 
 
 @dataclass
@@ -185,6 +193,7 @@ class StepTensors:
     num_decodes: int  # the sequences that lead the batch with one token each (StepInputs.num_decodes)
     embeds_at: torch.Tensor | None = None  # [V] the positions of virtual prompt tokens (prompt_embeds.py)
     embeds: torch.Tensor | None = None  # [V, hidden] their vectors
+    attend_within: np.ndarray | None = None  # StepInputs'
     query_len: int | None = None  # every sequence's tokens, where a graph padded them alike (cuda_graphs.py)
     # each group of a hybrid model's windowed layers' (hybrid_blocks.py)
     window_slot_mappings: list[torch.Tensor] = field(default_factory=list)
@@ -341,6 +350,7 @@ class InputBuffers:
             if inputs.embeds is not None:  # (a few prompts' worth at most: not worth a persistent buffer)
                 step.embeds_at = to_device(inputs.embeds_at, self.device.device)
                 step.embeds = inputs.embeds.to(self.device.device, non_blocking=True)
+                step.attend_within = inputs.attend_within
             return step
         return self.views(rows, rows, self.max_blocks, None, lora)  # what a captured graph reads: every row's logits
 

@@ -473,6 +473,7 @@ class ModelRunner:
             layer_groups=self.layer_groups if step.window_block_tables else None,
             window_slot_mappings=step.window_slot_mappings,
             window_block_tables=step.window_block_tables,
+            attend_within=step.attend_within,
         )
         if step.embeds is None:
             tokens = dict(input_ids=step.input_ids[None])

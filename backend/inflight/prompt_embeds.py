@@ -6,10 +6,15 @@ the request's table. A step whose tokens include virtual ones embeds its real id
 embedding and puts the table's rows in place of the virtual ones; the model then runs on those vectors.
 The prefix cache tells virtual tokens apart by a digest of their rows, so a block is reused only for the
 same vectors. Sampling never sees virtual ids: they lie beyond the logits, and output tokens are real.
+
+Some vision-language models let an image's tokens see each other (Gemma 3): each run of consecutive
+virtual tokens of such a prompt is a span whose tokens attend to every token of it, before or after
+(`spans`); the engine computes a span whole within one chunk of the prompt (scheduler.py, block_manager.py)
+and attends over it so (ops.attend_within_spans).
 """
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +25,28 @@ class PromptEmbeddings:
     table: torch.Tensor  # [rows, hidden] in the model's dtype, on the CPU
     first_id: int  # the model's vocab_size: the prompt's ids from here up are rows of the table
     row_keys: dict[int, bytes]  # a digest of the row of each virtual id the prompt holds
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) positions seeing each other
+
+    def attend_within_runs(self, token_ids: list[int]) -> None:
+        """Make each run of consecutive virtual tokens a span whose tokens see each other. A token's keys
+        and values then depend on the rows after it in its span too, so its digest takes in the whole
+        span's: a block is reused only where its span is the same all through."""
+        at = np.flatnonzero(np.asarray(token_ids) >= self.first_id)
+        breaks = np.flatnonzero(np.diff(at) != 1) + 1
+        for run in np.split(at, breaks) if len(at) else []:
+            start, end = int(run[0]), int(run[-1]) + 1
+            ids = token_ids[start:end]
+            whole = hashlib.blake2b(b"".join(self.row_keys[t] for t in ids), digest_size=16).digest()
+            for t in ids:
+                self.row_keys[t] = hashlib.blake2b(self.row_keys[t] + whole, digest_size=16).digest()
+            self.spans.append((start, end))
+
+    def span_split_by(self, position: int) -> tuple[int, int] | None:
+        """The span that a chunk's boundary before `position` would split, if any."""
+        for start, end in self.spans:
+            if start < position < end:
+                return start, end
+        return None
 
     def cache_key(self, token_ids: list[int]) -> tuple:
         """The token ids as the prefix cache compares them: a virtual id as its row's digest."""

@@ -122,7 +122,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SequenceStatus.RUNNING:  # (not preempted for one before)
-                if self._make_room(batch, seq, 1):
+                if self._make_room(batch, seq, seq.smallest_chunk()):
                     budget -= self._schedule_chunk(batch, seq, budget)
 
         # 3. Admit waiting sequences while there is budget, room and memory.
@@ -254,6 +254,9 @@ class Scheduler:
         """A chunk of the prompt (or of the tokens to recompute) of `seq`; the chunk that ends it also
         carries the request's own drafts (draft_token_ids) the first time. Returns its tokens."""
         n = min(seq.num_uncomputed_tokens, budget, self.block_manager.max_new_tokens(seq))
+        span = seq.span_split_by(seq.num_computed_tokens + n)
+        if span is not None:  # (a span of tokens that see each other is computed whole: up to it, or not yet)
+            n = max(0, span[0] - seq.num_computed_tokens)
         if n <= 0 or not self.block_manager.allocate(seq, n):
             return 0
         if n == seq.num_uncomputed_tokens and seq.takes_given_drafts:

@@ -248,6 +248,16 @@ class Sequence:
             return self.output_token_ids[start - n:end - n] + tail
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n] + tail
 
+    def span_split_by(self, position: int) -> tuple[int, int] | None:
+        """The span of prompt tokens that see each other (a Gemma 3 image's: prompt_embeds.py) that a chunk's
+        boundary before `position` would split, if any: each is computed whole in one chunk."""
+        return None if self.prompt_embeds is None else self.prompt_embeds.span_split_by(position)
+
+    def smallest_chunk(self) -> int:
+        """The fewest tokens its next chunk may have: 1, or the whole span its tokens to compute begin with."""
+        span = self.span_split_by(self.num_computed_tokens + 1)
+        return 1 if span is None else span[1] - self.num_computed_tokens
+
     def cache_key(self, start: int, end: int) -> tuple:
         """token_ids[start:end] as the prefix cache compares them (a virtual prompt token by its vector)."""
         tokens = self.token_slice(start, end)

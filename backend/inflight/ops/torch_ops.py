@@ -288,3 +288,31 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
             o = _probabilities(q @ k.transpose(-1, -2) * scale, visible, softcap, head_sinks) @ v
         out[p.start:p.start + p.q_len] = o[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+def attend_within_spans(out, query, key_cache, value_cache, block_tables, spans, scale, sliding_window=None,
+                        softcap=None, sinks=None) -> None:
+    """The rows of `out` of spans of tokens that see each other (a Gemma 3 image's), computed again after the
+    causal attention: each token sees the keys before it and every key of its span, those after it too,
+    all within the sliding window's reach back from it (HF's mask: AND(window, OR(causal, span))). `spans`
+    [N, 4]: (block-table row, the query row of the span's first token, its first and end positions), each
+    span's keys already in the cache. On any device (the kernels know no spans): a span's scores
+    materialized, a few images' worth a step at most."""
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    group = num_heads // num_kv_heads
+    slot_k = key_cache.view(-1, num_kv_heads, head_dim)
+    slot_v = value_cache.view(-1, num_kv_heads, head_dim)
+    head_sinks = None if sinks is None else sinks.view(num_heads, 1, 1)
+    for seq, row, start, end in spans.tolist():
+        first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
+        positions = torch.arange(first, end, device=query.device)
+        slots = _slots(block_tables, seq, positions, block_size)
+        k, v = (cache[slots].float().repeat_interleave(group, dim=1).transpose(0, 1) for cache in (slot_k, slot_v))
+        q = query[row:row + end - start].float().transpose(0, 1)  # [Hq, span, D]
+        q_pos = positions[start - first:, None]
+        visible = (positions <= q_pos) | (positions >= start)
+        if sliding_window is not None:
+            visible &= positions > q_pos - sliding_window
+        o = _probabilities(q @ k.transpose(-1, -2) * scale, visible, softcap, head_sinks) @ v
+        out[row:row + end - start] = o.transpose(0, 1).to(out.dtype)
