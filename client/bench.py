@@ -966,6 +966,7 @@ def main() -> None:
 
         for shape in bench_cpu_attention.SHAPES:
             bench_cpu_attention.print_table(shape, bench_cpu_attention.bench(shape, calls=20), args.threads)
+        bench_cpu_attention.print_span_table(bench_cpu_attention.span_rows(calls=20), args.threads)
     if "tp" in peers:
         subset = Workload(work.prompts[:args.tp_requests], work.output_lens[:args.tp_requests])
         rows = bench_tensor_parallel(args.model, subset, args.threads, args.repeats)

@@ -9,6 +9,8 @@ keys and values; decodes gathered in groups), milliseconds per call as one layer
 (the step's plan made once, median of the calls; freed memory kept in the process, as the engine
 keeps it). Prefill rows report GFLOP/s over the causal pairs
 only; decode rows the keys and values read per second (small mixes partly from the processor's cache).
+Then the cost of an image whose tokens see each other (Gemma 3's, `attend_within_spans`) beside the
+attention of the chunk that holds it, with and without Gemma 3's window of 1,024.
 """
 
 import argparse
@@ -17,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
@@ -91,6 +94,40 @@ def print_table(shape: str, rows: list[tuple], threads: int) -> None:
               f"| {rate_without:.0f} {unit} | {rate_with:.0f} {unit} |")
 
 
+# A chunk of 512 tokens with an image of 256 (Gemma 3's) after 100 of them: (context, image start)
+SPAN_MIXES = {"a prompt of 512, an image at 100": (0, 100),
+              "a chunk of 512 after 1,024, an image at 1,124": (1024, 1124)}
+GEMMA3_4B = (8, 4, 256)  # query heads, KV heads, head_dim
+
+
+def span_rows(calls: int) -> list[tuple]:
+    """Rows of (mix, window, ms of the chunk's attention with the C kernels, ms of its image's rows again)."""
+    heads, kv_heads, head_dim = GEMMA3_4B
+    torch.manual_seed(0)
+    rows = []
+    for name, (context, image) in SPAN_MIXES.items():
+        query, key_cache, value_cache, cu, lens, tables = build([(context, 512)], heads, kv_heads, head_dim, 16,
+                                                                torch.float32, device="cpu")
+        out = torch.empty_like(query)
+        spans = np.array([[0, image - context, image, image + 256]])
+        for window in (None, 1024):
+            chunk = per_call(lambda: torch_ops.paged_attention(query, key_cache, value_cache, cu, lens, tables,
+                                                               head_dim ** -0.5, window, out=out), calls)
+            again = per_call(lambda: torch_ops.attend_within_spans(out, query, key_cache, value_cache, tables, spans,
+                                                                   head_dim ** -0.5, window), calls)
+            rows.append((name, window, 1000 * chunk, 1000 * again))
+    return rows
+
+
+def print_span_table(rows: list[tuple], threads: int) -> None:
+    heads, kv_heads, head_dim = GEMMA3_4B
+    print(f"\n| Gemma 3 4B's attention ({heads} query heads, {kv_heads} KV heads, head_dim {head_dim}), float32, "
+          f"{threads} threads, one layer | window | the chunk, C kernels (ms) | its image's 256 rows again (ms) |")
+    print("|---|---:|---:|---:|")
+    for name, window, chunk, again in rows:
+        print(f"| {name} | {window or 'none'} | {chunk:.2f} | {again:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -102,6 +139,7 @@ def main() -> None:
         sys.exit("the C kernels did not build here (see the warning above)")
     for shape in args.shapes.split(","):
         print_table(shape, bench(shape, args.calls), args.threads)
+    print_span_table(span_rows(args.calls), args.threads)
 
 
 if __name__ == "__main__":

@@ -269,25 +269,30 @@ def paged_attention(query, key_cache, value_cache, cu_seqlens_q, seq_lens, block
                                           value_cache.contiguous(), p.block_tables, p.table_rows, p.q_starts,
                                           p.q_lens, p.seq_lens, p.token_rows, sliding_window, scale, softcap, sinks,
                                           out)
-    slot_k = key_cache.view(-1, num_kv_heads, head_dim)
-    slot_v = value_cache.view(-1, num_kv_heads, head_dim)
     for p in plan.prefills:
-        # Batched 4-D inputs: on a CPU, SDPA takes its fused (flash) kernel only for those; 3-D ones go to
-        # the math path, which materializes every score (2-3x slower for a 512-token chunk).
-        k = slot_k[p.slots].transpose(0, 1)[None].float()  # [1, Hkv, L, D]
-        v = slot_v[p.slots].transpose(0, 1)[None].float()
-        q = query[p.start:p.start + p.q_len].transpose(0, 1)[None].float()  # [1, Hq, q_len, D]
-        if softcap is None and sinks is None:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
-                                               enable_gqa=num_heads != num_kv_heads)
-        else:  # SDPA has neither: every score materialized
-            k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
-            visible = p.mask if p.mask is not None else torch.ones(p.q_len, p.q_len, dtype=torch.bool,
-                                                                   device=q.device).tril()
-            head_sinks = None if sinks is None else sinks.view(1, num_heads, 1, 1)
-            o = _probabilities(q @ k.transpose(-1, -2) * scale, visible, softcap, head_sinks) @ v
-        out[p.start:p.start + p.q_len] = o[0].transpose(0, 1).to(out.dtype)
+        _attend_rows(out, query, p.start, p.q_len, key_cache, value_cache, p.slots, p.mask, scale, softcap, sinks)
     return out
+
+
+def _attend_rows(out, query, start: int, q_len: int, key_cache, value_cache, slots, mask, scale, softcap, sinks):
+    """Rows [start, start + q_len) of `out`: those query rows over the keys and values of the cache's `slots`,
+    where `mask` [q_len, len(slots)] lets them see (None: causal, the rows being the slots' last ones)."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    # Batched 4-D inputs: on a CPU, SDPA takes its fused (flash) kernel only for those; 3-D ones go to the
+    # math path, which materializes every score (2-3x slower for a 512-token chunk).
+    k, v = (cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)[None].float()  # [1, Hkv, L, D]
+            for cache in (key_cache, value_cache))
+    q = query[start:start + q_len].transpose(0, 1)[None].float()  # [1, Hq, q_len, D]
+    if softcap is None and sinks is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+    else:  # SDPA has neither: every score materialized
+        k, v = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k, v))
+        visible = mask if mask is not None else torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
+        head_sinks = None if sinks is None else sinks.view(1, num_heads, 1, 1)
+        o = _probabilities(q @ k.transpose(-1, -2) * scale, visible, softcap, head_sinks) @ v
+    out[start:start + q_len] = o[0].transpose(0, 1).to(out.dtype)
 
 
 def attend_within_spans(out, query, key_cache, value_cache, block_tables, spans, scale, sliding_window=None,
@@ -296,23 +301,15 @@ def attend_within_spans(out, query, key_cache, value_cache, block_tables, spans,
     causal attention: each token sees the keys before it and every key of its span, those after it too,
     all within the sliding window's reach back from it (HF's mask: AND(window, OR(causal, span))). `spans`
     [N, 4]: (block-table row, the query row of the span's first token, its first and end positions), each
-    span's keys already in the cache. On any device (the kernels know no spans): a span's scores
-    materialized, a few images' worth a step at most."""
-    num_heads, head_dim = query.shape[1:]
-    block_size, num_kv_heads = key_cache.shape[1:3]
-    group = num_heads // num_kv_heads
-    slot_k = key_cache.view(-1, num_kv_heads, head_dim)
-    slot_v = value_cache.view(-1, num_kv_heads, head_dim)
-    head_sinks = None if sinks is None else sinks.view(num_heads, 1, 1)
+    span's keys already in the cache. On any device (the kernels know no spans): a few images' worth a step
+    at most, through SDPA with the span's mask."""
+    block_size = key_cache.shape[1]
     for seq, row, start, end in spans.tolist():
         first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
         positions = torch.arange(first, end, device=query.device)
-        slots = _slots(block_tables, seq, positions, block_size)
-        k, v = (cache[slots].float().repeat_interleave(group, dim=1).transpose(0, 1) for cache in (slot_k, slot_v))
-        q = query[row:row + end - start].float().transpose(0, 1)  # [Hq, span, D]
         q_pos = positions[start - first:, None]
         visible = (positions <= q_pos) | (positions >= start)
         if sliding_window is not None:
             visible &= positions > q_pos - sliding_window
-        o = _probabilities(q @ k.transpose(-1, -2) * scale, visible, softcap, head_sinks) @ v
-        out[row:row + end - start] = o.transpose(0, 1).to(out.dtype)
+        _attend_rows(out, query, row, end - start, key_cache, value_cache,
+                     _slots(block_tables, seq, positions, block_size), visible, scale, softcap, sinks)
