@@ -486,6 +486,20 @@ def test_bad_image_prompts_are_refused_by_name(tiny_llava, reference, prompt, pa
     llm.block_manager.check_all_free()
 
 
+def test_a_servers_prompt_limit_counts_the_images_tokens(tiny_llava, reference):
+    """add_request's max_prompt_tokens (a server's setting) counts each image's 25 tokens, not its placeholder
+    alone: 5 tokens of text with an image are 29; refused under 29, served at 29."""
+    llm = _refusing_llm(tiny_llava)
+    prompt = with_images("<image> What is it?", pictures(1))
+    with pytest.raises(ValueError, match=r"the prompt has 29 tokens \(its images' tokens included\); this server "
+                                         "accepts at most 28"):
+        llm.add_request("over", prompt, GREEDY, max_prompt_tokens=28)
+    assert len(llm.add_request("at", prompt, GREEDY, max_prompt_tokens=29)) == 29
+    while llm.has_unfinished():
+        llm.step()
+    llm.block_manager.check_all_free()
+
+
 def test_a_decompression_bomb_is_refused(tiny_llava, monkeypatch):
     """A file of more pixels than Pillow's limit (lowered here to 1,000) is refused, never decoded."""
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
@@ -570,13 +584,14 @@ def test_served_images_equal_hf_generate(llava_server, reference):
 
 @pytest.fixture(scope="module")
 def gemma3_server(tiny_vlms):
-    yield from serve(model=tiny_vlms("gemma3"), max_num_batched_tokens=20, max_num_seqs=4)
+    yield from serve(model=tiny_vlms("gemma3"), max_num_batched_tokens=20, max_num_seqs=4, max_prompt_tokens=56)
 
 
 @pytest.mark.server
 def test_served_gemma3_images_equal_hf_generate(gemma3_server, references):
     """Gemma 3 served, chunks of at most 20 tokens: prompts of one and two images, whose tokens see each
-    other, streamed equal to HF's output; every block free after."""
+    other, streamed equal to HF's output; three images, 60 tokens with their placeholders' expansions, refused
+    by max_prompt_tokens (56); every block free after."""
     reference = references("gemma3")
     a, b = pictures(2, seed=13)
     params = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -586,4 +601,9 @@ def test_served_gemma3_images_equal_hf_generate(gemma3_server, references):
         served = stream_to_the_end(gemma3_server.grpc_url, text, image=sent, sampling_parameters=params)
         assert served["error"] is None and served["finals"] == 1, served["error"]
         assert served["text"] == reference.processor.tokenizer.decode(reference(text, images), skip_special_tokens=True)
+    sent = [base64.b64encode(png(i)).decode() for i in (a, b, a)]
+    refused = stream_to_the_end(gemma3_server.grpc_url, f"{image} {image} {image}", image=sent, quiet_s=0.3,
+                                sampling_parameters=params)
+    assert refused["finals"] == 1 and refused["error"] is not None
+    assert "the prompt has 60 tokens (its images' tokens included); this server accepts at most 56" in refused["error"]
     assert_all_blocks_free(gemma3_server)

@@ -189,7 +189,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     priority: int = 0, lora_name: str | None = None, final_only: bool = False,
-                    lora_task: LoRATask | None = None) -> list[int]:
+                    lora_task: LoRATask | None = None, max_prompt_tokens: int | None = None) -> list[int]:
         """Validate and queue a request. `prompt`: text, token ids, or a dict of prompt embeddings
         ({"prompt_embeds": [n, hidden]}, or {"prompt_token_ids": ids, "prompt_embedding_table": [rows,
         hidden]} where ids from vocab_size up read the table: prompt_embeds.py). A lower `priority` is
@@ -198,6 +198,7 @@ class LLMEngine:
         (lora_tasks.py; with lora_task_slots).
         `final_only` (vLLM's FINAL_ONLY output kind): each completion comes in one delta, when it ends,
         where nothing needs its text before (no stop strings); its text is then decoded once, at the end.
+        `max_prompt_tokens`: a server's limit on the prompt's tokens, each image's tokens counted.
         Returns the prompt's token ids as queued. Raises ValueError naming the problem (EngineDeadError
         once the engine has stopped); nothing is queued then."""
         params = params or SamplingParams()
@@ -215,6 +216,7 @@ class LLMEngine:
             raise ValueError("allowed_token_ids holds only end tokens (EOS or stop_token_ids), which min_tokens "
                              "forbids before its count: nothing could be generated")
         embeds = None  # the vectors of its virtual tokens, for a prompt given as embeddings
+        with_images = isinstance(prompt, dict) and "multi_modal_data" in prompt
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -227,7 +229,6 @@ class LLMEngine:
         elif isinstance(prompt, dict):
             if params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs cannot be measured for a prompt given as embeddings or images")
-            with_images = "multi_modal_data" in prompt
             if with_images:
                 if params.truncate_prompt_tokens:
                     raise ValueError("truncate_prompt_tokens would cut a prompt's images: not taken with images")
@@ -250,6 +251,10 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})")
+        if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
+            images = " (its images' tokens included)" if with_images else ""
+            raise ValueError(f"the prompt has {len(token_ids)} tokens{images}; this server accepts at most "
+                             f"{max_prompt_tokens}")
         raw_logits.check_size(params, len(token_ids), vocab)
         width, what = (params.beam_width, "beam_width") if params.beam_search else (params.n, "n")
         if width > self.config.max_num_seqs:

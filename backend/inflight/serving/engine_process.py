@@ -9,7 +9,7 @@ milliseconds, each step 128 responses) the two together need more than one core'
 thread receives the engine process's steps instead of running them. Messages are pickled tuples on a
 pipe:
   to the engine:   ("wait_for_sends", bool) once; then ("add", request_id, token_ids, params, priority,
-                   lora_name, final_only, lora_task),
+                   lora_name, final_only, lora_task, max_prompt_tokens),
                    ("abort", request_id), ("sent",) (a step's responses are out: when told to, the
                    engine waits for it before the next step, see engine_thread.py), ("stop",)
   from the engine: ("ready", device_type, max_model_len) or ("failed", reason) once; then ("step", deltas, stats)
@@ -107,12 +107,12 @@ class EngineProcess(EngineThread):
 
     # -- called by the Triton model ----------------------------------------------------------------
     def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None,
-               final_only: bool = False, lora_task=None) -> None:
+               final_only: bool = False, lora_task=None, max_prompt_tokens: int | None = None) -> None:
         """Send a request on; the engine's refusal comes back as its final delta."""
         if not self._in_engine:
             self._busy_since = time.monotonic()
         self._in_engine.add(request_id)
-        self._send(("add", request_id, prompt, params, priority, lora_name, final_only, lora_task))
+        self._send(("add", request_id, prompt, params, priority, lora_name, final_only, lora_task, max_prompt_tokens))
         self.engine.submitted_since_stats += 1
 
     def abort(self, request_id: str) -> None:
@@ -297,10 +297,10 @@ class _Serve:
                 self.wake.notify()
 
     def add(self, request_id: str, prompt: list[int], params, priority: int, lora_name: str | None,
-            final_only: bool, lora_task) -> None:
+            final_only: bool, lora_task, max_prompt_tokens: int | None) -> None:
         try:
             self.engine.add_request(request_id, prompt, params, priority, lora_name, final_only=final_only,
-                                    lora_task=lora_task)
+                                    lora_task=lora_task, max_prompt_tokens=max_prompt_tokens)
         except EngineDeadError as e:
             self.refuse(request_id, str(e), "unavailable")
         except ValueError as e:

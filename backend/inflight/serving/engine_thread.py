@@ -93,11 +93,11 @@ class EngineThread:
         return self.engine
 
     def submit(self, request_id: str, prompt, params, priority: int = 0, lora_name: str | None = None,
-               final_only: bool = False, lora_task=None) -> None:
-        """Queue a request (`final_only`: each completion's delta when it ends, add_request); raises
-        ValueError (from the engine's validation) without queueing it."""
+               final_only: bool = False, lora_task=None, max_prompt_tokens: int | None = None) -> None:
+        """Queue a request (`final_only`, `max_prompt_tokens`: add_request's); raises ValueError (from the
+        engine's validation) without queueing it."""
         self.engine.add_request(request_id, prompt, params, priority, lora_name, final_only=final_only,
-                                lora_task=lora_task)
+                                lora_task=lora_task, max_prompt_tokens=max_prompt_tokens)
         with self._wake:
             self._wake.notify()
 

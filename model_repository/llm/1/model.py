@@ -303,7 +303,8 @@ class TritonPythonModel:
             # Not streamed, each completion is sent whole: the engine hands it over once, when it ends
             # (no delta a token to build, pass on and gather here).
             self.thread.submit(request_id, parsed.engine_prompt(token_ids), params, parsed.priority,
-                               parsed.lora_name, final_only=not parsed.stream, lora_task=parsed.lora_task)
+                               parsed.lora_name, final_only=not parsed.stream, lora_task=parsed.lora_task,
+                               max_prompt_tokens=cap)  # (the engine counts an image's tokens)
         except Exception:
             del self.active[request_id]
             raise
