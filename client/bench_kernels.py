@@ -13,7 +13,8 @@ overwritten before each: `kernel_seconds`); the last column is our kernel launch
 host's launch cost included, as an eager step runs it. Decode rows report achieved bandwidth, KV bytes
 read per second against the measured device-copy bandwidth; prefill rows report TFLOP/s (causal pairs
 only). With --sweep, each mix also tries the launch parameters below and prints the fastest, for the
-tuned table in triton_ops. Then the sampler's top-p kernel against sorting every row.
+tuned table in triton_ops. Then the sampler's top-p kernel against sorting every row, and the rows of an
+image whose tokens see each other (Gemma 3's) attended again after the chunk that holds it.
 """
 
 import argparse
@@ -22,6 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -385,6 +387,35 @@ def bench_top_p() -> None:
               f"{kernel_seconds(by_sorting) * 1e3:.3f} | {'yes' if equal else 'NO'} |", flush=True)
 
 
+# Gemma 3's attention (query heads, KV heads, head_dim) and a chunk of 512 tokens after 1,024 holding an
+# image of 256 at 1,124, under its window of 1,024
+SPAN_SHAPES = {"gemma3-4b": (8, 4, 256), "gemma3-27b": (32, 16, 128)}
+
+
+def bench_spans(dtype, block_size: int) -> None:
+    """The engine's eager step with an image in it: the chunk's kernel, then the image's rows again
+    (ops.attend_within_spans), each launched from Python as such a step launches them."""
+    from inflight.ops import attend_within_spans, triton_ops
+
+    print("\nan image's 256 tokens seeing each other: a chunk of 512 after 1,024, window 1,024, launched from "
+          "Python\n")
+    print("| shape | the chunk, Triton (ms) | the image's rows again (ms) |\n|---|---:|---:|")
+    spans = np.array([[0, 100, 1124, 1380]])
+    for name, (heads, kv_heads, head_dim) in SPAN_SHAPES.items():
+        query, kc, vc, cu, seq_lens, tables = build([(1024, 512)], heads, kv_heads, head_dim, block_size, dtype)
+        out = torch.empty_like(query)
+        scale = head_dim ** -0.5
+
+        def chunk():
+            triton_ops.paged_attention(query, kc, vc, cu, seq_lens, tables, scale, 1024, out=out, num_decodes=0)
+
+        def again():
+            attend_within_spans(out, query, kc, vc, tables, spans, scale, 1024)
+
+        print(f"| {name} ({heads}/{kv_heads} heads, head_dim {head_dim}) | {timed(chunk) * 1e3:.3f} | "
+              f"{timed(again) * 1e3:.3f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
@@ -408,6 +439,7 @@ def main() -> None:
         bench_shape(shape, dtype, args.block_size, bandwidth, args.sweep, mixes)
     if not args.sweep:
         bench_top_p()
+        bench_spans(dtype, args.block_size)
 
 
 if __name__ == "__main__":

@@ -807,8 +807,8 @@ def test_the_engine_process_adds_requests_with_images_on_a_thread_of_their_own()
     for thread in threads:
         thread.start()
     with_images = {"prompt": "<image>", "multi_modal_data": {"image": [b"an image file"]}}
-    ours.send(("add", "with-images", with_images, SamplingParams(), 0, None, False, None))
-    ours.send(("add", "text", [1, 2], SamplingParams(), 0, None, False, None))
+    ours.send(("add", "with-images", with_images, SamplingParams(), 0, None, False, None, None))
+    ours.send(("add", "text", [1, 2], SamplingParams(), 0, None, False, None, None))
     ours.send(("abort", "with-images"))
     ours.send(("sent",))
     assert serve.sends_done.acquire(timeout=5), "the acknowledged send waited for the images"
