@@ -269,6 +269,24 @@ def test_gemma_3_layers_five_windowed_to_one_full_make_groups_of_tables(tmp_path
     llm.block_manager.check_all_free()
 
 
+def test_a_step_plans_each_table_and_window_once(tmp_path, monkeypatch):
+    """On a CPU, the attention plans a step's reads once for each block table and window its layers use: Gemma
+    3's 7 layers of groups 1, 1, 2, 0, 2, 3, 0 make four plans a step (the layers switching tables made six)."""
+    from inflight.ops import torch_ops
+
+    sliding, full = "sliding_attention", "full_attention"
+    types = [sliding, sliding, sliding, full, sliding, sliding, full]
+    model = str(make_tiny_model("gemma3_text", tmp_path / "gemma3", num_hidden_layers=7, layer_types=types))
+    llm = LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=90, max_num_seqs=4)
+    llm.add_request("a", random_prompts(1, 60, 60, vocab=512, seed=3)[0], GREEDY)
+    made, make = [], torch_ops._make_plan
+    monkeypatch.setattr(torch_ops, "_make_plan", lambda *args: made.append(args) or make(*args))
+    for step in range(3):  # the prompt, then two decodes
+        made.clear()
+        llm.step()
+        assert len(made) == 4, (step, len(made))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_hybrid_models_on_a_gpu(more_tiny_models, hf_eager_reference, family):

@@ -113,7 +113,12 @@ class _Plan:
     kernel_prefills: _KernelPrefills | None
 
 
-_last_plan: _Plan | None = None
+_last_plan: _Plan | None = None  # the latest call's
+# A few recent plans, the newest last: within a step, the layers of a hybrid model read their own group's
+# block tables (hybrid_blocks.py) and alternating layers their own window, each a plan of its own, which
+# layers in turn find again here instead of making it anew (Gemma 3: five switches a step of 30 layers).
+_recent_plans: list[_Plan] = []
+_RECENT_PLANS = 8
 
 # A decode group grows while its longest context is at most this factor of its shortest (plus a block):
 # more groups compute less padding but cost more launches.
@@ -213,14 +218,19 @@ def _plan_for(query, key_cache, cu_seqlens_q, seq_lens, block_tables, sliding_wi
                  and head_dim <= cpu_kernels.MAX_HEAD_DIM)
     decode_kernel = c_kernels and cpu_kernels.decode_attention() is not None
     prefill_kernel = c_kernels and cpu_kernels.prefill_attention() is not None
-    plan = _last_plan
-    if plan is None or not (plan.inputs[0] is cu_seqlens_q and plan.inputs[1] is seq_lens
-                            and plan.inputs[2] is block_tables
-                            and plan.inputs[3:] == (sliding_window, decode_kernel, prefill_kernel, num_decodes)):
+    options = (sliding_window, decode_kernel, prefill_kernel, num_decodes)
+    for plan in reversed(_recent_plans):
+        if (plan.inputs[0] is cu_seqlens_q and plan.inputs[1] is seq_lens and plan.inputs[2] is block_tables
+                and plan.inputs[3:] == options):
+            break
+    else:
         block_size, num_kv_heads = key_cache.shape[1:3]
         token_bytes = num_kv_heads * head_dim * key_cache.element_size()
-        plan = _last_plan = _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads,
-                                       token_bytes, decode_kernel, prefill_kernel, sliding_window, num_decodes)
+        plan = _make_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_heads, num_kv_heads, token_bytes,
+                          decode_kernel, prefill_kernel, sliding_window, num_decodes)
+        _recent_plans.append(plan)
+        del _recent_plans[:-_RECENT_PLANS]
+    _last_plan = plan
     return plan
 
 
