@@ -488,13 +488,21 @@ def test_bad_image_prompts_are_refused_by_name(tiny_llava, reference, prompt, pa
 
 def test_a_servers_prompt_limit_counts_the_images_tokens(tiny_llava, reference):
     """add_request's max_prompt_tokens (a server's setting) counts each image's 25 tokens, not its placeholder
-    alone: 5 tokens of text with an image are 29; refused under 29, served at 29."""
+    alone: 5 tokens of text with an image are 29; refused under 29 before the vision tower runs, served at
+    29. max_model_len likewise."""
+    llm = LLM(tiny_llava, max_model_len=28)
+    prompt = with_images("<image> What is it?", pictures(1, seed=21))
+    with pytest.raises(ValueError, match=r"prompt has 29 tokens \(its images' tokens included\), more than "
+                                         r"max_model_len \(28\)"):
+        llm.add_request("long", prompt, GREEDY)
     llm = _refusing_llm(tiny_llava)
-    prompt = with_images("<image> What is it?", pictures(1))
+    encoded = llm.stats()["images_encoded_total"]
     with pytest.raises(ValueError, match=r"the prompt has 29 tokens \(its images' tokens included\); this server "
                                          "accepts at most 28"):
         llm.add_request("over", prompt, GREEDY, max_prompt_tokens=28)
+    assert llm.stats()["images_encoded_total"] == encoded  # (refused before the tower)
     assert len(llm.add_request("at", prompt, GREEDY, max_prompt_tokens=29)) == 29
+    assert llm.stats()["images_encoded_total"] == encoded + 1
     while llm.has_unfinished():
         llm.step()
     llm.block_manager.check_all_free()

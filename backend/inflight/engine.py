@@ -232,7 +232,8 @@ class LLMEngine:
             if with_images:
                 if params.truncate_prompt_tokens:
                     raise ValueError("truncate_prompt_tokens would cut a prompt's images: not taken with images")
-                prompt = self._image_prompt(prompt, vocab)
+                prompt = self._image_prompt(prompt, vocab,
+                                            lambda n: self._check_prompt_length(n, max_prompt_tokens, True))
             hf_config = self.runner.hf_config
             token_ids, embeds = prompt_embeds.resolve(prompt, vocab, hf_config.hidden_size, self.runner.dtype,
                                                       self.max_model_len)
@@ -249,12 +250,7 @@ class LLMEngine:
         token_ids = params.truncated(token_ids, self.max_model_len)
         if not token_ids:
             raise ValueError("prompt must not be empty")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})")
-        if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
-            images = " (its images' tokens included)" if with_images else ""
-            raise ValueError(f"the prompt has {len(token_ids)} tokens{images}; this server accepts at most "
-                             f"{max_prompt_tokens}")
+        self._check_prompt_length(len(token_ids), max_prompt_tokens, with_images)
         raw_logits.check_size(params, len(token_ids), vocab)
         width, what = (params.beam_width, "beam_width") if params.beam_search else (params.n, "n")
         if width > self.config.max_num_seqs:
@@ -276,9 +272,18 @@ class LLMEngine:
             self.num_lora_requests[lora_id] += 1  # (a task's requests are counted in stats' lora_task_loads)
         return token_ids
 
-    def _image_prompt(self, prompt: dict, vocab_size: int) -> dict:
+    def _check_prompt_length(self, num_tokens: int, max_prompt_tokens: int | None, with_images: bool) -> None:
+        images = " (its images' tokens included)" if with_images else ""
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {num_tokens} tokens{images}, more than max_model_len ({self.max_model_len})")
+        if max_prompt_tokens is not None and num_tokens > max_prompt_tokens:
+            raise ValueError(f"the prompt has {num_tokens} tokens{images}; this server accepts at most "
+                             f"{max_prompt_tokens}")
+
+    def _image_prompt(self, prompt: dict, vocab_size: int, check_length) -> dict:
         """vLLM's {"prompt": text, "multi_modal_data": {"image": images}} as a prompt of embeddings: the
-        image tokens read the vectors the model's vision tower made of them (images.py)."""
+        image tokens read the vectors the model's vision tower made of them (images.py); `check_length` is
+        handed the prompt's tokens, its images' included, before the tower runs."""
         if self.runner.image_encoder is None:
             raise ValueError(f"this model ({self.runner.hf_config.model_type}) takes no images: inflight serves "
                              f"images with the model types {', '.join(images.IMAGE_MODEL_TYPES)}")
@@ -288,7 +293,7 @@ class LLMEngine:
         data = prompt["multi_modal_data"]
         if not isinstance(data, dict) or set(data) != {"image"}:
             raise ValueError("multi_modal_data takes images alone: {'image': an image or a list of images}")
-        return self.runner.image_encoder.prompt(prompt["prompt"], data["image"], vocab_size)
+        return self.runner.image_encoder.prompt(prompt["prompt"], data["image"], vocab_size, check_length)
 
     def _images_see_themselves(self, embeds: PromptEmbeddings, token_ids: list[int]) -> None:
         """Each image's tokens a span that sees itself (Gemma 3), computed in one step: refused where one

@@ -148,10 +148,11 @@ class ImageEncoder:
         return self
 
     @torch.inference_mode()
-    def prompt(self, text, images, first_virtual_id: int) -> dict:
+    def prompt(self, text, images, first_virtual_id: int, check_length=None) -> dict:
         """The prompt of embeddings (prompt_embeds.py) of a text and its images: the vectors of its image
         tokens in order as the table, read by virtual ids from `first_virtual_id` (the model's vocab_size)
-        up in the image tokens' places. ValueError naming what is wrong with the request."""
+        up in the image tokens' places. `check_length(tokens)` may refuse the prompt once the processor has
+        expanded its images, before the vision tower runs. ValueError naming what is wrong with the request."""
         if not isinstance(text, str) or not text:
             raise ValueError("a prompt with images needs its text, with a placeholder "
                              f"({self.placeholder}) where each image goes")
@@ -170,6 +171,8 @@ class ImageEncoder:
         with self._lock:
             inputs = self.processor(text=text, images=pictures, return_tensors="pt")
             token_ids = inputs.pop("input_ids")[0].tolist()
+            if check_length is not None:
+                check_length(len(token_ids))
             unused = ("attention_mask", "token_type_ids", *getattr(self.processor, "unused_input_names", ()))
             pixels = {name: value for name, value in inputs.items() if name not in unused}
             key = pixels_digest(pixels)
