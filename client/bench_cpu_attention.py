@@ -19,12 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
 
-from bench_kernels import build, causal_flops  # noqa: E402
+from bench_kernels import SPAN_SHAPES, build, causal_flops, image_span  # noqa: E402
 from inflight.cpu_runtime import keep_freed_memory  # noqa: E402
 from inflight.ops import cpu_kernels, torch_ops  # noqa: E402
 
@@ -97,7 +96,7 @@ def print_table(shape: str, rows: list[tuple], threads: int) -> None:
 # A chunk of 512 tokens with an image of 256 (Gemma 3's) after 100 of them: (context, image start)
 SPAN_MIXES = {"a prompt of 512, an image at 100": (0, 100),
               "a chunk of 512 after 1,024, an image at 1,124": (1024, 1124)}
-GEMMA3_4B = (8, 4, 256)  # query heads, KV heads, head_dim
+GEMMA3_4B = SPAN_SHAPES["gemma3-4b"]
 
 
 def span_rows(calls: int) -> list[tuple]:
@@ -109,7 +108,7 @@ def span_rows(calls: int) -> list[tuple]:
         query, key_cache, value_cache, cu, lens, tables = build([(context, 512)], heads, kv_heads, head_dim, 16,
                                                                 torch.float32, device="cpu")
         out = torch.empty_like(query)
-        spans = np.array([[0, image - context, image, image + 256]])
+        spans = image_span(context, image)
         for window in (None, 1024):
             chunk = per_call(lambda: torch_ops.paged_attention(query, key_cache, value_cache, cu, lens, tables,
                                                                head_dim ** -0.5, window, out=out), calls)

@@ -392,6 +392,11 @@ def bench_top_p() -> None:
 SPAN_SHAPES = {"gemma3-4b": (8, 4, 256), "gemma3-27b": (32, 16, 128)}
 
 
+def image_span(context: int, image: int) -> np.ndarray:
+    """attend_within_spans' spans of one chunk after `context` tokens holding an image of 256 at `image`."""
+    return np.array([[0, image - context, image, image + 256]])
+
+
 def bench_spans(dtype, block_size: int) -> None:
     """The engine's eager step with an image in it: the chunk's kernel, then the image's rows again
     (ops.attend_within_spans), each launched from Python as such a step launches them."""
@@ -400,7 +405,7 @@ def bench_spans(dtype, block_size: int) -> None:
     print("\nan image's 256 tokens seeing each other: a chunk of 512 after 1,024, window 1,024, launched from "
           "Python\n")
     print("| shape | the chunk, Triton (ms) | the image's rows again (ms) |\n|---|---:|---:|")
-    spans = np.array([[0, 100, 1124, 1380]])
+    spans = image_span(1024, 1124)
     for name, (heads, kv_heads, head_dim) in SPAN_SHAPES.items():
         query, kc, vc, cu, seq_lens, tables = build([(1024, 512)], heads, kv_heads, head_dim, block_size, dtype)
         out = torch.empty_like(query)

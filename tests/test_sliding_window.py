@@ -249,13 +249,18 @@ def test_hybrid_models_keep_the_window_alone_in_tables_of_its_own(more_tiny_mode
     llm.block_manager.check_all_free()
 
 
+def gemma_3_pattern_of_seven_layers(folder) -> str:
+    """A tiny Gemma 3 of 7 layers, 3 and 6 full, the others windowed."""
+    sliding, full = "sliding_attention", "full_attention"
+    types = [sliding, sliding, sliding, full, sliding, sliding, full]
+    return str(make_tiny_model("gemma3_text", folder, num_hidden_layers=7, layer_types=types))
+
+
 def test_gemma_3_layers_five_windowed_to_one_full_make_groups_of_tables(tmp_path, hf_eager_reference):
     """Gemma 3's kind of pattern over 7 layers (layers 3 and 6 full): groups of two layers, the full ones and
     three of the five windowed (the last one's second slot unused), each with its own tables over one pool of
     blocks of two layers; under preemption and prefix caching, token for token as HF's eager attention."""
-    sliding, full = "sliding_attention", "full_attention"
-    types = [sliding, sliding, sliding, full, sliding, sliding, full]
-    model = str(make_tiny_model("gemma3_text", tmp_path / "gemma3", num_hidden_layers=7, layer_types=types))
+    model = gemma_3_pattern_of_seven_layers(tmp_path / "gemma3")
     llm = hybrid_checked(LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=90, max_num_seqs=4,
                              max_num_batched_tokens=40, async_scheduling=True))
     assert llm.runner.window_groups == 3 and llm.runner.layer_groups == [1, 1, 2, 0, 2, 3, 0]
@@ -274,9 +279,7 @@ def test_a_step_plans_each_table_and_window_once(tmp_path, monkeypatch):
     3's 7 layers of groups 1, 1, 2, 0, 2, 3, 0 make four plans a step (the layers switching tables made six)."""
     from inflight.ops import torch_ops
 
-    sliding, full = "sliding_attention", "full_attention"
-    types = [sliding, sliding, sliding, full, sliding, sliding, full]
-    model = str(make_tiny_model("gemma3_text", tmp_path / "gemma3", num_hidden_layers=7, layer_types=types))
+    model = gemma_3_pattern_of_seven_layers(tmp_path / "gemma3")
     llm = LLM(model, device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=90, max_num_seqs=4)
     llm.add_request("a", random_prompts(1, 60, 60, vocab=512, seed=3)[0], GREEDY)
     made, make = [], torch_ops._make_plan
