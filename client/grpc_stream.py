@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--image", action="append", default=[], metavar="FILE",
                         help="an image file (PNG, JPEG, ...) for a vision-language model, sent base64-encoded as "
                         "vllm_backend's `image` input; repeat it for several, each where a placeholder of the "
-                        "prompt (<image> for LLaVA, <start_of_image> for Gemma 3) says")
+                        "prompt (<image> for LLaVA and PaliGemma, <start_of_image> for Gemma 3) says")
     args = parser.parse_args()
     prompt = args.prompt
     if args.chat:

@@ -1,8 +1,9 @@
 """Images in prompts (images.py): tiny random vision-language models built here (LLaVA, LLaVA-NeXT and
 ViP-LLaVA: a CLIP vision tower; Idefics3: a SigLIP-like one; each with a Llama language model; Gemma 3: a
 SigLIP tower and a Gemma 3 language model of windowed and full layers, whose image tokens see each
-other), their greedy output equal to HF `generate` with the same images token for token, through the
-engine and through tritonserver's `image` input (vllm_backend's)."""
+other; PaliGemma and PaliGemma 2: a SigLIP tower and a Gemma or Gemma 2 language model, whose whole prompt
+sees itself), their greedy output equal to HF `generate` with the same images token for token, through
+the engine and through tritonserver's `image` input (vllm_backend's)."""
 
 import base64
 import functools
@@ -27,6 +28,7 @@ IMAGE_SIZE, PATCH = 30, 6  # 25 patches: 25 image tokens an image (the class tok
 # Gemma 3's placeholder is its start-of-image token, which its processor follows with the image's tokens
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
 GEMMA3_IMAGE_TOKENS = 16
+PALIGEMMA_IMAGE_TOKENS = 16
 
 
 def placeholder(model_type: str) -> str:
@@ -63,6 +65,29 @@ def _tiny_gemma3():
     return config, tf.Gemma3ForConditionalGeneration, processor
 
 
+def _tiny_paligemma(windowed: bool):
+    """A tiny PaliGemma: a SigLIP tower of 4 x 4 patches, 16 tokens an image, and a Gemma language model
+    (PaliGemma 2's: Gemma 2, whose windowed layers of 24 tokens alternate with full ones, the window shorter
+    than a prompt of two images) that reads its whole prompt both ways."""
+    import transformers as tf
+
+    image_processor = tf.SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    image_processor.image_seq_length = PALIGEMMA_IMAGE_TOKENS
+    processor = tf.PaliGemmaProcessor(image_processor, tokenizer=_tokenizer(PLACEHOLDER))
+    tokenizer = processor.tokenizer  # (with the location and segmentation tokens it adds)
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2, tie_word_embeddings=False)
+    text = (tf.Gemma2Config(sliding_window=24, final_logit_softcapping=None, query_pre_attn_scalar=16, **sizes)
+            if windowed else tf.GemmaConfig(**sizes))
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=32, patch_size=8)
+    config = tf.PaliGemmaConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=64,
+                                image_token_index=processor.image_token_id, initializer_range=0.2,
+                                tie_word_embeddings=False)
+    return config, tf.PaliGemmaForConditionalGeneration, processor
+
+
 def _text_config(vocab_size: int):
     from transformers import LlamaConfig
 
@@ -85,6 +110,8 @@ def make_tiny_vlm(model_type: str, out) -> str:
     crop = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     if model_type == "gemma3":
         config, model, processor = _tiny_gemma3()
+    elif model_type.startswith("paligemma"):  # paligemma (Gemma), paligemma2 (Gemma 2)
+        config, model, processor = _tiny_paligemma(windowed=model_type == "paligemma2")
     elif model_type == "idefics3":  # (SmolVLM): a SigLIP-like tower, pixel shuffle, images as fake-token spans
         tokenizer = _tokenizer("<fake_token_around_image>", PLACEHOLDER, "<end_of_utterance>", "<global-img>")
         vision = tf.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -141,12 +168,14 @@ def tiny_llava(tiny_vlms) -> str:
 
 
 class Reference:
-    """HF transformers' own model of the checkpoint and its processor: greedy continuations."""
+    """HF transformers' own model of the checkpoint and its processor: greedy continuations. `attention`: HF's
+    attention implementation (eager for Gemma 2's softcap, which its SDPA ignores)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, attention: str | None = None):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                                 attn_implementation=attention).eval()
         self.processor = AutoProcessor.from_pretrained(model_dir)
 
     def __call__(self, text: str, images: list | None, max_new_tokens: int = 10) -> list[int]:
@@ -159,7 +188,8 @@ class Reference:
 @pytest.fixture(scope="module")
 def references(tiny_vlms):
     """HF's model of a model type's checkpoint, made on first use."""
-    return functools.cache(lambda model_type: Reference(tiny_vlms(model_type)))
+    return functools.cache(lambda model_type: Reference(tiny_vlms(model_type),
+                                                        "eager" if model_type == "paligemma2" else None))
 
 
 @pytest.fixture(scope="module")
@@ -333,10 +363,83 @@ def test_gemma3_images_are_computed_whole_and_found_again(tiny_vlms, references)
         small.generate([with_images(texts[0], [image])], GREEDY)
 
 
+PALIGEMMA_PROMPTS = [("<image>caption en", 0), ("<image><image>answer en which of the two is larger?", 1),
+                     ("describe <image> in detail", 2), ("<image>question: what colour is it?", 3)]
+
+
+@pytest.mark.parametrize("model_type,settings", [
+    ("paligemma", {}),
+    ("paligemma2", {}),
+    # chunks of at most 48 tokens, each prompt whole in one; a pool this small preempts and recomputes
+    ("paligemma2", dict(max_num_batched_tokens=48, max_num_seqs=8, num_kv_blocks=16, block_size=8,
+                        packed_weights=False)),
+], ids=["paligemma", "paligemma2", "paligemma2-chunked-preempted"])
+def test_paligemma_prompts_see_themselves_whole(tiny_vlms, references, model_type, settings):
+    """PaliGemma's whole prompt, text and images, sees itself (its tokens after an image see it, those
+    before it too); its answer's tokens attend causally. Prompts of one and two images, one after text, one
+    longer than PaliGemma 2's window of 24 (whose tokens see the whole prompt past it, as HF's mask has
+    it), one image given as a file: each output HF's; the same prompt again is computed again whole."""
+    a, b, c = pictures(3, seed=11)
+    images = [[a], [b, c], [png(c)], [b]]
+    prompts = [(text, images[k]) for text, k in PALIGEMMA_PROMPTS]
+    reference = references(model_type)
+    llm = LLM(tiny_vlms(model_type), **settings)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for _ in range(2):
+        outs = llm.generate([with_images(text, files) for text, files in prompts], params)
+        for (text, files), out in zip(prompts, outs):
+            decoded = [Image.open(io.BytesIO(i)) if isinstance(i, bytes) else i for i in files]
+            assert out.outputs[0].token_ids == reference(text, decoded, 16), text
+    assert len(outs[1].prompt_token_ids) > 24  # (past PaliGemma 2's window)
+    if settings:
+        assert llm.stats()["num_preemptions"] > 0
+    else:
+        assert llm.stats()["prefix_cache_hit_tokens"] == 0
+    llm.block_manager.check_all_free()
+
+
+def test_paligemma_takes_prompts_with_images_alone(tiny_vlms):
+    """A prompt without images (text, token ids) is refused by name, as PaliGemma's processor refuses it;
+    so is a prompt of more tokens than a step's budget (it is computed in one step)."""
+    llm = LLM(tiny_vlms("paligemma"), max_num_batched_tokens=24, max_num_seqs=4)
+    for prompt in ("caption en", [5, 6, 7]):
+        with pytest.raises(ValueError, match="this model reads each prompt whole together with its images"):
+            llm.add_request("text", prompt, GREEDY)
+    with pytest.raises(ValueError, match=r"a prompt \(its images' tokens included\) of 35 tokens, which see each "
+                                         r"other, is computed in one step: more than max_num_batched_tokens \(24\)"):
+        llm.add_request("long", with_images("<image><image>caption", pictures(2)), GREEDY)
+    assert len(llm.add_request("short", with_images("<image>caption", pictures(1)), GREEDY)) == 19
+    while llm.has_unfinished():
+        llm.step()
+    llm.block_manager.check_all_free()
+
+
+def test_a_prompt_that_sees_itself_is_found_again_only_whole():
+    """Each token of a prompt that sees itself depends on the whole prompt: its blocks' keys for the prefix
+    cache are led by the whole prompt's digest, so a prompt that begins another shares no block with it
+    (its answer could otherwise find the longer prompt's blocks), the same prompt again all of them."""
+    from inflight.prompt_embeds import resolve
+
+    rows = torch.randn(2, 8)
+    keys = []
+    for ids in ([100, 101, 5, 6], [100, 101, 5, 6], [100, 101, 5, 6, 7, 8]):
+        ids, embeds = resolve({"prompt_token_ids": ids, "prompt_embedding_table": rows}, 100, 8, torch.float32, 64)
+        plain = embeds.cache_key(ids[:2])
+        embeds.attend_within_prompt(ids)
+        assert embeds.spans == [(0, len(ids))]
+        keys.append([embeds.cache_key(ids[:2]), embeds.cache_key(ids[2:4], 2), embeds.cache_key([7, 8], 4), plain])
+    assert keys[0] == keys[1]
+    assert keys[0][3] == keys[2][3]  # (row by row, the prompts' first tokens agree)
+    assert keys[0][0] != keys[2][0] and keys[0][1] != keys[2][1]
+    assert keys[0][0][1:] == keys[0][3] and keys[0][1][1:] == (5, 6)
+    assert keys[0][2] == (7, 8)  # (past the prompt: as any token)
+
+
 def test_a_span_attends_as_hf_masks_it():
     """attend_within_spans against a dense mask built as HF builds Gemma 3's (AND(window, OR(causal, same
-    image))): a window shorter than the span, grouped heads, a softcap and sinks, keys in a paged cache of
-    scattered blocks, rows outside the spans untouched."""
+    image))) and PaliGemma's (OR(AND(window, causal), same prefix): a span sees itself past the window): a
+    window shorter than the span, grouped heads, a softcap and sinks, keys in a paged cache of scattered
+    blocks, rows outside the spans untouched."""
     from inflight.ops import attend_within_spans
 
     torch.manual_seed(0)
@@ -350,18 +453,20 @@ def test_a_span_attends_as_hf_masks_it():
     for cache, x in ((key_cache, keys), (value_cache, values)):
         cache[table[positions // block], positions % block] = x
     sinks = torch.randn(heads)
-    for window, softcap, with_sinks in ((None, None, False), (7, 5.0, True), (100, None, True)):
+    for window, softcap, with_sinks, past_window in ((None, None, False, False), (7, 5.0, True, False),
+                                                     (100, None, True, False), (7, None, False, True),
+                                                     (4, 5.0, True, True)):
         out = torch.full_like(query, 7.0)
         attend_within_spans(out, query, key_cache, value_cache, table[None].repeat(2, 1),
                             np.array([[1, 3 + start, start, end] for start, end in spans]), 0.3, window, softcap,
-                            sinks if with_sinks else None)
+                            sinks if with_sinks else None, past_window=past_window)
         group = torch.full((seq_len,), -1)
         for k, (start, end) in enumerate(spans):
             group[start:end] = k
         q, k = positions[:, None], positions[None, :]
-        visible = (k <= q) | ((group[:, None] == group[None, :]) & (group[:, None] >= 0))
-        if window is not None:
-            visible &= k > q - window
+        causal, same_span = k <= q, (group[:, None] == group[None, :]) & (group[:, None] >= 0)
+        in_window = torch.ones_like(causal) if window is None else k > q - window
+        visible = (causal & in_window) | same_span if past_window else (causal | same_span) & in_window
         scores = torch.einsum("qhd,khd->hqk", query[3:], keys.repeat_interleave(2, dim=1)) * 0.3
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
@@ -535,17 +640,19 @@ def test_a_text_only_model_takes_no_images(tiny_models):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+@pytest.mark.parametrize("model_type", ["llava", "gemma3", "paligemma2"])
 def test_on_a_gpu_beside_cuda_graphs(tiny_vlms, references, model_type):
-    """On a GPU (float32; the vision tower there too; decode steps in CUDA graphs; Gemma 3's images' spans
-    attended after the Triton kernels): HF's outputs, with a prompt of text alone beside the images' prompts."""
+    """On a GPU (float32; the vision tower there too; decode steps in CUDA graphs; Gemma 3's images' and
+    PaliGemma's prompts' spans attended after the Triton kernels): HF's outputs, with a prompt of text alone
+    beside the images' prompts (not PaliGemma's, which takes none)."""
     images = pictures(2, seed=4)
     image = placeholder(model_type)
     prompts = [(f"{image} and {image}: what differs?", images), (f"{image} again", images[1:])]
     reference = references(model_type)
     llm = LLM(tiny_vlms(model_type), device="cuda", dtype="float32", num_kv_blocks=64, block_size=16)
     assert llm.runner.graphs is not None
-    outs = llm.generate([with_images(t, i) for t, i in prompts] + ["text alone"], GREEDY)
+    alone = [] if model_type == "paligemma2" else ["text alone"]
+    outs = llm.generate([with_images(t, i) for t, i in prompts] + alone, GREEDY)
     for (text, images), out in zip(prompts, outs):
         assert out.outputs[0].token_ids == reference(text, images)
     assert llm.runner.graphs.replays > 0
@@ -615,3 +722,25 @@ def test_served_gemma3_images_equal_hf_generate(gemma3_server, references):
     assert refused["finals"] == 1 and refused["error"] is not None
     assert "the prompt has 60 tokens (its images' tokens included); this server accepts at most 56" in refused["error"]
     assert_all_blocks_free(gemma3_server)
+
+
+@pytest.fixture(scope="module")
+def paligemma2_server(tiny_vlms):
+    yield from serve(model=tiny_vlms("paligemma2"), max_num_batched_tokens=48, max_num_seqs=4)
+
+
+@pytest.mark.server
+def test_served_paligemma2_prompts_equal_hf_generate(paligemma2_server, references):
+    """PaliGemma 2 served: prompts of one and two images (the second longer than its window), each seeing
+    itself whole, streamed equal to HF's output; a prompt of text alone refused by name; every block free."""
+    reference = references("paligemma2")
+    a, b = pictures(2, seed=17)
+    params = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    for text, images in (("<image>caption en", [a]), ("<image><image>answer en which of the two is larger?", [a, b])):
+        sent = [base64.b64encode(png(i)).decode() for i in images]
+        served = stream_to_the_end(paligemma2_server.grpc_url, text, image=sent, sampling_parameters=params)
+        assert served["error"] is None and served["finals"] == 1, served["error"]
+        assert served["text"] == reference.processor.tokenizer.decode(reference(text, images), skip_special_tokens=True)
+    refused = stream_to_the_end(paligemma2_server.grpc_url, "caption en", quiet_s=0.3, sampling_parameters=params)
+    assert refused["finals"] == 1 and "this model reads each prompt whole together with its images" in refused["error"]
+    assert_all_blocks_free(paligemma2_server)

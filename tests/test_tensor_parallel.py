@@ -129,18 +129,21 @@ def test_lora_adapters_sharded_over_two_ranks(tmp_path):
         llm.close()
 
 
-@pytest.mark.parametrize("model_type", ["llava", "gemma3"])
+@pytest.mark.parametrize("model_type", ["llava", "gemma3", "paligemma2"])
 def test_a_vision_language_model_sharded_over_two_ranks(tmp_path, model_type):
-    """A tiny LLaVA's (or Gemma 3's) language model sharded over two ranks (the images' vectors made on rank 0
-    travel as rows of the step's message; Gemma 3's images' spans of tokens that see each other with them):
-    prompts of one and two images and of text alone, as one rank."""
+    """A tiny LLaVA's (Gemma 3's, PaliGemma 2's) language model sharded over two ranks (the images' vectors
+    made on rank 0 travel as rows of the step's message; Gemma 3's images' and PaliGemma's prompts' spans of
+    tokens that see each other with them): prompts of one and two images and of text alone (not PaliGemma's,
+    which takes none), as one rank."""
     from test_images import make_tiny_vlm, pictures, placeholder, with_images  # (skips where Pillow is missing)
 
     model = make_tiny_vlm(model_type, tmp_path / model_type)
     a, b = pictures(2)
     image = placeholder(model_type)
-    prompts = [with_images(f"{image} hello", [a]), with_images(f"two: {image} {image}", [a, b]), "text alone"]
-    settings = dict(num_kv_blocks=64, num_threads=1, max_num_batched_tokens=32, max_num_seqs=4)
+    prompts = [with_images(f"{image} hello", [a]), with_images(f"two: {image} {image}", [a, b])]
+    prompts += [] if model_type == "paligemma2" else ["text alone"]
+    settings = dict(num_kv_blocks=64, num_threads=1, max_num_batched_tokens=48 if model_type == "paligemma2" else 32,
+                    max_num_seqs=4)
     expected = run_to_the_end(LLM(model, **settings), prompts, GREEDY)
     llm = LLM(model, tensor_parallel_size=2, **settings)
     try:

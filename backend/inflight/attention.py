@@ -40,8 +40,10 @@ class AttentionContext:
     layer_groups: list[int] | None = None
     window_slot_mappings: list[torch.Tensor] = field(default_factory=list)
     window_block_tables: list[torch.Tensor] = field(default_factory=list)
-    # Spans of tokens that see each other (a Gemma 3 image's): StepInputs.attend_within
+    # Spans of tokens that see each other (a Gemma 3 image's, a PaliGemma prompt): StepInputs.attend_within;
+    # whether a span sees itself whole past the sliding window (PaliGemma's prompt) or within it (Gemma 3's image)
     attend_within: np.ndarray | None = None
+    spans_past_window: bool = False
 
 
 @dataclass
@@ -85,7 +87,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                               query_len=ctx.query_len)
     if ctx.attend_within is not None:  # (their rows attended causally above: computed again, seeing the span)
         ops.attend_within_spans(out, q, key_cache, value_cache, block_tables, ctx.attend_within, scale,
-                                sliding_window, softcap or None, s_aux)
+                                sliding_window, softcap or None, s_aux, past_window=ctx.spans_past_window)
     return out.unsqueeze(0), None
 
 

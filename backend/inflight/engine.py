@@ -237,8 +237,8 @@ class LLMEngine:
             hf_config = self.runner.hf_config
             token_ids, embeds = prompt_embeds.resolve(prompt, vocab, hf_config.hidden_size, self.runner.dtype,
                                                       self.max_model_len)
-            if with_images and self.runner.image_encoder.see_themselves:
-                self._images_see_themselves(embeds, token_ids)
+            if with_images and self.runner.image_encoder.spans:
+                self._spans_see_themselves(embeds, token_ids, self.runner.image_encoder.spans)
         else:
             token_ids = list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
@@ -247,6 +247,10 @@ class LLMEngine:
         if encoder is not None and embeds is None and encoder.image_token_id in token_ids:
             raise ValueError(f"the prompt holds the image placeholder ({encoder.placeholder}) but no image: send "
                              "an image for each placeholder with it (multi_modal_data; served, the `image` input)")
+        if encoder is not None and encoder.spans == "prompt" and not with_images:
+            raise ValueError("this model reads each prompt whole together with its images, as its processor "
+                             f"makes it: send at least one image, with a placeholder ({encoder.placeholder}) where "
+                             "each goes (multi_modal_data; served, the `image` input)")
         token_ids = params.truncated(token_ids, self.max_model_len)
         if not token_ids:
             raise ValueError("prompt must not be empty")
@@ -295,13 +299,17 @@ class LLMEngine:
             raise ValueError("multi_modal_data takes images alone: {'image': an image or a list of images}")
         return self.runner.image_encoder.prompt(prompt["prompt"], data["image"], vocab_size, check_length)
 
-    def _images_see_themselves(self, embeds: PromptEmbeddings, token_ids: list[int]) -> None:
-        """Each image's tokens a span that sees itself (Gemma 3), computed in one step: refused where one
-        has more tokens than a step's budget."""
-        embeds.attend_within_runs(token_ids)
+    def _spans_see_themselves(self, embeds: PromptEmbeddings, token_ids: list[int], spans: str) -> None:
+        """Each image's tokens a span that sees itself (Gemma 3: `spans` "images"), or the whole prompt
+        (PaliGemma: "prompt"), computed in one step: refused where a span has more tokens than a step's budget."""
+        if spans == "images":
+            embeds.attend_within_runs(token_ids)
+        else:
+            embeds.attend_within_prompt(token_ids)
         longest = max(end - start for start, end in embeds.spans)
         if longest > self.config.max_num_batched_tokens:
-            raise ValueError(f"an image of {longest} tokens, which see each other, is computed in one step: more "
+            what = "an image" if spans == "images" else "a prompt (its images' tokens included)"
+            raise ValueError(f"{what} of {longest} tokens, which see each other, is computed in one step: more "
                              f"than max_num_batched_tokens ({self.config.max_num_batched_tokens})")
 
     def _start_beam_search(self, seq: Sequence, vocab_size: int) -> None:

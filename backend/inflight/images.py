@@ -1,5 +1,5 @@
-"""Images in prompts, for vision-language models (LLaVA, LLaVA-NeXT, ViP-LLaVA, Idefics3 / SmolVLM, Gemma 3):
-each image becomes rows of prompt embeddings.
+"""Images in prompts, for vision-language models (LLaVA, LLaVA-NeXT, ViP-LLaVA, Idefics3 / SmolVLM, Gemma 3,
+PaliGemma): each image becomes rows of prompt embeddings.
 
 A request gives a text prompt with the model's image placeholder (`<image>` for LLaVA) where each image
 goes, and the images (vLLM's {"prompt": text, "multi_modal_data": {"image": [...]}}). The checkpoint's
@@ -34,9 +34,15 @@ from .model_support import refuse
 # their image tokens attend as text does (causally), except those of the types below. (Qwen2-VL gives them
 # 3-D positions, Mllama reads images by cross-attention: neither is served with images. Mistral 3 would fit,
 # untested: its processor needs torchvision.)
-IMAGE_MODEL_TYPES = ("llava", "llava_next", "vipllava", "idefics3", "gemma3")
-# ... and those whose image's tokens see each other, before and after (prompt_embeds.py's spans)
+IMAGE_MODEL_TYPES = ("llava", "llava_next", "vipllava", "idefics3", "gemma3", "paligemma")
+# ... those whose image's tokens see each other, before and after (prompt_embeds.py's spans), within the
+# sliding window on windowed layers
 IMAGES_SEE_THEMSELVES = ("gemma3",)
+# ... and those whose whole prompt sees itself (a prefix language model: PaliGemma's prompt, its images and
+# text, attends both ways, past the sliding window too; the tokens it generates attend causally). Such a
+# model takes no prompt without images, as its processor takes none. (PaliGemma counts positions from 1,
+# the engine from 0: rotary embeddings see only the distance between two positions, the same either way.)
+PROMPT_SEES_ITSELF = ("paligemma",)
 
 
 def is_vision_language(hf_config) -> bool:
@@ -70,8 +76,9 @@ def load(model: str, dtype: torch.dtype, attn_implementation: str, trust_remote_
     language_model.checkpoint_module_names = {name: module for name, module in full.named_modules()
                                               if name and id(module) in own}
     processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
-    encoder = ImageEncoder(full.model, processor, full.config.image_token_id, max_images, cache_bytes,
-                           see_themselves=full.config.model_type in IMAGES_SEE_THEMSELVES)
+    model_type = full.config.model_type
+    spans = "images" if model_type in IMAGES_SEE_THEMSELVES else "prompt" if model_type in PROMPT_SEES_ITSELF else None
+    encoder = ImageEncoder(full.model, processor, full.config.image_token_id, max_images, cache_bytes, spans=spans)
     return language_model.eval(), encoder
 
 
@@ -131,12 +138,14 @@ def pixels_digest(pixels: dict) -> bytes:
 
 class ImageEncoder:
     def __init__(self, vision_language_model: torch.nn.Module, processor, image_token_id: int, max_images: int,
-                 cache_bytes: int, see_themselves: bool = False):
+                 cache_bytes: int, spans: str | None = None):
         self.model = vision_language_model  # its get_image_features runs the vision tower and projector
         self.processor = processor
         self.image_token_id = image_token_id
         self.placeholder = processor.image_token  # (Gemma 3's: its start-of-image token, which the image follows)
-        self.see_themselves = see_themselves  # an image's tokens see each other (IMAGES_SEE_THEMSELVES)
+        # Which tokens see each other: an image's ("images", IMAGES_SEE_THEMSELVES), the whole prompt's ("prompt",
+        # PROMPT_SEES_ITSELF), or none (causal, None)
+        self.spans = spans
         self.max_images = max_images
         self.cache = VectorCache(cache_bytes)
         self.images_encoded = 0  # images run through the vision tower
@@ -173,7 +182,7 @@ class ImageEncoder:
             token_ids = inputs.pop("input_ids")[0].tolist()
             if check_length is not None:
                 check_length(len(token_ids))
-            unused = ("attention_mask", "token_type_ids", *getattr(self.processor, "unused_input_names", ()))
+            unused = ("attention_mask", "token_type_ids", "labels", *getattr(self.processor, "unused_input_names", ()))
             pixels = {name: value for name, value in inputs.items() if name not in unused}
             key = pixels_digest(pixels)
             vectors = self.cache.get(key)

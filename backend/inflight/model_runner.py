@@ -68,7 +68,8 @@ class ModelRunner:
             keep_freed_memory()
         full_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         hf_config = getattr(full_config, "text_config", full_config)
-        self.attention_chunk = attention_chunk(hf_config)  # before loading the weights: refused at once
+        # before loading the weights: refused at once
+        self.attention_chunk = attention_chunk(hf_config, full_config.model_type in images.PROMPT_SEES_ITSELF)
         # (a vision-language checkpoint may say its dtype at the top only)
         self.dtype = dtype = self._dtype(getattr(hf_config, "dtype", None) or getattr(full_config, "dtype", None))
         sharding = {}
@@ -100,6 +101,8 @@ class ModelRunner:
             raise refuse(hf_config.model_type, "its modeling code does not use transformers' attention interface "
                                                "(AttentionInterface), where inflight's paged attention plugs in") from e
         self.hf_config = hf_config
+        # A PaliGemma prompt sees itself whole past a sliding window (a Gemma 3 image within it)
+        self.spans_past_window = self.image_encoder is not None and self.image_encoder.spans == "prompt"
         self.num_layers = hf_config.num_hidden_layers
         # This rank's KV heads: the attention layers see 1/N of them under tensor parallelism.
         self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None)
@@ -474,6 +477,7 @@ class ModelRunner:
             window_slot_mappings=step.window_slot_mappings,
             window_block_tables=step.window_block_tables,
             attend_within=step.attend_within,
+            spans_past_window=self.spans_past_window,
         )
         if step.embeds is None:
             tokens = dict(input_ids=step.input_ids[None])

@@ -35,9 +35,11 @@ def refuse(model_type: str, why: str) -> UnsupportedModel:
     return UnsupportedModel(f"inflight cannot run model type {model_type!r}: {why}")
 
 
-def attention_chunk(hf_config) -> int | None:
+def attention_chunk(hf_config, prompt_sees_itself: bool = False) -> int | None:
     """The chunk of a model with chunked attention layers (the longest context it runs exactly), else None.
-    Raises UnsupportedModel for a model whose layers are not all causal attention over their own KV."""
+    Raises UnsupportedModel for a model whose layers are not all causal attention over their own KV, but
+    for a prefix language model's (`prompt_sees_itself`: PaliGemma's, whose config calls its attention
+    bidirectional for its prompt, which the engine runs as one span: prompt_embeds.py)."""
     model_type = hf_config.model_type
     layer_types, _ = get_layer_types_and_kwargs(hf_config)
     stateful = sorted(set(layer_types) - ATTENTION_LAYER_TYPES - {"chunked_attention"})
@@ -47,7 +49,7 @@ def attention_chunk(hf_config) -> int | None:
     if getattr(hf_config, "num_kv_shared_layers", None):
         raise refuse(model_type, f"{hf_config.num_kv_shared_layers} of its layers read another layer's keys "
                                   "and values")
-    if getattr(hf_config, "use_bidirectional_attention", None):
+    if getattr(hf_config, "use_bidirectional_attention", None) and not prompt_sees_itself:
         raise refuse(model_type, "its attention is bidirectional (use_bidirectional_attention)")
     return hf_config.attention_chunk_size if "chunked_attention" in layer_types else None
 

@@ -9,8 +9,9 @@ same vectors. Sampling never sees virtual ids: they lie beyond the logits, and o
 
 Some vision-language models let an image's tokens see each other (Gemma 3): each run of consecutive
 virtual tokens of such a prompt is a span whose tokens attend to every token of it, before or after
-(`spans`); the engine computes a span whole within one chunk of the prompt (scheduler.py, block_manager.py)
-and attends over it so (ops.attend_within_spans).
+(`spans`); others let the whole prompt see itself (PaliGemma, a prefix language model): the prompt is
+one span. The engine computes a span whole within one chunk of the prompt (scheduler.py,
+block_manager.py) and attends over it so (ops.attend_within_spans).
 """
 
 import hashlib
@@ -26,6 +27,7 @@ class PromptEmbeddings:
     first_id: int  # the model's vocab_size: the prompt's ids from here up are rows of the table
     row_keys: dict[int, bytes]  # a digest of the row of each virtual id the prompt holds
     spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) positions seeing each other
+    prompt_key: bytes | None = None  # a digest of the whole prompt, where it is one span (attend_within_prompt)
 
     def attend_within_runs(self, token_ids: list[int]) -> None:
         """Make each run of consecutive virtual tokens a span whose tokens see each other. A token's keys
@@ -41,6 +43,13 @@ class PromptEmbeddings:
                 self.row_keys[t] = hashlib.blake2b(self.row_keys[t] + whole, digest_size=16).digest()
             self.spans.append((start, end))
 
+    def attend_within_prompt(self, token_ids: list[int]) -> None:
+        """Make the whole prompt one span, its tokens (text and images) seeing each other. Every token's keys
+        and values then depend on the whole prompt, so each block of it is found again only with the same
+        whole prompt (cache_key)."""
+        self.prompt_key = hashlib.blake2b(repr(self.cache_key(token_ids)).encode(), digest_size=16).digest()
+        self.spans.append((0, len(token_ids)))
+
     def span_split_by(self, position: int) -> tuple[int, int] | None:
         """The span that a chunk's boundary before `position` would split, if any."""
         for start, end in self.spans:
@@ -48,10 +57,12 @@ class PromptEmbeddings:
                 return start, end
         return None
 
-    def cache_key(self, token_ids: list[int]) -> tuple:
-        """The token ids as the prefix cache compares them: a virtual id as its row's digest."""
+    def cache_key(self, token_ids: list[int], start: int = 0) -> tuple:
+        """The token ids from position `start` as the prefix cache compares them: a virtual id as its row's
+        digest; those of a prompt that sees itself whole led by the prompt's digest."""
         first = self.first_id
-        return tuple(self.row_keys[t] if t >= first else t for t in token_ids)
+        key = tuple(self.row_keys[t] if t >= first else t for t in token_ids)
+        return (self.prompt_key, *key) if self.prompt_key is not None and start < self.spans[0][1] else key
 
     def rows(self, token_ids: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
         """The positions of the virtual ids among `token_ids` and their rows of the table."""

@@ -249,8 +249,8 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n] + tail
 
     def span_split_by(self, position: int) -> tuple[int, int] | None:
-        """The span of prompt tokens that see each other (a Gemma 3 image's: prompt_embeds.py) that a chunk's
-        boundary before `position` would split, if any: each is computed whole in one chunk."""
+        """The span of prompt tokens that see each other (a Gemma 3 image's, a PaliGemma prompt: prompt_embeds.py)
+        that a chunk's boundary before `position` would split, if any: each is computed whole in one chunk."""
         return None if self.prompt_embeds is None else self.prompt_embeds.span_split_by(position)
 
     def smallest_chunk(self) -> int:
@@ -263,7 +263,7 @@ class Sequence:
         tokens = self.token_slice(start, end)
         if self.prompt_embeds is None or start >= len(self.prompt_token_ids):
             return tuple(tokens)
-        return self.prompt_embeds.cache_key(tokens)
+        return self.prompt_embeds.cache_key(tokens, start)
 
     def _beyond_known(self, start: int, end: int) -> list[int]:
         """The tokens after the known ones, [start, end) counted from the first: drafts, or PENDING."""

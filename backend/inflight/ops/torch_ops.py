@@ -306,20 +306,24 @@ def _attend_rows(out, query, start: int, q_len: int, key_cache, value_cache, slo
 
 
 def attend_within_spans(out, query, key_cache, value_cache, block_tables, spans, scale, sliding_window=None,
-                        softcap=None, sinks=None) -> None:
-    """The rows of `out` of spans of tokens that see each other (a Gemma 3 image's), computed again after the
-    causal attention: each token sees the keys before it and every key of its span, those after it too,
-    all within the sliding window's reach back from it (HF's mask: AND(window, OR(causal, span))). `spans`
-    [N, 4]: (block-table row, the query row of the span's first token, its first and end positions), each
-    span's keys already in the cache. On any device (the kernels know no spans): a few images' worth a step
-    at most, through SDPA with the span's mask."""
+                        softcap=None, sinks=None, past_window=False) -> None:
+    """The rows of `out` of spans of tokens that see each other (a Gemma 3 image's, a PaliGemma prompt),
+    computed again after the causal attention: each token sees the keys before it and every key of its span,
+    those after it too. A sliding window bounds what it sees back from it (Gemma 3, HF's mask AND(window,
+    OR(causal, span))), or only what it sees before its span (`past_window`: PaliGemma, OR(AND(window,
+    causal), span)). `spans` [N, 4]: (block-table row, the query row of the span's first token, its first and
+    end positions), each span's keys already in the cache. On any device (the kernels know no spans): a few
+    images' worth a step at most, through SDPA with the span's mask."""
     block_size = key_cache.shape[1]
     for seq, row, start, end in spans.tolist():
         first = 0 if sliding_window is None else max(0, start - sliding_window + 1)
         positions = torch.arange(first, end, device=query.device)
         q_pos = positions[start - first:, None]
-        visible = (positions <= q_pos) | (positions >= start)
+        causal = positions <= q_pos
         if sliding_window is not None:
+            causal &= positions > q_pos - sliding_window
+        visible = causal | (positions >= start)
+        if sliding_window is not None and not past_window:
             visible &= positions > q_pos - sliding_window
         _attend_rows(out, query, row, end - start, key_cache, value_cache,
                      _slots(block_tables, seq, positions, block_size), visible, scale, softcap, sinks)
