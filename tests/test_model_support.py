@@ -65,15 +65,20 @@ def test_a_vision_language_model_whose_images_are_not_served_is_refused_by_name(
         LLM(str(tmp_path), device="cpu", num_kv_blocks=16)
 
 
-def test_chunked_attention_runs_over_contexts_of_up_to_one_chunk(tmp_path):
-    """Llama 4's chunked attention equals full attention within one chunk: the engine's context limit is the
-    chunk unless set, and a longer one is refused."""
+def test_chunked_attention_runs_over_one_chunk_unless_set(tmp_path):
+    """Llama 4's chunked attention: the engine's context limit is the chunk unless set (within it, the
+    layers read every sequence as full attention does); set longer, the chunked layers read each sequence
+    from its chunk's start (test_chunked_attention.py), which needs a chunk of whole blocks."""
     model = make_checkpoint("llama4_text", tmp_path / "llama4", num_key_value_heads=2, head_dim=16,
                             attention_chunk_size=64)
-    assert LLM(model, device="cpu", dtype="float32", num_kv_blocks=32).runner.max_model_len == 64
-    assert LLM(model, device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=48).runner.max_model_len == 48
-    with pytest.raises(UnsupportedModel, match="exceeds this model's attention chunk"):
-        LLM(model, device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=128)
+    settings = dict(device="cpu", dtype="float32", num_kv_blocks=32)
+    assert LLM(model, **settings).runner.max_model_len == 64
+    assert LLM(model, **settings, max_model_len=48).runner.chunk_view is None
+    runner = LLM(model, **settings, max_model_len=128).runner
+    assert (runner.max_model_len, runner.chunk_view, runner.chunked_layers) == (128, 64, [True, True])
+    with pytest.raises(UnsupportedModel, match=r"attention chunk \(64\), which is not a multiple of block_size "
+                                               r"\(128\)"):
+        LLM(model, **settings, max_model_len=128, block_size=128)
 
 
 def calls(**arguments) -> list[AttentionCall]:

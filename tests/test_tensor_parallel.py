@@ -153,6 +153,21 @@ def test_a_vision_language_model_sharded_over_two_ranks(tmp_path, model_type):
         llm.close()
 
 
+def test_chunked_attention_beyond_a_chunk_sharded_over_two_ranks(tmp_path):
+    """A tiny Llama 4 (chunks of 16) over contexts of up to 100 tokens, sharded over two ranks (each step's
+    chunk view in its message): as one rank."""
+    model = str(make_tiny_model("llama4_text", tmp_path / "llama4", attention_chunk_size=16, num_hidden_layers=4))
+    prompts = random_prompts(4, 5, 70, 512, seed=5)
+    settings = dict(max_model_len=128, num_kv_blocks=64, num_threads=1, max_num_batched_tokens=32, max_num_seqs=4)
+    expected = run_to_the_end(LLM(model, **settings), prompts, GREEDY)
+    llm = LLM(model, tensor_parallel_size=2, **settings)
+    try:
+        assert llm.runner.num_kv_heads == 1 and llm.runner.chunk_view == 16
+        assert run_to_the_end(llm, prompts, GREEDY) == expected
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gpt2", "mistral"])
 def test_other_model_types_sharded_or_refused(tmp_path, family):
     """Gemma 2 (its softcap in every rank's kernels), sharded by transformers' plan, equals one rank, its

@@ -44,6 +44,11 @@ class AttentionContext:
     # whether a span sees itself whole past the sliding window (PaliGemma's prompt) or within it (Gemma 3's image)
     attend_within: np.ndarray | None = None
     spans_past_window: bool = False
+    # Chunked attention beyond one chunk (Llama 4's): which layers are chunked, and the sequences as those
+    # read them (input_buffers.chunk_view)
+    chunked_layers: list[bool] | None = None
+    chunk_seq_lens: torch.Tensor | None = None
+    chunk_block_tables: torch.Tensor | None = None
 
 
 @dataclass
@@ -80,8 +85,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     # [1, heads, T, D] -> [T, heads, D]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     ops.write_kv_cache(k, v, key_cache, value_cache, slot_mapping, impl=ctx.impl)
+    seq_lens = ctx.seq_lens
+    if ctx.chunk_seq_lens is not None and ctx.chunked_layers[module.layer_idx]:  # (from its chunk's start)
+        seq_lens, block_tables = ctx.chunk_seq_lens, ctx.chunk_block_tables
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.cu_seqlens_q, ctx.seq_lens,
+    out = ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.cu_seqlens_q, seq_lens,
                               block_tables, scale, sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux,
                               impl=ctx.impl, new_key=k, new_value=v, num_decodes=ctx.num_decodes,
                               query_len=ctx.query_len)

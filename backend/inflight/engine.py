@@ -132,7 +132,7 @@ class LLMEngine:
             if self.config.lora_task_slots else None
         spec = self.config.speculative_config
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len,
-                                   NgramProposer(spec) if spec is not None else None)
+                                   NgramProposer(spec) if spec is not None else None, self.runner.chunk_view)
         self._in_flight: _InFlight | None = None  # under async scheduling: the step launched, unread
         # Pinned buffers for async scheduling's sampled tokens (two: the previous step's may be unread).
         self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.long, pin_memory=True)

@@ -61,6 +61,10 @@ class StepInputs:
     # token computed alone is not one); None: inferred from the shapes (num_decodes).
     decodes: int | None = None
     windows: list[WindowInputs] = field(default_factory=list)  # each group of a hybrid model's windowed layers'
+    # Chunked attention over contexts beyond one chunk (Llama 4's): what its chunked layers read, each
+    # sequence seen from the start of the chunk its step's tokens lie in (chunk_view)
+    chunk_seq_lens: np.ndarray | None = None  # [S]
+    chunk_block_tables: np.ndarray | None = None  # [S, blocks]
 
     @property
     def is_decode(self) -> bool:
@@ -115,12 +119,13 @@ class BlockTableRows:
 def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[int],
                       block_copies: list[tuple[int, int]] | None = None,
                       table_rows: BlockTableRows | None = None,
-                      window_rows: list[BlockTableRows] = ()) -> StepInputs:
+                      window_rows: list[BlockTableRows] = (), attention_chunk: int | None = None) -> StepInputs:
     """The flat inputs of a step: its scheduled tokens, their positions and cache slots, and the
     attention metadata; logits are returned at the flat positions `logits_at`. Python runs once per
     sequence; everything per token is numpy. `table_rows`: the runner's, kept from step to step (the
     step's block tables are a view of it, valid until the next step's). `window_rows`: a hybrid model's, one
-    for each group of its windowed layers, which read the sequences' tables in seq.windows (hybrid_blocks.py)."""
+    for each group of its windowed layers, which read the sequences' tables in seq.windows (hybrid_blocks.py).
+    `attention_chunk`: a model's with chunked attention over contexts beyond one chunk (chunk_view)."""
     seqs = batch.seqs
     counts = np.asarray(batch.num_tokens, dtype=np.int64)
     starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
@@ -146,7 +151,25 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[in
         window_slots = window_tables[token_rows, positions // block_size] * block_size + positions % block_size
         inputs.windows.append(WindowInputs(window_slots, window_tables))
     _add_virtual_tokens(inputs, seqs)
+    if attention_chunk is not None:
+        chunk_view(inputs, starts, block_size, attention_chunk)
     return inputs
+
+
+def chunk_view(inputs: StepInputs, starts: np.ndarray, block_size: int, chunk: int) -> None:
+    """Chunked attention (Llama 4's): a token sees the keys of its own chunk of `chunk` positions up to
+    itself. The scheduler keeps each sequence's tokens of a step within one chunk, so its chunked layers read
+    the sequence as if it began where that chunk does: its length from there and its block table from that
+    chunk's first block (`chunk` is a multiple of block_size). The kernels then attend as for any sequence."""
+    first = starts // chunk * chunk
+    inputs.chunk_seq_lens = lengths = inputs.seq_lens - first
+    blocks = -(-lengths // block_size)
+    width = int(blocks.max()) if len(blocks) else 0
+    tables = inputs.block_tables
+    columns = np.minimum(first[:, None] // block_size + np.arange(width), max(tables.shape[1] - 1, 0))
+    shifted = np.take_along_axis(tables, columns, axis=1) if width else np.zeros((len(first), 0), np.int64)
+    shifted[np.arange(width) >= blocks[:, None]] = 0
+    inputs.chunk_block_tables = shifted
 
 
 def _leading_decodes(batch: ScheduledBatch, counts: np.ndarray) -> int:
@@ -194,6 +217,8 @@ class StepTensors:
     embeds_at: torch.Tensor | None = None  # [V] the positions of virtual prompt tokens (prompt_embeds.py)
     embeds: torch.Tensor | None = None  # [V, hidden] their vectors
     attend_within: np.ndarray | None = None  # StepInputs'
+    chunk_seq_lens: torch.Tensor | None = None  # StepInputs'
+    chunk_block_tables: torch.Tensor | None = None
     query_len: int | None = None  # every sequence's tokens, where a graph padded them alike (cuda_graphs.py)
     # each group of a hybrid model's windowed layers' (hybrid_blocks.py)
     window_slot_mappings: list[torch.Tensor] = field(default_factory=list)
@@ -351,6 +376,9 @@ class InputBuffers:
                 step.embeds_at = to_device(inputs.embeds_at, self.device.device)
                 step.embeds = inputs.embeds.to(self.device.device, non_blocking=True)
                 step.attend_within = inputs.attend_within
+            if inputs.chunk_seq_lens is not None:  # (steps with them run eagerly: no persistent buffer)
+                step.chunk_seq_lens = to_device(inputs.chunk_seq_lens, self.device.device)
+                step.chunk_block_tables = to_device(inputs.chunk_block_tables, self.device.device)
             return step
         return self.views(rows, rows, self.max_blocks, None, lora)  # what a captured graph reads: every row's logits
 

@@ -26,8 +26,8 @@ from .input_buffers import (BlockTableRows, InputBuffers, StepInputs, StepTensor
                             to_device)
 from .kernel_warmup import compile_attention_kernels
 from .lora import LoRAAdapters
-from .model_support import (UnsupportedModel, attention_chunk, check_attention_calls, common_sliding_window, refuse,
-                            windowed_layers)
+from .model_support import (UnsupportedModel, attention_chunk, check_attention_calls, chunked_layers,
+                            common_sliding_window, refuse, windowed_layers)
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
 from .step_memory import largest_step, peak_bytes, run_largest_step
@@ -103,6 +103,7 @@ class ModelRunner:
         self.hf_config = hf_config
         # A PaliGemma prompt sees itself whole past a sliding window (a Gemma 3 image within it)
         self.spans_past_window = self.image_encoder is not None and self.image_encoder.spans == "prompt"
+        self.chunk_view, self.chunked_layers = None, None  # (set once max_model_len is known, below)
         self.num_layers = hf_config.num_hidden_layers
         # This rank's KV heads: the attention layers see 1/N of them under tensor parallelism.
         self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None)
@@ -130,6 +131,10 @@ class ModelRunner:
                                   config.max_lora_rank)
                      if config.lora_modules or config.lora_task_slots else None)
         self.max_model_len = self._max_model_len()
+        # Chunked attention over contexts beyond one chunk: its layers read each sequence from its chunk's start
+        self.chunk_view = (self.attention_chunk if self.attention_chunk is not None
+                           and self.max_model_len > self.attention_chunk else None)
+        self.chunked_layers = chunked_layers(hf_config) if self.chunk_view else None
         # (a step verifying drafts in a CUDA graph pads a sequence's tokens to the verify length: its
         # table is read that far past max_model_len)
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
@@ -289,14 +294,16 @@ class ModelRunner:
                             "window of %d, and a sequence gives back the blocks behind it", limit, pool_tokens,
                             self.sliding_window)
             if self.attention_chunk is not None and limit > self.attention_chunk:
-                logger.info("max_model_len %d: its attention is chunked, which is exact for contexts of up to "
-                            "one chunk", self.attention_chunk)
+                logger.info("max_model_len %d, this model's attention chunk: set max_model_len for longer contexts "
+                            "(up to %d here; on a GPU their steps run without CUDA graphs)", self.attention_chunk,
+                            limit)
                 return self.attention_chunk
             return limit
-        if self.attention_chunk is not None and self.config.max_model_len > self.attention_chunk:
+        if (self.attention_chunk is not None and self.config.max_model_len > self.attention_chunk
+                and self.attention_chunk % self.block_size):
             raise UnsupportedModel(f"max_model_len ({self.config.max_model_len}) exceeds this model's attention "
-                                   f"chunk ({self.attention_chunk}): inflight runs chunked attention over contexts "
-                                   "of up to one chunk")
+                                   f"chunk ({self.attention_chunk}), which is not a multiple of block_size "
+                                   f"({self.block_size}): the engine reads a chunk from its first block")
         if capacity is not None and self.config.max_model_len > capacity:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the KV pool's "
                              f"{capacity} tokens; raise num_kv_blocks or kv_cache_memory")
@@ -349,6 +356,10 @@ class ModelRunner:
             return False
         if self.world_size > 1:
             logger.warning("CUDA graphs are not used under tensor parallelism yet; decode steps run eagerly")
+            return False
+        if self.chunk_view is not None:
+            logger.warning("CUDA graphs are not used for chunked attention beyond one chunk yet (max_model_len %d, "
+                           "chunks of %d); decode steps run eagerly", self.max_model_len, self.chunk_view)
             return False
         return True
 
@@ -429,7 +440,7 @@ class ModelRunner:
         """The step's inputs; logits are returned at the flat positions `logits_at` (a sequence's last
         scheduled token where it samples; prompt positions where prompt logprobs are asked for)."""
         return build_step_inputs(batch, self.block_size, logits_at, block_copies, self.table_rows,
-                                 self.window_table_rows)
+                                 self.window_table_rows, self.chunk_view)
 
     def execute(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]] | None = None,
                 pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
@@ -478,6 +489,9 @@ class ModelRunner:
             window_block_tables=step.window_block_tables,
             attend_within=step.attend_within,
             spans_past_window=self.spans_past_window,
+            chunked_layers=self.chunked_layers,
+            chunk_seq_lens=step.chunk_seq_lens,
+            chunk_block_tables=step.chunk_block_tables,
         )
         if step.embeds is None:
             tokens = dict(input_ids=step.input_ids[None])

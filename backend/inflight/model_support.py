@@ -11,8 +11,9 @@ sinks (gpt-oss). Anything else would run wrong, or fail in a request, so it is r
 - attention that does not go through transformers' attention interface (Falcon, GPT-J, BLOOM, MPT);
 - arguments to attention that would change its result and our kernels do not take (an attention mask,
   say, carrying ALiBi biases).
-Chunked attention (Llama 4) equals full attention over contexts of up to one chunk, so it is run over
-those: `attention_chunk` says how long that is.
+Chunked attention (Llama 4: a token sees its own chunk's keys up to itself) equals full attention over
+contexts of up to one chunk; beyond, its layers read each sequence from its chunk's start
+(input_buffers.chunk_view): `attention_chunk` says how long a chunk is, `chunked_layers` which layers.
 """
 
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -52,6 +53,12 @@ def attention_chunk(hf_config, prompt_sees_itself: bool = False) -> int | None:
     if getattr(hf_config, "use_bidirectional_attention", None) and not prompt_sees_itself:
         raise refuse(model_type, "its attention is bidirectional (use_bidirectional_attention)")
     return hf_config.attention_chunk_size if "chunked_attention" in layer_types else None
+
+
+def chunked_layers(hf_config) -> list[bool]:
+    """Each layer's attention: chunked (Llama 4's) or not."""
+    layer_types, _ = get_layer_types_and_kwargs(hf_config)
+    return [kind == "chunked_attention" for kind in layer_types]
 
 
 def check_attention_calls(calls: list[AttentionCall], model_type: str, num_layers: int, num_kv_heads: int,

@@ -12,7 +12,8 @@ beams are all that hold the pool, they make room. Under speculative decoding a d
 gets the drafts proposed for it, within what the budget leaves for the other decodes and without taking
 a block that another decode may need; a request's own drafts ride with the chunk that ends its prompt.
 When every layer attends within one sliding window, each step begins with the running sequences giving
-back the blocks behind it (block_manager.py).
+back the blocks behind it (block_manager.py). Under chunked attention beyond one chunk (Llama 4's), a
+sequence's tokens of a step, drafts included, lie within one chunk (input_buffers.chunk_view).
 """
 
 import bisect
@@ -50,8 +51,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 proposer: "NgramProposer | None" = None):
+                 proposer: "NgramProposer | None" = None, attention_chunk: int | None = None):
         self.max_num_seqs = config.max_num_seqs
+        self.attention_chunk = attention_chunk  # a step's tokens of a sequence within one chunk of these
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
@@ -172,7 +174,8 @@ class Scheduler:
         chunk): its drafts (speculative.py), as many as the token budget's `spare` tokens, its max_tokens
         and max_model_len allow, taking new blocks only while `blocks_kept` stay free (one for each decode
         still to schedule); returns how many."""
-        limit = min(spare, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        limit = min(spare, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1,
+                    self._left_in_chunk(seq) - scheduled)
         drafts = self._drafts(seq, limit) if limit > 0 else []
         bm = self.block_manager
         while drafts and not bm.fits(seq, scheduled + len(drafts), spare=blocks_kept):
@@ -181,6 +184,12 @@ class Scheduler:
             bm.allocate(seq, scheduled + len(drafts))
         seq.drafts = drafts
         return len(drafts)
+
+    def _left_in_chunk(self, seq: Sequence) -> int:
+        """How many tokens `seq` may compute this step: those left in its attention chunk (any number without one)."""
+        if self.attention_chunk is None:
+            return self.max_model_len
+        return self.attention_chunk - seq.num_computed_tokens % self.attention_chunk
 
     def _drafts(self, seq: Sequence, limit: int) -> list[int]:
         """The request's own drafts for its first tokens, else the proposer's."""
@@ -253,7 +262,7 @@ class Scheduler:
     def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """A chunk of the prompt (or of the tokens to recompute) of `seq`; the chunk that ends it also
         carries the request's own drafts (draft_token_ids) the first time. Returns its tokens."""
-        n = min(seq.num_uncomputed_tokens, budget, self.block_manager.max_new_tokens(seq))
+        n = min(seq.num_uncomputed_tokens, budget, self.block_manager.max_new_tokens(seq), self._left_in_chunk(seq))
         span = seq.span_split_by(seq.num_computed_tokens + n)
         if span is not None:  # (a span of tokens that see each other is computed whole: up to it, or not yet)
             n = max(0, span[0] - seq.num_computed_tokens)

@@ -1,0 +1,102 @@
+"""Chunked attention beyond one chunk (Llama 4's: a token sees the keys of its own chunk up to itself): a
+tiny Llama 4 with chunks of 16 tokens, three chunked layers and a full one, over contexts of up to 128 tokens,
+its greedy output equal to HF's token for token; the scheduler keeps a sequence's tokens of a step within
+one chunk (drafts included), and the chunked layers read each sequence from its chunk's start
+(input_buffers.chunk_view)."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import hf_greedy, make_tiny_model, random_prompts
+from inflight import LLM, SamplingParams
+from inflight.input_buffers import StepInputs, chunk_view
+
+CHUNK = 16
+GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama4(tmp_path_factory) -> str:
+    return str(make_tiny_model("llama4_text", tmp_path_factory.mktemp("llama4"), attention_chunk_size=CHUNK,
+                               num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama4):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama4, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def within_chunks(llm: LLM) -> list[tuple[int, int]]:
+    """Record every step's (first position, tokens) of each sequence, and check they lie within one chunk."""
+    schedule, steps = llm.scheduler.schedule, []
+
+    def checked():
+        batch = schedule()
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            assert start // CHUNK == (start + n - 1) // CHUNK, (start, n)
+            steps.append((start, n))
+        return batch
+
+    llm.scheduler.schedule = checked
+    return steps
+
+
+@pytest.mark.parametrize("settings", [
+    {},  # the CPU's defaults: chunks of up to 512 tokens, cut at the attention chunks' ends
+    dict(max_num_batched_tokens=12, max_num_seqs=4, num_kv_blocks=20, block_size=8),  # chunks of 12, preempted
+    dict(max_num_batched_tokens=12, max_num_seqs=4, async_scheduling=True),  # the next step scheduled early
+], ids=["whole-prompts", "chunked-preempted", "async"])
+def test_contexts_beyond_a_chunk_equal_hf(tiny_llama4, reference, settings):
+    """Prompts of 5 to 70 tokens and 30 more, each across several chunks: HF's output; the same prompts
+    again, found in the prefix cache, the same; prompt chunks cut at the chunks' ends."""
+    prompts = random_prompts(6, 5, 70, 512, seed=3)
+    expected = [hf_greedy(reference, p, 30) for p in prompts]
+    llm = LLM(tiny_llama4, max_model_len=128, **settings)
+    steps = within_chunks(llm)
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.stats()["prefix_cache_hit_tokens"] > 0
+    assert any(n > 1 and (start + n) % CHUNK == 0 for start, n in steps)  # (a prompt chunk cut at a chunk's end)
+    if "num_kv_blocks" in settings:
+        assert llm.stats()["num_preemptions"] > 0
+    llm.block_manager.check_all_free()
+
+
+def test_drafts_stay_within_a_chunk(tiny_llama4, reference):
+    """Under n-gram speculative decoding, a decode's drafts end with its chunk: every output HF's."""
+    prompts = [[7, 8, 9, 10, 11] * 5, [20, 21, 22] * 9, list(range(30, 42)) * 3]
+    expected = [hf_greedy(reference, p, 40) for p in prompts]
+    llm = LLM(tiny_llama4, max_model_len=128, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    steps = within_chunks(llm)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats()["spec_decode_draft_tokens_total"] > 0
+    assert any(n > 1 and (start + n) % CHUNK == 0 for start, n in steps)  # (drafts cut at a chunk's end)
+    llm.block_manager.check_all_free()
+
+
+def test_the_chunk_view_of_a_step():
+    """Sequences at 3, 20 and 40 computed tokens (chunks of 16, blocks of 4): the chunked layers see lengths
+    from their chunk's start and the block tables from that chunk's first block, zero past their ends."""
+    tables = np.arange(1, 13)[None, :] + 100 * np.arange(3)[:, None]  # [3, 12]: row r holds 100r + 1 ...
+    starts, counts = np.array([3, 20, 40]), np.array([2, 1, 5])
+    inputs = StepInputs(np.zeros(8, np.int64), np.zeros(8, np.int64), np.zeros(8, np.int64),
+                        np.concatenate([[0], np.cumsum(counts)]), starts + counts, tables, np.zeros(3, np.int64))
+    chunk_view(inputs, starts, 4, CHUNK)
+    assert inputs.chunk_seq_lens.tolist() == [5, 5, 13]
+    assert inputs.chunk_block_tables.tolist() == [[1, 2, 0, 0], [105, 106, 0, 0], [209, 210, 211, 212]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_contexts_beyond_a_chunk_on_a_gpu(tiny_llama4, reference):
+    """On a GPU (float32, the Triton kernels, steps eager: no CUDA graphs for it yet): HF's outputs."""
+    prompts = random_prompts(4, 5, 70, 512, seed=4)
+    llm = LLM(tiny_llama4, device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64)
+    assert llm.runner.graphs is None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == [
+        hf_greedy(reference, p, 30) for p in prompts]
+    llm.block_manager.check_all_free()
