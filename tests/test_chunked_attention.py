@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import hf_greedy, make_tiny_model, random_prompts
 from inflight import LLM, SamplingParams
-from inflight.input_buffers import StepInputs, chunk_view
+from inflight.input_buffers import StepInputs, WindowInputs, chunk_view
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -28,8 +28,9 @@ def reference(tiny_llama4):
     return AutoModelForCausalLM.from_pretrained(tiny_llama4, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def within_chunks(llm: LLM) -> list[tuple[int, int]]:
-    """Record every step's (first position, tokens) of each sequence, and check they lie within one chunk."""
+def within_chunks(llm: LLM) -> list[tuple[int, int, list[int]]]:
+    """Record every step's (first position, tokens, blocks each group of chunked layers holds) of each
+    sequence, and check its tokens lie within one chunk and those groups still hold that chunk's blocks."""
     schedule, steps = llm.scheduler.schedule, []
 
     def checked():
@@ -37,7 +38,9 @@ def within_chunks(llm: LLM) -> list[tuple[int, int]]:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             assert start // CHUNK == (start + n - 1) // CHUNK, (start, n)
-            steps.append((start, n))
+            assert all(g.num_released_blocks <= start // CHUNK * CHUNK // llm.block_manager.block_size
+                       for g in seq.windows), "a block of the chunk given back"
+            steps.append((start, n, [len(g.block_table) - g.num_released_blocks for g in seq.windows]))
         return batch
 
     llm.scheduler.schedule = checked
@@ -46,7 +49,7 @@ def within_chunks(llm: LLM) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("settings", [
     {},  # the CPU's defaults: chunks of up to 512 tokens, cut at the attention chunks' ends
-    dict(max_num_batched_tokens=12, max_num_seqs=4, num_kv_blocks=20, block_size=8),  # chunks of 12, preempted
+    dict(max_num_batched_tokens=12, max_num_seqs=4, num_kv_blocks=28, block_size=8),  # chunks of 12, preempted
     dict(max_num_batched_tokens=12, max_num_seqs=4, async_scheduling=True),  # the next step scheduled early
 ], ids=["whole-prompts", "chunked-preempted", "async"])
 def test_contexts_beyond_a_chunk_equal_hf(tiny_llama4, reference, settings):
@@ -59,7 +62,7 @@ def test_contexts_beyond_a_chunk_equal_hf(tiny_llama4, reference, settings):
     for _ in range(2):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
-    assert any(n > 1 and (start + n) % CHUNK == 0 for start, n in steps)  # (a prompt chunk cut at a chunk's end)
+    assert any(n > 1 and (start + n) % CHUNK == 0 for start, n, _ in steps)  # (a prompt chunk cut at a chunk's end)
     if "num_kv_blocks" in settings:
         assert llm.stats()["num_preemptions"] > 0
     llm.block_manager.check_all_free()
@@ -75,20 +78,45 @@ def test_drafts_stay_within_a_chunk(tiny_llama4, reference):
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.stats()["spec_decode_draft_tokens_total"] > 0
-    assert any(n > 1 and (start + n) % CHUNK == 0 for start, n in steps)  # (drafts cut at a chunk's end)
+    assert any(n > 1 and (start + n) % CHUNK == 0 for start, n, _ in steps)  # (drafts cut at a chunk's end)
     llm.block_manager.check_all_free()
+
+
+def test_chunked_layers_keep_their_chunk_alone(tiny_llama4, reference):
+    """Under the hybrid KV cache (the default), the chunked layers keep a sequence's blocks in tables of their
+    own (three groups, hybrid_blocks.py) and give back those a chunk behind a step's first token: a sequence of
+    up to 100 tokens holds up to 13 blocks of 8 for the full layer, at most 5 in each chunked group (a chunk
+    behind and the step's own; never one of its own chunk: within_chunks); outputs HF's. Without it, one
+    table for every layer, the same outputs."""
+    prompts = random_prompts(4, 40, 70, 512, seed=6)
+    expected = [hf_greedy(reference, p, 30) for p in prompts]
+    for hybrid in (True, False):
+        llm = LLM(tiny_llama4, max_model_len=128, block_size=8, num_kv_blocks=64, hybrid_kv_cache=hybrid)
+        steps = within_chunks(llm)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        if hybrid:
+            assert llm.runner.window_groups == 3 and llm.runner.layer_groups == [1, 2, 3, 0]
+            assert 3 <= max(max(held) for _, _, held in steps) <= 2 * CHUNK // 8 + 1
+            assert max(start + n for start, n, _ in steps) > 90
+        else:
+            assert llm.runner.window_groups == 0 and all(held == [] for _, _, held in steps)
+        llm.block_manager.check_all_free()
 
 
 def test_the_chunk_view_of_a_step():
     """Sequences at 3, 20 and 40 computed tokens (chunks of 16, blocks of 4): the chunked layers see lengths
-    from their chunk's start and the block tables from that chunk's first block, zero past their ends."""
+    from their chunk's start and the block tables (the step's and a group's) from that chunk's first block,
+    zero past their ends."""
     tables = np.arange(1, 13)[None, :] + 100 * np.arange(3)[:, None]  # [3, 12]: row r holds 100r + 1 ...
     starts, counts = np.array([3, 20, 40]), np.array([2, 1, 5])
     inputs = StepInputs(np.zeros(8, np.int64), np.zeros(8, np.int64), np.zeros(8, np.int64),
                         np.concatenate([[0], np.cumsum(counts)]), starts + counts, tables, np.zeros(3, np.int64))
+    inputs.windows = [WindowInputs(np.zeros(8, np.int64), tables + 1000)]  # (a group of chunked layers' own)
     chunk_view(inputs, starts, 4, CHUNK)
     assert inputs.chunk_seq_lens.tolist() == [5, 5, 13]
-    assert inputs.chunk_block_tables.tolist() == [[1, 2, 0, 0], [105, 106, 0, 0], [209, 210, 211, 212]]
+    step, group = (t.tolist() for t in inputs.chunk_block_tables)
+    assert step == [[1, 2, 0, 0], [105, 106, 0, 0], [209, 210, 211, 212]]
+    assert group == [[1001, 1002, 0, 0], [1105, 1106, 0, 0], [1209, 1210, 1211, 1212]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

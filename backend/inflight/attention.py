@@ -48,7 +48,7 @@ class AttentionContext:
     # read them (input_buffers.chunk_view)
     chunked_layers: list[bool] | None = None
     chunk_seq_lens: torch.Tensor | None = None
-    chunk_block_tables: torch.Tensor | None = None
+    chunk_block_tables: list[torch.Tensor] = field(default_factory=list)  # the step's, each window group's
 
 
 @dataclass
@@ -87,7 +87,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     ops.write_kv_cache(k, v, key_cache, value_cache, slot_mapping, impl=ctx.impl)
     seq_lens = ctx.seq_lens
     if ctx.chunk_seq_lens is not None and ctx.chunked_layers[module.layer_idx]:  # (from its chunk's start)
-        seq_lens, block_tables = ctx.chunk_seq_lens, ctx.chunk_block_tables
+        seq_lens, block_tables = ctx.chunk_seq_lens, ctx.chunk_block_tables[group]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = ops.paged_attention(q.contiguous(), key_cache, value_cache, ctx.cu_seqlens_q, seq_lens,
                               block_tables, scale, sliding_window=sliding_window, softcap=softcap or None, sinks=s_aux,

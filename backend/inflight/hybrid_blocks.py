@@ -1,5 +1,7 @@
 """Block tables of their own for the windowed layers of models that alternate them with layers attending
-over the whole context (Gemma 2 and 3, gpt-oss): vLLM's hybrid KV cache manager, in its simplest form.
+over the whole context (Gemma 2 and 3, gpt-oss; Llama 4's chunked layers, whose window is their chunk:
+a chunked layer never reads a key more than a chunk behind): vLLM's hybrid KV cache manager, in its
+simplest form.
 
 A windowed layer never reads a key more than a window behind, so its blocks can go back to the pool once
 every token in them is behind the window (as every layer's blocks do where all layers share a window:

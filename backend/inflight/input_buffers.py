@@ -64,7 +64,7 @@ class StepInputs:
     # Chunked attention over contexts beyond one chunk (Llama 4's): what its chunked layers read, each
     # sequence seen from the start of the chunk its step's tokens lie in (chunk_view)
     chunk_seq_lens: np.ndarray | None = None  # [S]
-    chunk_block_tables: np.ndarray | None = None  # [S, blocks]
+    chunk_block_tables: list[np.ndarray] = field(default_factory=list)  # [S, blocks]: the step's, each window group's
 
     @property
     def is_decode(self) -> bool:
@@ -159,17 +159,19 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[in
 def chunk_view(inputs: StepInputs, starts: np.ndarray, block_size: int, chunk: int) -> None:
     """Chunked attention (Llama 4's): a token sees the keys of its own chunk of `chunk` positions up to
     itself. The scheduler keeps each sequence's tokens of a step within one chunk, so its chunked layers read
-    the sequence as if it began where that chunk does: its length from there and its block table from that
-    chunk's first block (`chunk` is a multiple of block_size). The kernels then attend as for any sequence."""
+    the sequence as if it began where that chunk does: its length from there and its block tables (the
+    step's, and those of the groups of chunked layers that keep a chunk's blocks alone: hybrid_blocks.py)
+    from that chunk's first block (`chunk` is a multiple of block_size). The kernels then attend as for any
+    sequence."""
     first = starts // chunk * chunk
     inputs.chunk_seq_lens = lengths = inputs.seq_lens - first
     blocks = -(-lengths // block_size)
     width = int(blocks.max()) if len(blocks) else 0
-    tables = inputs.block_tables
-    columns = np.minimum(first[:, None] // block_size + np.arange(width), max(tables.shape[1] - 1, 0))
-    shifted = np.take_along_axis(tables, columns, axis=1) if width else np.zeros((len(first), 0), np.int64)
-    shifted[np.arange(width) >= blocks[:, None]] = 0
-    inputs.chunk_block_tables = shifted
+    for tables in [inputs.block_tables] + [window.block_tables for window in inputs.windows]:
+        columns = np.minimum(first[:, None] // block_size + np.arange(width), max(tables.shape[1] - 1, 0))
+        shifted = np.take_along_axis(tables, columns, axis=1) if width else np.zeros((len(first), 0), np.int64)
+        shifted[np.arange(width) >= blocks[:, None]] = 0
+        inputs.chunk_block_tables.append(shifted)
 
 
 def _leading_decodes(batch: ScheduledBatch, counts: np.ndarray) -> int:
@@ -218,7 +220,7 @@ class StepTensors:
     embeds: torch.Tensor | None = None  # [V, hidden] their vectors
     attend_within: np.ndarray | None = None  # StepInputs'
     chunk_seq_lens: torch.Tensor | None = None  # StepInputs'
-    chunk_block_tables: torch.Tensor | None = None
+    chunk_block_tables: list[torch.Tensor] = field(default_factory=list)
     query_len: int | None = None  # every sequence's tokens, where a graph padded them alike (cuda_graphs.py)
     # each group of a hybrid model's windowed layers' (hybrid_blocks.py)
     window_slot_mappings: list[torch.Tensor] = field(default_factory=list)
@@ -378,7 +380,8 @@ class InputBuffers:
                 step.attend_within = inputs.attend_within
             if inputs.chunk_seq_lens is not None:  # (steps with them run eagerly: no persistent buffer)
                 step.chunk_seq_lens = to_device(inputs.chunk_seq_lens, self.device.device)
-                step.chunk_block_tables = to_device(inputs.chunk_block_tables, self.device.device)
+                step.chunk_block_tables = [to_device(tables, self.device.device)
+                                           for tables in inputs.chunk_block_tables]
             return step
         return self.views(rows, rows, self.max_blocks, None, lora)  # what a captured graph reads: every row's logits
 

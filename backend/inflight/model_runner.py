@@ -125,6 +125,9 @@ class ModelRunner:
         self.hybrid_window, self.window_groups = None, 0
         if config.hybrid_kv_cache:
             self._group_layers(*windowed_layers(calls))
+            layers = chunked_layers(hf_config)
+            if self._chunks_beyond_one() and not all(layers):  # (a chunked layer reads no key a chunk behind)
+                self._group_layers(self.attention_chunk, frozenset(i for i, chunked in enumerate(layers) if chunked))
         self._allocate_pool(self._pool_size())
         # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
         self.lora = (LoRAAdapters(self.model, config.lora_modules or {}, dtype, self.device, config.lora_task_slots,
@@ -132,8 +135,7 @@ class ModelRunner:
                      if config.lora_modules or config.lora_task_slots else None)
         self.max_model_len = self._max_model_len()
         # Chunked attention over contexts beyond one chunk: its layers read each sequence from its chunk's start
-        self.chunk_view = (self.attention_chunk if self.attention_chunk is not None
-                           and self.max_model_len > self.attention_chunk else None)
+        self.chunk_view = self.attention_chunk if self._chunks_beyond_one() else None
         self.chunked_layers = chunked_layers(hf_config) if self.chunk_view else None
         # (a step verifying drafts in a CUDA graph pads a sequence's tokens to the verify length: its
         # table is read that far past max_model_len)
@@ -177,6 +179,11 @@ class ModelRunner:
             self.layer_groups[layer], self._layer_slots[layer] = 1 + i // len(full), i % len(full)
         logger.info("KV cache: %d layers attend within a window of %d and %d over their whole context: "
                     "%d groups of block tables", len(windowed), window, len(full), 1 + self.window_groups)
+
+    def _chunks_beyond_one(self) -> bool:
+        """Chunked attention over contexts longer than one chunk: max_model_len set beyond it (its default is
+        the chunk)."""
+        return self.attention_chunk is not None and (self.config.max_model_len or 0) > self.attention_chunk
 
     @property
     def _cache_slots(self) -> int:
