@@ -103,7 +103,14 @@ class ModelRunner:
         self.hf_config = hf_config
         # A PaliGemma prompt sees itself whole past a sliding window (a Gemma 3 image within it)
         self.spans_past_window = self.image_encoder is not None and self.image_encoder.spans == "prompt"
-        self.chunk_view, self.chunked_layers = None, None  # (set once max_model_len is known, below)
+        # Chunked attention over contexts beyond one chunk (max_model_len set beyond it: its default is the
+        # chunk): the chunked layers read each sequence from its chunk's start (input_buffers.chunk_view)
+        self.chunk_view = self.attention_chunk if self._chunks_beyond_one() else None
+        self.chunked_layers = chunked_layers(hf_config) if self.chunk_view else None
+        if self.chunk_view is not None and self.chunk_view % config.block_size:
+            raise UnsupportedModel(f"max_model_len ({config.max_model_len}) exceeds this model's attention chunk "
+                                   f"({self.chunk_view}), which is not a multiple of block_size "
+                                   f"({config.block_size}): the engine reads a chunk from its first block")
         self.num_layers = hf_config.num_hidden_layers
         # This rank's KV heads: the attention layers see 1/N of them under tensor parallelism.
         self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None)
@@ -125,18 +132,15 @@ class ModelRunner:
         self.hybrid_window, self.window_groups = None, 0
         if config.hybrid_kv_cache:
             self._group_layers(*windowed_layers(calls))
-            layers = chunked_layers(hf_config)
-            if self._chunks_beyond_one() and not all(layers):  # (a chunked layer reads no key a chunk behind)
-                self._group_layers(self.attention_chunk, frozenset(i for i, chunked in enumerate(layers) if chunked))
+            if self.chunk_view and not all(self.chunked_layers):  # (a chunked layer reads no key a chunk behind)
+                self._group_layers(self.chunk_view, frozenset(i for i, chunked in enumerate(self.chunked_layers)
+                                                              if chunked))
         self._allocate_pool(self._pool_size())
         # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
         self.lora = (LoRAAdapters(self.model, config.lora_modules or {}, dtype, self.device, config.lora_task_slots,
                                   config.max_lora_rank)
                      if config.lora_modules or config.lora_task_slots else None)
         self.max_model_len = self._max_model_len()
-        # Chunked attention over contexts beyond one chunk: its layers read each sequence from its chunk's start
-        self.chunk_view = self.attention_chunk if self._chunks_beyond_one() else None
-        self.chunked_layers = chunked_layers(hf_config) if self.chunk_view else None
         # (a step verifying drafts in a CUDA graph pads a sequence's tokens to the verify length: its
         # table is read that far past max_model_len)
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
@@ -181,8 +185,6 @@ class ModelRunner:
                     "%d groups of block tables", len(windowed), window, len(full), 1 + self.window_groups)
 
     def _chunks_beyond_one(self) -> bool:
-        """Chunked attention over contexts longer than one chunk: max_model_len set beyond it (its default is
-        the chunk)."""
         return self.attention_chunk is not None and (self.config.max_model_len or 0) > self.attention_chunk
 
     @property
@@ -306,11 +308,6 @@ class ModelRunner:
                             limit)
                 return self.attention_chunk
             return limit
-        if (self.attention_chunk is not None and self.config.max_model_len > self.attention_chunk
-                and self.attention_chunk % self.block_size):
-            raise UnsupportedModel(f"max_model_len ({self.config.max_model_len}) exceeds this model's attention "
-                                   f"chunk ({self.attention_chunk}), which is not a multiple of block_size "
-                                   f"({self.block_size}): the engine reads a chunk from its first block")
         if capacity is not None and self.config.max_model_len > capacity:
             raise ValueError(f"max_model_len ({self.config.max_model_len}) exceeds the KV pool's "
                              f"{capacity} tokens; raise num_kv_blocks or kv_cache_memory")
