@@ -504,12 +504,14 @@ def test_an_image_block_is_found_again_only_with_its_whole_span():
     assert keys[0][1][:3] == keys[2][1][:3] and keys[0][1][4] != keys[2][1][4]  # ... not with the span after
 
 
-def test_completions_and_beams_over_an_image(tiny_llava, reference):
-    """n greedy completions are each HF's; a beam search of width 1 equals greedy too."""
+@pytest.mark.parametrize("model_type", ["llava", "paligemma2"])
+def test_completions_and_beams_over_an_image(tiny_vlms, references, model_type):
+    """n greedy completions are each HF's; a beam search of width 1 equals greedy too (PaliGemma 2's
+    completions sharing the blocks of a prompt that sees itself)."""
     image = pictures(1, seed=9)[0]
     text = "<image> Tell me about it."
-    llm = LLM(tiny_llava)
-    expected = reference(text, [image])
+    llm = LLM(tiny_vlms(model_type))
+    expected = references(model_type)(text, [image])
     out = llm.generate([with_images(text, [image])], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
                                                                      n=2))[0]
     assert [c.token_ids for c in out.outputs] == [expected, expected]
