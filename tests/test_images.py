@@ -209,6 +209,11 @@ def png(image) -> bytes:
     return buffer.getvalue()
 
 
+def opened(images: list) -> list:
+    """The images as PIL images, files' bytes opened."""
+    return [Image.open(io.BytesIO(i)) if isinstance(i, bytes) else i for i in images]
+
+
 def with_images(text: str, images: list) -> dict:
     return {"prompt": text, "multi_modal_data": {"image": images}}
 
@@ -242,7 +247,7 @@ def test_images_equal_hf_generate(tiny_vlms, references, model_type, settings):
     outs = llm.generate([with_images(text, images) if images else text for text, images in prompts],
                         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for (text, images), out in zip(prompts, outs):
-        decoded = [Image.open(io.BytesIO(i)) if isinstance(i, bytes) else i for i in images]
+        decoded = opened(images)
         assert out.outputs[0].token_ids == reference(text, decoded, 24), text
         assert len(out.prompt_token_ids) == len(reference.processor(text=text, images=decoded or None)["input_ids"][0])
     if settings:
@@ -388,7 +393,7 @@ def test_paligemma_prompts_see_themselves_whole(tiny_vlms, references, model_typ
     for _ in range(2):
         outs = llm.generate([with_images(text, files) for text, files in prompts], params)
         for (text, files), out in zip(prompts, outs):
-            decoded = [Image.open(io.BytesIO(i)) if isinstance(i, bytes) else i for i in files]
+            decoded = opened(files)
             assert out.outputs[0].token_ids == reference(text, decoded, 16), text
     assert len(outs[1].prompt_token_ids) > 24  # (past PaliGemma 2's window)
     if settings:

@@ -105,7 +105,8 @@ class ModelRunner:
         self.spans_past_window = self.image_encoder is not None and self.image_encoder.spans == "prompt"
         # Chunked attention over contexts beyond one chunk (max_model_len set beyond it: its default is the
         # chunk): the chunked layers read each sequence from its chunk's start (input_buffers.chunk_view)
-        self.chunk_view = self.attention_chunk if self._chunks_beyond_one() else None
+        self.chunk_view = (self.attention_chunk if self.attention_chunk is not None
+                           and (config.max_model_len or 0) > self.attention_chunk else None)
         self.chunked_layers = chunked_layers(hf_config) if self.chunk_view else None
         if self.chunk_view is not None and self.chunk_view % config.block_size:
             raise UnsupportedModel(f"max_model_len ({config.max_model_len}) exceeds this model's attention chunk "
@@ -183,9 +184,6 @@ class ModelRunner:
             self.layer_groups[layer], self._layer_slots[layer] = 1 + i // len(full), i % len(full)
         logger.info("KV cache: %d layers attend within a window of %d and %d over their whole context: "
                     "%d groups of block tables", len(windowed), window, len(full), 1 + self.window_groups)
-
-    def _chunks_beyond_one(self) -> bool:
-        return self.attention_chunk is not None and (self.config.max_model_len or 0) > self.attention_chunk
 
     @property
     def _cache_slots(self) -> int:
