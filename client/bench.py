@@ -8,6 +8,7 @@ markdown tables for the README.
 """
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -533,11 +534,13 @@ OPEN_QUESTIONS = [
 ]
 
 
-def bench_speculative(model_dir: str, tasks: list[str], repeats: int, max_tokens: int = 96, drafts: int = 4) -> dict:
+def bench_speculative(model_dir: str, tasks: list[str], repeats: int, max_tokens: int = 96, drafts: int = 4,
+                      draft_model: str | None = None) -> dict:
     """Greedy answers to `tasks` (chat template, EOS ends them), one request at a time and all at once:
     HF generate plain and with its prompt lookup decoding (prompt_lookup_num_tokens), inflight without
-    drafts and with n-gram drafts. Output tokens per second (medians of alternating runs), the share of
-    drafts kept, and how many outputs equal HF's plain greedy ones."""
+    drafts and with n-gram drafts; with `draft_model` (a folder, and its name for the labels), HF's assisted
+    generation (assistant_model) and inflight's draft model in their place. Output tokens per second (medians
+    of alternating runs), the share of drafts kept, and how many outputs equal HF's plain greedy ones."""
     from transformers import AutoTokenizer
 
     from inflight import SamplingParams
@@ -548,7 +551,10 @@ def bench_speculative(model_dir: str, tasks: list[str], repeats: int, max_tokens
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     hf = load_hf(model_dir)
     plain = make_llm(model_dir, num_kv_blocks=512)
-    drafting = make_llm(model_dir, num_kv_blocks=512, speculative_config={"num_speculative_tokens": drafts})
+    spec = {"num_speculative_tokens": drafts, **({"model": draft_model[0]} if draft_model else {})}
+    drafting = make_llm(model_dir, num_kv_blocks=512, speculative_config=spec)
+    helper = dict(assistant_model=load_hf(draft_model[0])) if draft_model else dict(prompt_lookup_num_tokens=drafts)
+    how = f"draft model {draft_model[1]}" if draft_model else "n-gram drafts"
     outputs: dict[str, list[list[int]]] = {}
 
     def hf_run(label: str, **options) -> float:
@@ -571,7 +577,7 @@ def bench_speculative(model_dir: str, tasks: list[str], repeats: int, max_tokens
 
     runs = {
         "hf": lambda: hf_run("hf"),
-        "hf-lookup": lambda: hf_run("hf-lookup", prompt_lookup_num_tokens=drafts),
+        "hf-helped": lambda: hf_run("hf-helped", **helper),
         "plain-1": lambda: inflight_run("plain-1", plain, True),
         "spec-1": lambda: inflight_run("spec-1", drafting, True),
         "plain": lambda: inflight_run("plain", plain, False),
@@ -579,11 +585,12 @@ def bench_speculative(model_dir: str, tasks: list[str], repeats: int, max_tokens
     }
     labels = {
         "hf": "HF generate, one at a time",
-        "hf-lookup": f"HF generate with prompt_lookup_num_tokens={drafts}, one at a time",
+        "hf-helped": (f"HF generate with assistant_model={draft_model[1]}" if draft_model
+                      else f"HF generate with prompt_lookup_num_tokens={drafts}") + ", one at a time",
         "plain-1": "inflight, one at a time",
-        "spec-1": f"inflight, n-gram drafts ({drafts}), one at a time",
+        "spec-1": f"inflight, {how} ({drafts}), one at a time",
         "plain": "inflight, all at once",
-        "spec": f"inflight, n-gram drafts ({drafts}), all at once",
+        "spec": f"inflight, {how} ({drafts}), all at once",
     }
     seconds = alternating(runs, repeats)
     tokens = sum(map(len, outputs["hf"]))
@@ -791,7 +798,9 @@ def main() -> None:
                         help="comma-separated: hf-static, hf-cb, inflight, triton, prefix, structured, logprobs, n, "
                              "lora (the cost of serving two LoRA adapters, by name and as LoRA tasks), beams (beam "
                              "search against HF generate's), spec (n-gram speculative decoding against HF's prompt "
-                             "lookup), tp (tensor parallelism: 1 and 3 ranks), detok (detokenizing 128 streams), "
+                             "lookup), draft (a draft model's speculative decoding, --draft-model, against HF's "
+                             "assisted generation with it; not run unless named), tp (tensor parallelism: 1 and 3 "
+                             "ranks), detok (detokenizing 128 streams), "
                              "sampling (the sampler's cost for 128 streams), attention (the CPU attention kernels "
                              "against the torch paths, bench_cpu_attention.py), kv-dtype (bfloat16 and fp8 KV caches "
                              "against the model's float32 one), window (long prompts on a model whose layers share a "
@@ -799,6 +808,9 @@ def main() -> None:
                              "Gemma 3's windowed and full layers: the windowed ones' block tables of their own or one "
                              "table for all), moe (a mixture-of-experts model's "
                              "experts packed or as transformers runs them)")
+    parser.add_argument("--draft-model", default=None,
+                        help="the draft model of the draft peer: a folder of a model with the same tokenizer "
+                             "(default: the model itself, whose drafts are all kept)")
     parser.add_argument("--tp-requests", type=int, default=16, help="requests of the tensor-parallel comparison")
     parser.add_argument("--hf-static-batch", type=int, default=8)
     parser.add_argument("--hf-cb-tokens", default="256,512", help="HF continuous batching token budgets to try")
@@ -931,9 +943,11 @@ def main() -> None:
               f"| HF generate(num_beams=4), all prompts in one left-padded batch | {r['hf-batch']:.2f} |\n"
               f"| inflight, all at once | {r['inflight']:.2f} ({r['inflight'] / r['hf']:.2f}x) |\n\n"
               f"best beam equal to HF's: {r['same']} of {r['prompts']}")
-    if "spec" in peers:
+    draft_folder = args.draft_model or args.model
+    drafters = {"spec": None, "draft": (draft_folder, os.path.basename(os.path.normpath(draft_folder)))}
+    for draft in [drafters[peer] for peer in drafters if peer in peers]:
         for name, tasks in (("editing tasks", EDITING_TASKS), ("open questions", OPEN_QUESTIONS)):
-            r = bench_speculative(args.model, tasks, args.repeats)
+            r = bench_speculative(args.model, tasks, args.repeats, draft_model=draft)
             print(f"\n| {r['requests']} {name}, greedy, {r['tokens']} output tokens, median of {args.repeats} | "
                   "output tok/s | outputs equal to HF generate's |\n|---|---:|---:|")
             for label, rate, equal in r["rows"]:

@@ -23,7 +23,7 @@ SPEC = {"num_speculative_tokens": 4}
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}), 'only "ngram"'),
+    (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}), 'is not served: "ngram"'),
     (dict(speculative_config={"prompt_lookup_max": 3}), "needs num_speculative_tokens"),
     (dict(speculative_config={"num_speculative_tokens": 0}), "num_speculative_tokens must be a positive integer"),
     (dict(speculative_config={"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}),

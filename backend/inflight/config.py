@@ -18,7 +18,9 @@ def resolve_device(device: str) -> str:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`speculative_config` (vLLM's names): {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n, "prompt_lookup_min": m, "disable_by_batch_size": b}."""
+    "prompt_lookup_max": n, "prompt_lookup_min": m, "disable_by_batch_size": b}, or a draft model's
+    {"method": "draft_model", "model": folder, "num_speculative_tokens": k, "disable_by_batch_size": b}
+    (the method inferred from "model", as vLLM infers it)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 4  # the longest n-gram looked for (the longest match wins)
@@ -27,6 +29,9 @@ class SpeculativeConfig:
     # verifying drafts there costs more than it gains. None: always.
     disable_by_batch_size: int | None = None
     method: str = "ngram"
+    model: str | None = None  # the draft model's folder (method "draft_model": draft_model.py)
+
+    METHODS = ("ngram", "draft_model")
 
     @classmethod
     def from_value(cls, value: "dict | SpeculativeConfig") -> "SpeculativeConfig":
@@ -34,17 +39,25 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be an object, got {value!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(known))})")
-        if value.get("method", "ngram") != "ngram":
-            raise ValueError(f"speculative_config method {value['method']!r} is not served: only \"ngram\" "
-                             "(drafts looked up in the sequence's own tokens)")
-        if "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config needs num_speculative_tokens (drafts a step)")
         values = dict(value)
+        method = values.setdefault("method", "draft_model" if values.get("model") is not None else "ngram")
+        if method not in cls.METHODS:
+            raise ValueError(f"speculative_config method {method!r} is not served: \"ngram\" (drafts looked up "
+                             "in the sequence's own tokens) or \"draft_model\" (drafts from a smaller model of the "
+                             "same tokenizer, its folder in \"model\")")
+        if "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config needs num_speculative_tokens (drafts a step)")
+        if method == "draft_model":
+            cls._check_draft_model(values)
+        elif values.get("model") is not None:
+            raise ValueError("speculative_config model is a draft model's folder: method \"draft_model\", not "
+                             "\"ngram\"")
         if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:  # (one given: the other fits it)
             values["prompt_lookup_min"] = min(cls.prompt_lookup_min, values["prompt_lookup_max"])
         if "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
@@ -58,6 +71,17 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config prompt_lookup_min ({config.prompt_lookup_min}) exceeds "
                              f"prompt_lookup_max ({config.prompt_lookup_max})")
         return config
+
+    @staticmethod
+    def _check_draft_model(values: dict) -> None:
+        model = values.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_config method \"draft_model\" needs model, the draft model's folder, "
+                             f"got {model!r}")
+        lookups = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(values))
+        if lookups:
+            raise ValueError(f"speculative_config {' and '.join(lookups)}: the \"ngram\" method's, not a draft "
+                             "model's")
 
 
 @dataclass
@@ -119,7 +143,8 @@ class EngineConfig:
     lora_task_slots: int = 0
     max_lora_rank: int = 16
     # Speculative decoding (speculative.py), vLLM's names: {"method": "ngram", "num_speculative_tokens": k,
-    # ...}; see SpeculativeConfig. None: a token a step.
+    # ...} or a draft model's {"model": folder, "num_speculative_tokens": k} (draft_model.py); see
+    # SpeculativeConfig. None: a token a step.
     speculative_config: SpeculativeConfig | dict | None = None
     # A vision-language model's images (images.py): at most this many in one prompt (vLLM's
     # limit_mm_per_prompt), each run through the vision tower when its request is added.
@@ -186,6 +211,9 @@ class EngineConfig:
             raise ValueError("fused_layers and torch_compile: set one (torch_compile fuses these layers itself)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+            if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config's draft model needs tensor_parallel_size 1 (it is not "
+                                 "sharded over ranks yet); the ngram method works under tensor parallelism")
         if self.async_scheduling is None:
             self.async_scheduling = self.device_type == "cuda" and self.tensor_parallel_size == 1
         if not isinstance(self.async_scheduling, bool):

@@ -28,6 +28,7 @@ from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
+from .draft_model import DraftModel
 from .encoders import Encoders, copy_or_load
 from .hybrid_blocks import HybridBlockManager
 from .input_buffers import to_device
@@ -113,8 +114,10 @@ class LLMEngine:
         self._decode_lock = threading.Lock()
         self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode through the tokenizer
         self._encoders = Encoders(self._copy_tokenizer)
-        self.runner = ModelRunner(self.config) if self.config.tensor_parallel_size == 1 else \
-            TensorParallelRunner(self.config)
+        spec = self.config.speculative_config
+        drafter = spec is not None and spec.method == "draft_model"
+        self.runner = ModelRunner(self.config, beside=DraftModel.footprint(self.config) if drafter else (0, 0)) \
+            if self.config.tensor_parallel_size == 1 else TensorParallelRunner(self.config)
         self.eos_token_ids = self._eos_token_ids(model)
         compile_sampling_kernels(self.runner.device, self.runner.hf_config.vocab_size)
         self.max_model_len = self.runner.max_model_len
@@ -130,9 +133,11 @@ class LLMEngine:
         # TensorRT-LLM's LoRA tasks: which slot of the LoRA layers holds which (lora_tasks.py)
         self.lora_tasks = TaskSlots(self.config.lora_task_slots, 1 + len(self.config.lora_modules or {})) \
             if self.config.lora_task_slots else None
-        spec = self.config.speculative_config
+        # Speculative decoding's drafts: looked up in each sequence's tokens, or from a draft model
+        self.draft_model = DraftModel(self.config, self.runner, self.tokenizer) if drafter else None
         self.scheduler = Scheduler(self.config, self.block_manager, self.max_model_len,
-                                   NgramProposer(spec) if spec is not None else None, self.runner.chunk_view)
+                                   self.draft_model or (NgramProposer(spec) if spec is not None else None),
+                                   self.runner.chunk_view)
         self._in_flight: _InFlight | None = None  # under async scheduling: the step launched, unread
         # Pinned buffers for async scheduling's sampled tokens (two: the previous step's may be unread).
         self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.long, pin_memory=True)
@@ -478,12 +483,14 @@ class LLMEngine:
         step in flight read first: its deltas go to `deltas`)."""
         if not batch.seqs:
             return None
+        # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward.
+        copies = self.block_manager.take_pending_copies()
+        if self.draft_model is not None:  # (its drafts proposed now: the scheduler placed them)
+            self.draft_model.fill(batch, copies)
         self.num_steps += 1
         num_tokens = sum(batch.num_tokens)
         self.num_computed_tokens += num_tokens
         self.steps_by_tokens[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
-        # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward.
-        copies = self.block_manager.take_pending_copies()
         # Sequences whose last scheduled token is their last token sample a next token; those that asked
         # for prompt logprobs also need logits at their prompt positions.
         sampling, logits_at, pending_at, pending_rows, prompt_positions = [], [], [], [], []

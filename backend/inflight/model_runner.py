@@ -56,9 +56,26 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device_type: str,
     return chosen
 
 
+def model_dtype(setting: str, checkpoint_dtype, device_type: str) -> torch.dtype:
+    """The setting; for "auto", bfloat16 on a GPU (float16 where the checkpoint is), float32 on a CPU."""
+    if setting != "auto":
+        return _DTYPES[setting]
+    if device_type == "cpu":
+        return torch.float32
+    return torch.float16 if str(checkpoint_dtype).removeprefix("torch.") == "float16" else torch.bfloat16
+
+
+def kv_bytes_per_block(block_size: int, layers: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:
+    """A block's keys and values in `layers` layers, and its tokens' ids (token_history.py)."""
+    return block_size * (2 * layers * kv_heads * head_dim * kv_dtype.itemsize + 8)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, beside: tuple[int, int] = (0, 0)):
+        """`beside`: what another model takes from the KV pool's budget (a draft model's, draft_model.py):
+        bytes for each block of the pool, and bytes in all (its weights)."""
         self.config = config
+        self.beside = beside
         self.rank = rank
         self.world_size = config.tensor_parallel_size
         self.device = torch.device(config.rank_devices()[rank])
@@ -71,7 +88,8 @@ class ModelRunner:
         # before loading the weights: refused at once
         self.attention_chunk = attention_chunk(hf_config, full_config.model_type in images.PROMPT_SEES_ITSELF)
         # (a vision-language checkpoint may say its dtype at the top only)
-        self.dtype = dtype = self._dtype(getattr(hf_config, "dtype", None) or getattr(full_config, "dtype", None))
+        self.dtype = dtype = model_dtype(config.dtype, getattr(hf_config, "dtype", None)
+                                         or getattr(full_config, "dtype", None), self.device.type)
         sharding = {}
         if self.world_size > 1:  # transformers' own tensor-parallel plan over the process group
             from transformers.distributed import DistributedConfig
@@ -365,20 +383,11 @@ class ModelRunner:
             return False
         return True
 
-    def _dtype(self, checkpoint_dtype) -> torch.dtype:
-        """The setting; for "auto", bfloat16 on a GPU (float16 where the checkpoint is), float32 on a CPU."""
-        if self.config.dtype != "auto":
-            return _DTYPES[self.config.dtype]
-        if self.device.type == "cpu":
-            return torch.float32
-        return torch.float16 if str(checkpoint_dtype).removeprefix("torch.") == "float16" else torch.bfloat16
-
     @property
     def bytes_per_block(self) -> int:
         """A block's keys and values in every layer (a hybrid model's group's), and its tokens' ids
         (token_history.py)."""
-        return self.block_size * (2 * self._cache_slots * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
-                                  + 8)
+        return kv_bytes_per_block(self.block_size, self._cache_slots, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     def _pool_size(self) -> int:
         """The pool's blocks: the setting's, or as many as its budget holds (kv_cache_memory, or a share of
@@ -394,19 +403,22 @@ class ModelRunner:
                 step_bytes = self._largest_step_bytes()
             else:
                 free = psutil.virtual_memory().available
-            budget = int(free * fraction) - step_bytes
+            budget = int(free * fraction) - step_bytes - self.beside[1]
             if step_bytes and budget < self.bytes_per_block:
                 raise ValueError(
                     f"a step of max_num_batched_tokens ({cfg.max_num_batched_tokens}) tokens sampling max_num_seqs "
                     f"({cfg.max_num_seqs}) rows takes {step_bytes / 2**30:.2f} GiB beside the KV cache, which leaves "
                     f"no block of the share kv_cache_memory_fraction {fraction} of the {free / 2**30:.2f} GiB free: "
                     "lower those limits or raise the share")
-        blocks = self._smallest_over_ranks(budget // self.bytes_per_block)  # every rank holds the same block ids
+        per_block = self.bytes_per_block + self.beside[0]
+        blocks = self._smallest_over_ranks(budget // per_block)  # every rank holds the same block ids
         if blocks < 1:
-            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {self.bytes_per_block} bytes")
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)%s", blocks, self.block_size,
+            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)%s%s", blocks, self.block_size,
                     blocks * self.bytes_per_block / 2**30, str(self.kv_dtype).removeprefix("torch."),
-                    f"; {step_bytes / 2**30:.2f} GiB left for the largest step" if step_bytes else "")
+                    f"; {step_bytes / 2**30:.2f} GiB left for the largest step" if step_bytes else "",
+                    f"; {(blocks * self.beside[0] + self.beside[1]) / 2**30:.2f} GiB left for the draft model"
+                    if self.beside[0] else "")
         return blocks
 
     def _largest_step_bytes(self) -> int:

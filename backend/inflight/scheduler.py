@@ -26,6 +26,7 @@ from .config import EngineConfig
 from .sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
+    from .draft_model import DraftModel
     from .speculative import NgramProposer
 
 
@@ -51,7 +52,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 proposer: "NgramProposer | None" = None, attention_chunk: int | None = None):
+                 proposer: "NgramProposer | DraftModel | None" = None, attention_chunk: int | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.attention_chunk = attention_chunk  # a step's tokens of a sequence within one chunk of these
         self.max_model_len = max_model_len
@@ -304,7 +305,7 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         seq.metrics.kv_total_blocks = max(seq.metrics.kv_total_blocks, len(seq.block_table))
-        seq.drafts = []
+        seq.drafts, seq.draft_model_kv = [], None  # (a draft model's KV goes with the blocks)
         self.block_manager.free(seq)
 
 

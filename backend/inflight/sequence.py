@@ -139,6 +139,9 @@ class Sequence:
     # Speculative decoding: the drafts scheduled after its last token this step (speculative.py); they
     # are computed with it, and none is a token of the sequence until its step's verification keeps it.
     drafts: list[int] = field(default_factory=list)
+    # Under a draft model (draft_model.py): how many of its tokens the draft model's KV holds in its blocks,
+    # and the drafts computed after them there (kept where they became its tokens); None: nothing held.
+    draft_model_kv: tuple[int, list[int]] | None = None
     # Its request takes each completion in one delta, at its end, and nothing reads its text before (a
     # final-only request without stop strings, as LLM.generate's): no delta a step, no text decoded a token.
     delta_at_end: bool = False

@@ -108,8 +108,19 @@ def resolve_lora_modules(lora_modules, enable_lora: bool, settings_dir: str, roo
             raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(lora_modules, dict):
         return lora_modules
-    return {name: os.path.join(root, folder) if isinstance(folder, str) and folder and not os.path.isabs(folder)
-            else folder for name, folder in lora_modules.items()}
+    return {name: _from_root(folder, root) for name, folder in lora_modules.items()}
+
+
+def resolve_draft_model(speculative_config, root: str):
+    """speculative_config with its draft model's folder, a relative one taken from the project root (as
+    `model` is); anything else is left for EngineConfig to refuse."""
+    if not isinstance(speculative_config, dict) or "model" not in speculative_config:
+        return speculative_config
+    return {**speculative_config, "model": _from_root(speculative_config["model"], root)}
+
+
+def _from_root(folder, root: str):
+    return os.path.join(root, folder) if isinstance(folder, str) and folder and not os.path.isabs(folder) else folder
 
 
 def place_instance(engine_settings: dict, instance_kind: str, device_id: int, instance_count: int) -> dict:

@@ -161,7 +161,8 @@ from inflight.serving.heap import freeze_startup_heap  # noqa: E402
 from inflight.serving.metrics import TritonMetrics  # noqa: E402
 from inflight.serving.request import ParsedRequest, for_outputs, parse_request, with_word_bias  # noqa: E402
 from inflight.serving.response import RequestResponses  # noqa: E402
-from inflight.serving.settings import place_instance, resolve_lora_modules, split_settings  # noqa: E402
+from inflight.serving.settings import (place_instance, resolve_draft_model, resolve_lora_modules,  # noqa: E402
+                                       split_settings)
 
 
 def _error(message: str, code_name: str = "INVALID_ARG"):
@@ -219,6 +220,7 @@ class TritonPythonModel:
         engine_settings["lora_modules"] = resolve_lora_modules(engine_settings.get("lora_modules"),
                                                                self.serving.enable_lora,
                                                                os.path.dirname(settings_path), ROOT)
+        engine_settings["speculative_config"] = resolve_draft_model(engine_settings.get("speculative_config"), ROOT)
         instances = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
         engine_settings = place_instance(engine_settings, args.get("model_instance_kind", "MODEL"),
                                          int(args.get("model_instance_device_id", 0)), instances)
