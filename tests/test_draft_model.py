@@ -79,11 +79,9 @@ def test_the_settings_are_checked(settings, message):
         EngineConfig(model="m", device="cpu", speculative_config={"num_speculative_tokens": 2, **settings})
 
 
-def test_the_method_follows_from_a_model_and_tensor_parallelism_is_refused():
+def test_the_method_follows_from_a_model():
     config = EngineConfig(model="m", device="cpu", speculative_config={"model": "d", "num_speculative_tokens": 2})
     assert (config.speculative_config.method, config.speculative_config.model) == ("draft_model", "d")
-    with pytest.raises(ValueError, match="draft model needs tensor_parallel_size 1"):
-        EngineConfig(model="m", device="cpu", tensor_parallel_size=2, speculative_config=_draft("d"))
 
 
 @pytest.mark.parametrize("draft", ["same", "near"])

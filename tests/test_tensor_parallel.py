@@ -88,6 +88,27 @@ def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused,
         llm.close()
 
 
+def test_a_draft_model_beside_two_ranks(tmp_path):
+    """The model sharded over two ranks, its draft model whole on rank 0 (its KV pool under the same block
+    ids, every rank's pool as small as rank 0's, which leaves the draft model room): one rank's outputs; the
+    model whole as its own draft model, its drafts kept (all but a rounding's few)."""
+    model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
+    prompts = random_prompts(5, 3, 40, 512, seed=7)
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=32, num_threads=1, kv_cache_memory=1 << 20)
+    expected = run_to_the_end(LLM(model, **settings), prompts, GREEDY)
+    llm = LLM(model, tensor_parallel_size=2, speculative_config={"model": model, "num_speculative_tokens": 3},
+              **settings)
+    try:
+        assert run_to_the_end(llm, prompts, GREEDY) == expected
+        stats = llm.stats()
+        assert stats["spec_decode_accepted_tokens_total"] >= 0.95 * stats["spec_decode_draft_tokens_total"] > 0
+        rank0 = llm.runner.runner
+        assert llm.draft_model.runner.num_blocks == rank0.num_blocks == (
+            (1 << 20) // (rank0.bytes_per_block + llm.draft_model.runner.bytes_per_block))
+    finally:
+        llm.close()
+
+
 def test_lora_adapters_sharded_over_two_ranks(tmp_path):
     """LoRA adapters of q and v (column-parallel) and of k, o, gate and down (o and down row-parallel: each
     rank's shrunk product summed over the ranks) with the base model in one batch: the outputs of one rank,

@@ -211,9 +211,6 @@ class EngineConfig:
             raise ValueError("fused_layers and torch_compile: set one (torch_compile fuses these layers itself)")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-            if self.speculative_config.method == "draft_model" and self.tensor_parallel_size > 1:
-                raise ValueError("speculative_config's draft model needs tensor_parallel_size 1 (it is not "
-                                 "sharded over ranks yet); the ngram method works under tensor parallelism")
         if self.async_scheduling is None:
             self.async_scheduling = self.device_type == "cuda" and self.tensor_parallel_size == 1
         if not isinstance(self.async_scheduling, bool):

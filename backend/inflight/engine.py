@@ -116,8 +116,9 @@ class LLMEngine:
         self._encoders = Encoders(self._copy_tokenizer)
         spec = self.config.speculative_config
         drafter = spec is not None and spec.method == "draft_model"
-        self.runner = ModelRunner(self.config, beside=DraftModel.footprint(self.config) if drafter else (0, 0)) \
-            if self.config.tensor_parallel_size == 1 else TensorParallelRunner(self.config)
+        beside = DraftModel.footprint(self.config) if drafter else (0, 0)  # (the pool leaves room for it)
+        self.runner = ModelRunner(self.config, beside=beside) if self.config.tensor_parallel_size == 1 else \
+            TensorParallelRunner(self.config, beside)
         self.eos_token_ids = self._eos_token_ids(model)
         compile_sampling_kernels(self.runner.device, self.runner.hf_config.vocab_size)
         self.max_model_len = self.runner.max_model_len

@@ -122,7 +122,9 @@ class TensorParallelRunner:
     """The engine's runner when tensor_parallel_size > 1: rank 0's ModelRunner plus the workers.
     Everything but execute(), load_lora_slot() and close() is rank 0's ModelRunner's."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, beside: tuple[int, int] = (0, 0)):
+        """`beside`: what a draft model takes beside rank 0's pool (ModelRunner's; the draft model runs whole
+        on rank 0, and every rank's pool has as many blocks as the smallest)."""
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         check_tensor_parallel(config, getattr(hf_config, "text_config", hf_config))
         if dist.is_initialized():
@@ -142,7 +144,7 @@ class TensorParallelRunner:
                 self.workers.append(_Worker.start(config, rank, store.port))
             self._await("started")
             _join_group(config, 0, store)
-            self.runner = ModelRunner(config, rank=0)
+            self.runner = ModelRunner(config, rank=0, beside=beside)
             self._await("ready")
         except BaseException as e:
             reports = self._failure_reports()
