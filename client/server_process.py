@@ -17,6 +17,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from serve import server_command  # noqa: E402
 
+PORT_ATTEMPTS = 3  # starts on fresh ports where another process took one meanwhile
+
 
 def free_ports(n: int) -> list[int]:
     sockets = [socket.socket() for _ in range(n)]
@@ -45,6 +47,7 @@ class TritonServer:
         self.settings_path.write_text(json.dumps(base))
         self.settings = base
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        self.ports_taken: list[tuple[int, int, int]] = []  # ports tried before, another process's meanwhile
         self.log_path = Path(self._dir.name) / "tritonserver.log"
         self.process = None
 
@@ -57,22 +60,33 @@ class TritonServer:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout: float = 180.0) -> "TritonServer":
-        command, env = server_command(self.repository, self.http_port, self.grpc_port, self.metrics_port)
-        command += self.server_args
-        env["INFLIGHT_MODEL_JSON"] = str(self.settings_path)
-        env.update(self.extra_env)
-        self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+        """Start tritonserver and wait for the model to be ready. Where a port was taken between free_ports
+        finding it free and tritonserver binding it (another server starting beside this one), the server
+        starts again on other free ports, up to PORT_ATTEMPTS times in all."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            command, env = server_command(self.repository, self.http_port, self.grpc_port, self.metrics_port)
+            command += self.server_args
+            env["INFLIGHT_MODEL_JSON"] = str(self.settings_path)
+            env.update(self.extra_env)
+            self._log = open(self.log_path, "wb")
+            self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    break
+                if self.model_ready():
+                    return self
+                time.sleep(0.5)
+            else:
+                self.stop()
+                raise RuntimeError(f"tritonserver was not ready in {timeout} s:\n{self.log_tail()}")
+            if "already in use" not in self.log() or attempt == PORT_ATTEMPTS:
                 raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
-            if self.model_ready():
-                return self
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"tritonserver was not ready in {timeout} s:\n{self.log_tail()}")
+            self._signal_group(9)  # (its backend stubs, if any are left)
+            self._log.close()
+            self.ports_taken.append((self.http_port, self.grpc_port, self.metrics_port))
+            self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
 
     def model_ready(self) -> bool:
         try:

@@ -793,3 +793,21 @@ def test_fused_layers_compile_in_the_triton_models_own_process(offline_texts):
             result = generate(server.grpc_url, prompt, **greedy())
             assert result.error is None, result.error
             assert result.text == offline_texts[prompt]
+
+
+def test_a_port_taken_meanwhile_moves_the_server_to_others(offline_texts):
+    """The tests' and benchmarks' TritonServer: a port another process takes between free_ports finding it
+    free and tritonserver binding it (a server starting beside this one) makes it start again on fresh
+    ports, and serve there."""
+    import socket
+
+    from server_process import TritonServer
+
+    server = TritonServer(device="cpu", **SETTINGS)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", server.grpc_port))
+        taken.listen()
+        with server:
+            assert [ports[1] for ports in server.ports_taken] == [taken.getsockname()[1]]
+            assert server.grpc_port != taken.getsockname()[1]
+            assert generate(server.grpc_url, PROMPTS[4], **greedy()).text == offline_texts[PROMPTS[4]]

@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .config import EngineConfig
 from .input_buffers import build_step_inputs
-from .model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype, model_dtype
+from .model_runner import ModelRunner, compute_dtype, kv_bytes_per_block, kv_cache_dtype
 from .model_support import UnsupportedModel
 from .scheduler import ScheduledBatch
 from .sequence import BlockTable, Sequence
@@ -82,8 +82,8 @@ class DraftModel:
         full_config = AutoConfig.from_pretrained(spec.model, trust_remote_code=config.trust_remote_code)
         hf_config = getattr(full_config, "text_config", full_config)
         device_type = config.device_type
-        dtype = model_dtype(config.dtype, getattr(hf_config, "dtype", None) or getattr(full_config, "dtype", None),
-                            device_type)
+        dtype = compute_dtype(config.dtype, getattr(hf_config, "dtype", None) or getattr(full_config, "dtype", None),
+                              device_type)
         capability = torch.cuda.get_device_capability(config.device) if device_type == "cuda" else None
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, device_type, capability)
         heads = hf_config.num_attention_heads
@@ -153,7 +153,7 @@ class DraftModel:
         """Run each sequence's tokens that the draft model's KV does not hold yet, up to its last; return
         the first draft of each (a tensor on the device). Passes of at most max_num_batched_tokens tokens,
         a sequence's one-token catch-ups (the usual: its token after the drafts it kept) leading them."""
-        todo = sorted(((self._held(seq), seq) for seq in seqs), key=lambda held: held[1].num_tokens - held[0] != 1)
+        todo = sorted(((self._held(seq), seq) for seq in seqs), key=lambda item: item[1].num_tokens - item[0] != 1)
         order = {id(seq): r for r, seq in enumerate(seqs)}
         budget = self.runner.config.max_num_batched_tokens
         firsts, finished = [], []

@@ -56,7 +56,7 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device_type: str,
     return chosen
 
 
-def model_dtype(setting: str, checkpoint_dtype, device_type: str) -> torch.dtype:
+def compute_dtype(setting: str, checkpoint_dtype, device_type: str) -> torch.dtype:
     """The setting; for "auto", bfloat16 on a GPU (float16 where the checkpoint is), float32 on a CPU."""
     if setting != "auto":
         return _DTYPES[setting]
@@ -88,8 +88,8 @@ class ModelRunner:
         # before loading the weights: refused at once
         self.attention_chunk = attention_chunk(hf_config, full_config.model_type in images.PROMPT_SEES_ITSELF)
         # (a vision-language checkpoint may say its dtype at the top only)
-        self.dtype = dtype = model_dtype(config.dtype, getattr(hf_config, "dtype", None)
-                                         or getattr(full_config, "dtype", None), self.device.type)
+        self.dtype = dtype = compute_dtype(config.dtype, getattr(hf_config, "dtype", None)
+                                           or getattr(full_config, "dtype", None), self.device.type)
         sharding = {}
         if self.world_size > 1:  # transformers' own tensor-parallel plan over the process group
             from transformers.distributed import DistributedConfig
