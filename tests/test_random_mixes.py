@@ -271,6 +271,27 @@ def assert_as_alone(got: Outputs, alone: Outputs, requests, settings: dict, abor
                 np.testing.assert_allclose(got.context_logits[key], alone.context_logits[key], atol=1e-4, rtol=1e-4)
 
 
+def check_a_mix(model: str, settings: dict, seed: int, tmp_path_factory, graphed: bool = False,
+                num_kv_blocks: int = TIGHT["num_kv_blocks"], blocks_given_back: bool = False):
+    """Run the random mix of `seed` on `model` with `settings` (with LoRA adapters of its own where they say
+    `adapters`) in a tight pool, each request's outputs those it gets alone; returns the engine, its stats
+    and its graphs (graphs_on_a_cpu's, where `graphed`)."""
+    adapters = make_lora_adapters(model, tmp_path_factory.mktemp("lora")) if settings.pop("adapters", False) else {}
+    settings["lora_modules"] = adapters or None
+    requests = random_requests(seed, list(adapters))
+    llm = LLM(model, **{**TIGHT, "num_kv_blocks": num_kv_blocks}, **settings)
+    graphs = graphs_on_a_cpu(llm) if graphed else None
+    given_back = count_blocks_given_back(llm)
+    got, aborted = run_mix(llm, requests, seed)
+    llm.block_manager.check_all_free()
+    alone = run_alone(model, settings, requests)
+    assert_as_alone(got, alone, requests, settings, aborted)
+    assert (given_back[0] > 0) == blocks_given_back
+    stats = llm.stats()
+    assert aborted and stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    return llm, stats, graphs
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
@@ -281,21 +302,11 @@ def test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, more_t
     of their own (hybrid_blocks.py)."""
     model = tiny_models[family] if family in tiny_models else more_tiny_models(family)
     settings = dict(CONFIGS[config])
-    adapters = make_lora_adapters(model, tmp_path_factory.mktemp("lora")) if settings.pop("adapters", False) else {}
-    settings["lora_modules"] = adapters or None
     graphed = settings.pop("graphs", False)
-    requests = random_requests(seed, list(adapters))
-    # (Mistral's sequences hold fewer blocks: a smaller pool still preempts)
-    llm = LLM(model, **{**TIGHT, "num_kv_blocks": 12 if family == "mistral" else TIGHT["num_kv_blocks"]}, **settings)
-    graphs = graphs_on_a_cpu(llm) if graphed else None
-    given_back = count_blocks_given_back(llm)
-    got, aborted = run_mix(llm, requests, seed)
-    llm.block_manager.check_all_free()
-    alone = run_alone(model, settings, requests)
-    assert_as_alone(got, alone, requests, settings, aborted)
-    assert (given_back[0] > 0) == (family != "llama")
-    stats = llm.stats()
-    assert aborted and stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    llm, stats, graphs = check_a_mix(model, settings, seed, tmp_path_factory, graphed,
+                                     # (Mistral's sequences hold fewer blocks: a smaller pool still preempts)
+                                     num_kv_blocks=12 if family == "mistral" else TIGHT["num_kv_blocks"],
+                                     blocks_given_back=family != "llama")
     if settings["async_scheduling"]:
         assert llm.num_pipelined_steps > 0
     if "speculative_config" in settings:
@@ -303,6 +314,19 @@ def test_every_request_of_a_random_mix_gets_its_output_alone(tiny_models, more_t
     if graphs is not None:
         assert graphs.replays > graphs.verify_replays + graphs.ragged_replays and graphs.verify_replays > 0 \
             and graphs.ragged_replays > 0, "decode steps, steps verifying drafts and steps with chunks: all replayed"
+
+
+@pytest.mark.parametrize("family, seed, pipelined", [("llama", 0, False), ("llama", 1, True), ("gemma2", 2, True)])
+def test_a_random_mix_with_a_draft_model_gets_each_request_its_output_alone(tiny_models, more_tiny_models,
+                                                                          tmp_path_factory, family, seed, pipelined):
+    """The mix with the model as its own draft model (draft_model.py), with LoRA adapters (which the draft
+    model runs without), one step at a time and pipelined; Gemma 2's windowed layers in tables of their own,
+    the draft model reading the full layers' tables."""
+    model = tiny_models[family] if family in tiny_models else more_tiny_models(family)
+    settings = dict(async_scheduling=pipelined, adapters=True,
+                    speculative_config={"model": model, "num_speculative_tokens": 3})
+    llm, stats, _ = check_a_mix(model, settings, seed, tmp_path_factory, blocks_given_back=family == "gemma2")
+    assert stats["spec_decode_accepted_tokens_total"] > 0 and llm.draft_model is not None
 
 
 @pytest.mark.parametrize("family, seed", [("llama", 19), ("mistral", 12)])
