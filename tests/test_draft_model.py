@@ -6,6 +6,7 @@ the pool shared between the two models, what is refused, and served through trit
 
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -98,6 +99,10 @@ def test_greedy_output_equals_hf(tiny_models, drafts, hf_reference, draft):
         assert kept >= 0.95 * judged > 0, (kept, judged)
     else:
         assert 0.2 * judged < kept < judged, (kept, judged)
+    # kept by position after the last token: a draft is kept only after those before it
+    by_position = llm.stats()["spec_decode_accepted_tokens_per_pos"]
+    assert sum(by_position) == kept and len(by_position) <= 4
+    assert all(earlier >= later for earlier, later in zip(by_position, by_position[1:])), by_position
     llm.block_manager.check_all_free()
 
 
@@ -316,3 +321,11 @@ def test_served_with_a_draft_model(server, reference):
     assert 0 < kept <= drafted and kept >= 0.9 * drafted
     server.wait_for_metric("inflight_spec_decode_num_accepted_tokens_total", lambda v: v >= kept)
     assert_all_blocks_free(server)
+    deadline = time.monotonic() + 10  # (the last report's counters, sent one after another)
+    while True:
+        total = server.metrics()["inflight_spec_decode_num_accepted_tokens_total"]
+        by_position = server.labeled("inflight_spec_decode_num_accepted_tokens_per_pos", "position")
+        if sum(by_position.values()) == total or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert set(by_position) == {"0", "1", "2", "3"} and sum(by_position.values()) == total, (by_position, total)

@@ -1005,8 +1005,8 @@ class FakeMetricsApi:
 
             @property
             def label(self):  # the label that tells a family's metrics apart
-                return next((self.labels[k] for k in ("part", "le", "adapter", "finished_reason") if k in self.labels),
-                            None)
+                return next((self.labels[k] for k in ("part", "le", "adapter", "finished_reason", "position")
+                             if k in self.labels), None)
 
             def observe(self, value):  # a message per observation, as tritonserver 2.51's histograms
                 api.messages.append(("observe", self.name, None, value))
@@ -1094,6 +1094,18 @@ def test_a_requests_end_is_counted_by_reason_with_its_times_and_tokens():
     api.messages.clear()
     metrics.update({**idle_stats(), "kv_blocks_used": 3, "kv_blocks_total": 12})
     assert api.messages == []  # nothing changed: nothing sent
+
+
+def test_drafts_kept_by_position_are_counters_made_as_positions_come():
+    """vLLM's spec_decode_num_accepted_tokens_per_pos: a counter for each position after a sequence's last
+    token, made when the engine first reports a draft kept there, each advanced by what it gained."""
+    api = FakeMetricsApi()
+    metrics = TritonMetrics(api, {"model": "llm", "version": "1"})
+    spec = {"spec_decode_drafts_total": 4, "spec_decode_draft_tokens_total": 12, "spec_decode_accepted_tokens_total": 8}
+    metrics.update({**idle_stats(), **spec, "spec_decode_accepted_tokens_per_pos": [5, 3]})
+    metrics.update({**idle_stats(), **spec, "spec_decode_accepted_tokens_per_pos": [6, 3, 1]})
+    sent = [(m[2], m[3]) for m in api.messages if m[1] == "inflight_spec_decode_num_accepted_tokens_per_pos"]
+    assert sent == [("0", 5), ("1", 3), ("0", 1), ("2", 1)]
 
 
 def test_the_engines_steps_by_their_tokens_and_times_are_histograms(tiny_models):

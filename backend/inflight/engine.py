@@ -165,6 +165,7 @@ class LLMEngine:
         self.num_drafts = 0  # speculative decoding: sequence steps with drafts, drafts judged, drafts kept
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
+        self.accepted_by_position: list[int] = []  # drafts kept at each position after a sequence's last token
         self.num_lora_requests = [0] * (1 + len(self.config.lora_modules or {}))  # admitted, by adapter id
 
     def _load_tokenizer(self):
@@ -669,6 +670,7 @@ class LLMEngine:
             self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_draft_tokens += len(kept) - 1
+            self._count_accepted_by_position(len(kept) - 1)
             seq.metrics.num_draft_tokens += len(drafts)
             seq.metrics.num_accepted_draft_tokens += len(kept) - 1
             failed = False
@@ -685,6 +687,13 @@ class LLMEngine:
                     break
             if not failed and (not seq.delta_at_end or seq.is_finished):
                 deltas.append(self._delta(seq))
+
+    def _count_accepted_by_position(self, kept: int) -> None:
+        """A sequence kept its first `kept` drafts: one more kept at each of those positions."""
+        counts = self.accepted_by_position
+        counts.extend([0] * (kept - len(counts)))
+        for position in range(kept):
+            counts[position] += 1
 
     # -- beam search (beam_search.py) ------------------------------------------------------------
     def _advance_beams(self, beams: list[Sequence], values: torch.Tensor, ids: torch.Tensor,
@@ -1023,7 +1032,8 @@ class LLMEngine:
                 "images_cached_total": self.runner.image_encoder.images_cached}
                if self.runner.image_encoder is not None else {}),
             **({"spec_decode_drafts_total": self.num_drafts, "spec_decode_draft_tokens_total": self.num_draft_tokens,
-                "spec_decode_accepted_tokens_total": self.num_accepted_draft_tokens}
+                "spec_decode_accepted_tokens_total": self.num_accepted_draft_tokens,
+                "spec_decode_accepted_tokens_per_pos": list(self.accepted_by_position)}
                if self.config.speculative_config is not None or self.num_drafts else {}),
         }
 

@@ -160,6 +160,7 @@ class TritonMetrics:
         self._profile = None  # the serving profile's counters (profile.py), made when first sent
         self._lora: dict[str, tuple[_Sent, _Sent, _Sent]] = {}  # each adapter's, made when first sent
         self._spec_decode: dict[str, _Sent] = {}  # made when first sent: the engine speculates
+        self._accepted_by_position: list[_Sent] = []  # ... and a position's when a draft there is first kept
         self._images: dict[str, _Sent] = {}  # made when first sent: the model takes images
         self._task_loads: dict[str, _Sent] = {}  # made when first sent: the engine takes LoRA tasks
 
@@ -200,6 +201,13 @@ class TritonMetrics:
         for reason, counter in self._finished.items():
             counter.advance(self._finished_counts[reason])
         self._spec_decode = self._advance_counters(stats, SPEC_DECODE_COUNTERS, self._spec_decode)
+        for position, kept in enumerate(stats.get("spec_decode_accepted_tokens_per_pos", ())):
+            if position == len(self._accepted_by_position):
+                self._accepted_by_position.append(_Sent(self._metric(
+                    "inflight_spec_decode_num_accepted_tokens_per_pos", "Draft tokens kept, by their position "
+                    "after the sequence's last token (0: the first draft)", self._pb_utils.MetricFamily.COUNTER,
+                    labels={**self._labels, "position": str(position)})))
+            self._accepted_by_position[position].advance(kept)
         self._images = self._advance_counters(stats, IMAGE_COUNTERS, self._images)
         self._task_loads = self._advance_counters(stats, LORA_TASK_COUNTERS, self._task_loads)
         for adapter, (running, waiting, total) in stats.get("lora_requests", {}).items():
