@@ -193,7 +193,8 @@ def graphs_on_a_cpu(llm, max_tokens: int | None = None):
     runner = llm.runner
     held = runner.buffers
     runner.buffers = InputBuffers(held.max_tokens, held.max_seqs, held.max_blocks, held.device.device, staged=True,
-                                  window_groups=held.window_groups)
+                                  window_groups=held.window_groups, chunk_width=held.chunk_width,
+                                  block_size=runner.block_size)
     graphs = StepGraphs(runner._forward, runner.buffers, runner.config.max_num_seqs, lora=runner.lora is not None,
                         verify_len=runner._verify_len(), verify_seqs=runner._verify_seqs(),
                         max_tokens=runner.config.cuda_graph_max_tokens if max_tokens is None else max_tokens)

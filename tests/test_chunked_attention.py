@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import hf_greedy, make_tiny_model, random_prompts
+from conftest import graphs_on_a_cpu, hf_greedy, make_tiny_model, random_prompts
 from inflight import LLM, SamplingParams
-from inflight.input_buffers import StepInputs, WindowInputs, chunk_view
+from inflight.input_buffers import StepInputs, chunk_tables, chunk_view
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -103,28 +103,49 @@ def test_chunked_layers_keep_their_chunk_alone(tiny_llama4, reference):
         llm.block_manager.check_all_free()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steps_through_the_graphs_a_gpu_replays(tiny_llama4, reference, async_scheduling):
+    """Every step a CUDA graph covers run through its padded layout and persistent buffers (graphs_on_a_cpu:
+    decode steps, steps verifying n-gram drafts, steps with prompt chunks), the chunk view's lengths and
+    first blocks among them: HF's outputs. (A graph fixes the chunk tables' width: a chunk and a verify
+    step's padding.)"""
+    prompts = [[7, 8, 9, 10, 11] * 5, [20, 21, 22] * 9] + random_prompts(3, 5, 70, 512, seed=5)
+    expected = [hf_greedy(reference, p, 40) for p in prompts]
+    llm = LLM(tiny_llama4, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8,
+              async_scheduling=async_scheduling, speculative_config={
+                  "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    graphs = graphs_on_a_cpu(llm)
+    assert llm.runner.buffers.chunk_width == 3  # (blocks of 8: a chunk's 16 tokens and a verify step's 3 of padding)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert graphs.verify_replays > 0 and graphs.ragged_replays > 0
+    assert graphs.replays > graphs.verify_replays + graphs.ragged_replays  # (decode steps too)
+    llm.block_manager.check_all_free()
+
+
 def test_the_chunk_view_of_a_step():
     """Sequences at 3, 20 and 40 computed tokens (chunks of 16, blocks of 4): the chunked layers see lengths
-    from their chunk's start and the block tables (the step's and a group's) from that chunk's first block,
-    zero past their ends."""
+    from their chunk's start and block tables from that chunk's first block, which the device takes from
+    the step's tables (and a group's), the columns past a row's end repeating its last."""
     tables = np.arange(1, 13)[None, :] + 100 * np.arange(3)[:, None]  # [3, 12]: row r holds 100r + 1 ...
     starts, counts = np.array([3, 20, 40]), np.array([2, 1, 5])
     inputs = StepInputs(np.zeros(8, np.int64), np.zeros(8, np.int64), np.zeros(8, np.int64),
                         np.concatenate([[0], np.cumsum(counts)]), starts + counts, tables, np.zeros(3, np.int64))
-    inputs.windows = [WindowInputs(np.zeros(8, np.int64), tables + 1000)]  # (a group of chunked layers' own)
     chunk_view(inputs, starts, 4, CHUNK)
-    assert inputs.chunk_seq_lens.tolist() == [5, 5, 13]
-    step, group = (t.tolist() for t in inputs.chunk_block_tables)
-    assert step == [[1, 2, 0, 0], [105, 106, 0, 0], [209, 210, 211, 212]]
-    assert group == [[1001, 1002, 0, 0], [1105, 1106, 0, 0], [1209, 1210, 1211, 1212]]
+    assert inputs.chunk_seq_lens.tolist() == [5, 5, 13] and inputs.chunk_first_blocks.tolist() == [0, 4, 8]
+    first = torch.as_tensor(inputs.chunk_first_blocks)
+    assert chunk_tables(torch.as_tensor(tables), first, 4).tolist() == [[1, 2, 3, 4], [105, 106, 107, 108],
+                                                                        [209, 210, 211, 212]]
+    assert chunk_tables(torch.as_tensor(tables + 1000), first, 5)[2].tolist() == [1209, 1210, 1211, 1212, 1212]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_contexts_beyond_a_chunk_on_a_gpu(tiny_llama4, reference):
-    """On a GPU (float32, the Triton kernels, steps eager: no CUDA graphs for it yet): HF's outputs."""
+    """On a GPU (float32, the Triton kernels, CUDA graphs that take the chunk tables from the step's): HF's
+    outputs."""
     prompts = random_prompts(4, 5, 70, 512, seed=4)
     llm = LLM(tiny_llama4, device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64)
-    assert llm.runner.graphs is None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == [
         hf_greedy(reference, p, 30) for p in prompts]
+    assert llm.runner.graphs.replays > llm.runner.graphs.ragged_replays > 0
     llm.block_manager.check_all_free()

@@ -24,7 +24,9 @@ its graph's shape, and replays the graph.
   them apart).
 
 Everything that varies between steps is read from those device buffers: token ids, positions, cache
-slots, sequence offsets and lengths, block tables, the rows whose logits are kept. A graph fixes only its
+slots, sequence offsets and lengths, block tables, the rows whose logits are kept (and, under chunked
+attention beyond one chunk, each sequence's length from its chunk's start and that chunk's first block,
+from which the graph takes the chunked layers' block tables: input_buffers.chunk_tables). A graph fixes only its
 shape: the launch grids, the split count of split-KV decode (triton_ops.decode_splits takes the bucket's
 size, never a context length) and the block-table row width (the buffers' max_blocks). All graphs share
 one memory pool, captured the most tokens first so that the smaller ones reuse its memory, and write
@@ -107,6 +109,11 @@ def uniform_step(inputs: StepInputs, seqs: int, query_len: int) -> tuple[StepInp
                         seq_lens, own.block_tables, np.zeros(0, dtype=np.int64), pending_at=rows[inputs.pending_at],
                         pending_rows=inputs.pending_rows, lora_ids=lora_ids,
                         windows=[laid_out(window.slot_mapping, window.block_tables) for window in inputs.windows])
+    if inputs.chunk_seq_lens is not None:  # (a chunk view's lengths padded as the lengths are)
+        padded.chunk_seq_lens = np.full(seqs, query_len, dtype=np.int64)
+        padded.chunk_seq_lens[:real] = inputs.chunk_seq_lens - counts + query_len
+        padded.chunk_first_blocks = np.zeros(seqs, dtype=np.int64)
+        padded.chunk_first_blocks[:real] = inputs.chunk_first_blocks
     return padded, rows[inputs.logits_at]
 
 
@@ -122,6 +129,7 @@ def ragged_step(inputs: StepInputs, shape: GraphShape) -> StepInputs:
         out[:len(values)] = values
         return out
 
+    chunked = inputs.chunk_seq_lens is not None
     return StepInputs(padded(inputs.input_ids, shape.tokens, 0), padded(inputs.positions, shape.tokens, 0),
                       padded(inputs.slot_mapping, shape.tokens, -1), padded(inputs.cu_seqlens, shape.seqs + 1, tokens),
                       padded(inputs.seq_lens, shape.seqs, 0), inputs.block_tables[:real],
@@ -129,7 +137,9 @@ def ragged_step(inputs: StepInputs, shape: GraphShape) -> StepInputs:
                       pending_rows=inputs.pending_rows,
                       lora_ids=None if inputs.lora_ids is None else padded(inputs.lora_ids, shape.tokens, 0),
                       windows=[WindowInputs(padded(window.slot_mapping, shape.tokens, -1), window.block_tables[:real])
-                               for window in inputs.windows])
+                               for window in inputs.windows],
+                      chunk_seq_lens=padded(inputs.chunk_seq_lens, shape.seqs, 0) if chunked else None,
+                      chunk_first_blocks=padded(inputs.chunk_first_blocks, shape.seqs, 0) if chunked else None)
 
 
 class StepGraphs:

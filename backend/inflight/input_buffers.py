@@ -64,7 +64,7 @@ class StepInputs:
     # Chunked attention over contexts beyond one chunk (Llama 4's): what its chunked layers read, each
     # sequence seen from the start of the chunk its step's tokens lie in (chunk_view)
     chunk_seq_lens: np.ndarray | None = None  # [S]
-    chunk_block_tables: list[np.ndarray] = field(default_factory=list)  # [S, blocks]: the step's, each window group's
+    chunk_first_blocks: np.ndarray | None = None  # [S] that chunk's first block, as an index into its tables
 
     @property
     def is_decode(self) -> bool:
@@ -161,17 +161,21 @@ def chunk_view(inputs: StepInputs, starts: np.ndarray, block_size: int, chunk: i
     itself. The scheduler keeps each sequence's tokens of a step within one chunk, so its chunked layers read
     the sequence as if it began where that chunk does: its length from there and its block tables (the
     step's, and those of the groups of chunked layers that keep a chunk's blocks alone: hybrid_blocks.py)
-    from that chunk's first block (`chunk` is a multiple of block_size). The kernels then attend as for any
-    sequence."""
+    from that chunk's first block (`chunk` is a multiple of block_size), which the device takes from the
+    step's tables (chunk_tables). The kernels then attend as for any sequence."""
     first = starts // chunk * chunk
-    inputs.chunk_seq_lens = lengths = inputs.seq_lens - first
-    blocks = -(-lengths // block_size)
-    width = int(blocks.max()) if len(blocks) else 0
-    for tables in [inputs.block_tables] + [window.block_tables for window in inputs.windows]:
-        columns = np.minimum(first[:, None] // block_size + np.arange(width), max(tables.shape[1] - 1, 0))
-        shifted = np.take_along_axis(tables, columns, axis=1) if width else np.zeros((len(first), 0), np.int64)
-        shifted[np.arange(width) >= blocks[:, None]] = 0
-        inputs.chunk_block_tables.append(shifted)
+    inputs.chunk_seq_lens = inputs.seq_lens - first
+    inputs.chunk_first_blocks = first // block_size
+
+
+def chunk_tables(tables: torch.Tensor, first_blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """[S, width] block tables from each sequence's chunk's first block (chunk_view): its `tables` row from
+    column first_blocks[s] on (the columns past the row's end repeat its last: read past no sequence's
+    length). On the device, inside a CUDA graph's capture too: no value comes from the host."""
+    if not tables.shape[1]:  # (no sequence holds a block)
+        return tables.new_zeros(len(first_blocks), width)
+    columns = first_blocks[:, None] + torch.arange(width, device=tables.device)
+    return tables.gather(1, columns.clamp_(max=tables.shape[1] - 1))
 
 
 def _leading_decodes(batch: ScheduledBatch, counts: np.ndarray) -> int:
@@ -220,7 +224,8 @@ class StepTensors:
     embeds: torch.Tensor | None = None  # [V, hidden] their vectors
     attend_within: np.ndarray | None = None  # StepInputs'
     chunk_seq_lens: torch.Tensor | None = None  # StepInputs'
-    chunk_block_tables: list[torch.Tensor] = field(default_factory=list)
+    chunk_first_blocks: torch.Tensor | None = None  # StepInputs'
+    chunk_width: int = 0  # the block-table columns of a chunk (InputBuffers')
     query_len: int | None = None  # every sequence's tokens, where a graph padded them alike (cuda_graphs.py)
     # each group of a hybrid model's windowed layers' (hybrid_blocks.py)
     window_slot_mappings: list[torch.Tensor] = field(default_factory=list)
@@ -258,15 +263,18 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.int64) ->
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 staged: bool | None = None, window_groups: int = 0):
+                 staged: bool | None = None, window_groups: int = 0, chunk_width: int = 0, block_size: int = 16):
         """`staged`: host and device buffers apart, a step's values copied from one to the other (None: on
         a GPU; a CPU's device buffer is its host buffer, unless a test asks). `window_groups`: sets of cache
-        slots and block tables of a hybrid model's groups of windowed layers (hybrid_blocks.py)."""
+        slots and block tables of a hybrid model's groups of windowed layers (hybrid_blocks.py).
+        `chunk_width`: under chunked attention beyond one chunk, the block-table columns (of `block_size`
+        tokens) a sequence's chunk may take in a step (chunk_view; 0: none)."""
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-        self.window_groups = window_groups
+        self.window_groups, self.chunk_width, self._chunk_tokens = window_groups, chunk_width, chunk_width * block_size
         sizes = dict(input_ids=max_tokens, positions=max_tokens, slot_mapping=max_tokens, logits_at=max_tokens,
                      lora_ids=max_tokens, cu_seqlens=max_seqs + 1, seq_lens=max_seqs, pending_at=max_seqs,
-                     pending_rows=max_seqs, window_slot_mappings=window_groups * max_tokens,
+                     pending_rows=max_seqs, chunk_seq_lens=max_seqs, chunk_first_blocks=max_seqs,
+                     window_slot_mappings=window_groups * max_tokens,
                      block_tables=(1 + window_groups) * max_seqs * max_blocks)
         self._offsets, start = {}, 0
         for name, size in sizes.items():
@@ -334,6 +342,13 @@ class InputBuffers:
         host[begin:begin + seqs + 1] = inputs.cu_seqlens
         begin = self._offsets["seq_lens"][0]
         host[begin:begin + seqs] = inputs.seq_lens
+        if self.chunk_width:
+            # (a step without a chunk view, as a warm-up step, whose output nobody reads: its sequences' first
+            # chunk_width blocks, so that the attention reads no column past them)
+            chunked = inputs.chunk_seq_lens is not None
+            self._field(host, "chunk_seq_lens")[:seqs] = inputs.chunk_seq_lens if chunked else np.minimum(
+                inputs.seq_lens, self._chunk_tokens)
+            self._field(host, "chunk_first_blocks")[:seqs] = inputs.chunk_first_blocks if chunked else 0
         rows = seqs if pad_seqs is None else pad_seqs
         if rows > seqs:
             assert tokens == seqs, "only decode steps are padded"
@@ -343,6 +358,8 @@ class InputBuffers:
             window_slots[:, pad] = -1
             self._field(host, "cu_seqlens")[seqs + 1:rows + 1] = np.arange(seqs + 1, rows + 1)
             self._field(host, "seq_lens")[pad] = 1
+            self._field(host, "chunk_seq_lens")[pad] = 1
+            self._field(host, "chunk_first_blocks")[pad] = 0
         # The tables' rows: the step's, and a padded decode step's padding sequences' (they read their row's
         # first block id: block 0).
         table_rows, table_width = max(given_rows, pad_seqs or 0), max(width, 1 if rows > seqs else 0)
@@ -378,10 +395,6 @@ class InputBuffers:
                 step.embeds_at = to_device(inputs.embeds_at, self.device.device)
                 step.embeds = inputs.embeds.to(self.device.device, non_blocking=True)
                 step.attend_within = inputs.attend_within
-            if inputs.chunk_seq_lens is not None:  # (steps with them run eagerly: no persistent buffer)
-                step.chunk_seq_lens = to_device(inputs.chunk_seq_lens, self.device.device)
-                step.chunk_block_tables = [to_device(tables, self.device.device)
-                                           for tables in inputs.chunk_block_tables]
             return step
         return self.views(rows, rows, self.max_blocks, None, lora)  # what a captured graph reads: every row's logits
 
@@ -398,6 +411,10 @@ class InputBuffers:
         if self.window_groups:
             step.window_slot_mappings = [slots[:tokens] for slots in self._window_slots(self.device)]
             step.window_block_tables = [tables[:seqs, :width] for tables in self.device_window_tables]
+        if self.chunk_width:
+            step.chunk_seq_lens, step.chunk_first_blocks = field("chunk_seq_lens", seqs), field("chunk_first_blocks",
+                                                                                                 seqs)
+            step.chunk_width = self.chunk_width
         return step
 
     def _window_slots(self, buffer):

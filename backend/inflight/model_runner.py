@@ -22,8 +22,8 @@ from .compile_warmup import compile_shape_classes
 from .cuda_graphs import StepGraphs
 from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
 from .hybrid_blocks import blocks_a_window_holds
-from .input_buffers import (BlockTableRows, InputBuffers, StepInputs, StepTensors, build_step_inputs, empty_prefill,
-                            to_device)
+from .input_buffers import (BlockTableRows, InputBuffers, StepInputs, StepTensors, build_step_inputs, chunk_tables,
+                            empty_prefill, to_device)
 from .kernel_warmup import compile_attention_kernels
 from .lora import LoRAAdapters
 from .model_support import (UnsupportedModel, attention_chunk, check_attention_calls, chunked_layers,
@@ -164,7 +164,9 @@ class ModelRunner:
         # table is read that far past max_model_len)
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
                                     -(-(self.max_model_len + self._verify_len() - 1) // self.block_size), self.device,
-                                    window_groups=self.window_groups)
+                                    window_groups=self.window_groups, block_size=self.block_size,
+                                    chunk_width=-(-(self.chunk_view + self._verify_len() - 1) // self.block_size)
+                                    if self.chunk_view else 0)
         self.table_rows = BlockTableRows()
         self.window_table_rows = [BlockTableRows() for _ in range(self.window_groups)]
         if self._use_packed_weights():
@@ -320,8 +322,7 @@ class ModelRunner:
                             self.sliding_window)
             if self.attention_chunk is not None and limit > self.attention_chunk:
                 logger.info("max_model_len %d, this model's attention chunk: set max_model_len for longer contexts "
-                            "(up to %d here; on a GPU their steps run without CUDA graphs)", self.attention_chunk,
-                            limit)
+                            "(up to %d here)", self.attention_chunk, limit)
                 return self.attention_chunk
             return limit
         if capacity is not None and self.config.max_model_len > capacity:
@@ -376,10 +377,6 @@ class ModelRunner:
             return False
         if self.world_size > 1:
             logger.warning("CUDA graphs are not used under tensor parallelism yet; decode steps run eagerly")
-            return False
-        if self.chunk_view is not None:
-            logger.warning("CUDA graphs are not used for chunked attention beyond one chunk yet (max_model_len %d, "
-                           "chunks of %d); decode steps run eagerly", self.max_model_len, self.chunk_view)
             return False
         return True
 
@@ -505,7 +502,9 @@ class ModelRunner:
             spans_past_window=self.spans_past_window,
             chunked_layers=self.chunked_layers,
             chunk_seq_lens=step.chunk_seq_lens,
-            chunk_block_tables=step.chunk_block_tables,
+            chunk_block_tables=[] if step.chunk_first_blocks is None else [
+                chunk_tables(tables, step.chunk_first_blocks, step.chunk_width)
+                for tables in [step.block_tables, *step.window_block_tables]],
         )
         if step.embeds is None:
             tokens = dict(input_ids=step.input_ids[None])
