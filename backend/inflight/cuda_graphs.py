@@ -26,12 +26,13 @@ its graph's shape, and replays the graph.
 Everything that varies between steps is read from those device buffers: token ids, positions, cache
 slots, sequence offsets and lengths, block tables, the rows whose logits are kept (and, under chunked
 attention beyond one chunk, each sequence's length from its chunk's start and that chunk's first block,
-from which the graph takes the chunked layers' block tables: input_buffers.chunk_tables). A graph fixes only its
-shape: the launch grids, the split count of split-KV decode (triton_ops.decode_splits takes the bucket's
-size, never a context length) and the block-table row width (the buffers' max_blocks). All graphs share
-one memory pool, captured the most tokens first so that the smaller ones reuse its memory, and write
-their logits into one output tensor (a step's are read, by the sampler's kernels queued after its
-replay, before the next replay writes its own; a tensor each took over a GB of a 1.2B model's memory).
+from which the graph takes the chunked layers' block tables: input_buffers.chunk_tables). A graph fixes
+only its shape: the launch grids, the split count of split-KV decode (triton_ops.decode_splits takes the
+bucket's size, never a context length) and the block-table row width (the buffers' max_blocks, and
+chunk_width). All graphs share one memory pool, captured the most tokens first so that the smaller ones
+reuse its memory, and write their logits into one output tensor (a step's are read, by the sampler's
+kernels queued after its replay, before the next replay writes its own; a tensor each took over a GB of
+a 1.2B model's memory).
 """
 
 import bisect

@@ -485,7 +485,8 @@ class LLMEngine:
         step in flight read first: its deltas go to `deltas`)."""
         if not batch.seqs:
             return None
-        # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward.
+        # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward (and
+        # in the draft model's pool before it drafts).
         copies = self.block_manager.take_pending_copies()
         if self.draft_model is not None:  # (its drafts proposed now: the scheduler placed them)
             self.draft_model.fill(batch, copies)

@@ -412,8 +412,8 @@ class InputBuffers:
             step.window_slot_mappings = [slots[:tokens] for slots in self._window_slots(self.device)]
             step.window_block_tables = [tables[:seqs, :width] for tables in self.device_window_tables]
         if self.chunk_width:
-            step.chunk_seq_lens, step.chunk_first_blocks = field("chunk_seq_lens", seqs), field("chunk_first_blocks",
-                                                                                                 seqs)
+            step.chunk_seq_lens = field("chunk_seq_lens", seqs)
+            step.chunk_first_blocks = field("chunk_first_blocks", seqs)
             step.chunk_width = self.chunk_width
         return step
 
