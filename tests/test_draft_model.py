@@ -1,8 +1,9 @@
 """Speculative decoding with a draft model (speculative_config's "draft_model" method): greedy output equal
-to HF transformers' with drafts kept and rejected, an identical draft model's drafts all but always kept
-(what shows its KV follows each sequence: through preemption, the prefix cache, a budget smaller than a
-prompt, forks and async scheduling), seeded sampling, grammars, a draft vocabulary wider than the model's,
-the pool shared between the two models, what is refused, and served through tritonserver."""
+to HF transformers' with drafts kept and rejected, an identical draft model's drafts all but always kept,
+every proposal the draft model's own greedy continuation (what shows its KV follows each sequence: through
+preemption, the prefix cache, a budget smaller than a prompt, forks and async scheduling), seeded
+sampling, grammars, a draft vocabulary wider than the model's, the pool shared between the two models, what
+is refused, and served through tritonserver."""
 
 import json
 import shutil
@@ -55,10 +56,9 @@ def drafts(tiny_models, tmp_path_factory):
         wide.lm_head.weight[512:] = 10 * wide.lm_head.weight[:512].abs().max()
         wide.lm_head.weight[512:, :32] *= -1  # (not all equal: some token beyond 512 wins every row)
     wide.save_pretrained(root / "wide")
-    for name in ("near", "wide", "other_tokenizer"):
-        shutil.copytree(target, root / name, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("*.safetensors", "config.json") if name != "other_tokenizer"
-                        else None)
+    for name in ("near", "wide", "other_tokenizer"):  # (the tokenizer's files; other_tokenizer's weights too)
+        saved = None if name == "other_tokenizer" else shutil.ignore_patterns("*.safetensors", "config.json")
+        shutil.copytree(target, root / name, dirs_exist_ok=True, ignore=saved)
         made[name] = str(root / name)
     tokenizer = json.loads((root / "other_tokenizer" / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
