@@ -74,6 +74,7 @@ def drafts(tiny_models, tmp_path_factory):
     (dict(method="eagle", model="x"), r"method 'eagle' is not served: \"ngram\" .* or \"draft_model\""),
     (dict(model="x", prompt_lookup_max=3), "prompt_lookup_max: the \"ngram\" method's"),
     (dict(model=""), "needs model"),
+    (dict(model="x", draft_tensor_parallel_size=2), "draft_tensor_parallel_size must be 1, got 2"),
 ])
 def test_the_settings_are_checked(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -81,7 +82,8 @@ def test_the_settings_are_checked(settings, message):
 
 
 def test_the_method_follows_from_a_model():
-    config = EngineConfig(model="m", device="cpu", speculative_config={"model": "d", "num_speculative_tokens": 2})
+    config = EngineConfig(model="m", device="cpu", speculative_config={"model": "d", "num_speculative_tokens": 2,
+                                                                       "draft_tensor_parallel_size": 1})
     assert (config.speculative_config.method, config.speculative_config.model) == ("draft_model", "d")
 
 

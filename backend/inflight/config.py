@@ -40,12 +40,16 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be an object, got {value!r}")
         known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
+                 "disable_by_batch_size", "draft_tensor_parallel_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(known))})")
         values = dict(value)
+        ranks = values.pop("draft_tensor_parallel_size", None)  # (vLLM's; one rank is all there is here)
+        if ranks is not None and (isinstance(ranks, bool) or ranks != 1):
+            raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1, got {ranks!r}: the draft "
+                             "model runs whole, on the first rank's device")
         method = values.setdefault("method", "draft_model" if values.get("model") is not None else "ngram")
         if method not in cls.METHODS:
             raise ValueError(f"speculative_config method {method!r} is not served: \"ngram\" (drafts looked up "
