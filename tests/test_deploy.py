@@ -44,6 +44,18 @@ def test_kubernetes_manifest_matches_the_server():
     assert docs["Service"]["spec"]["selector"] == selector == pod_labels
 
 
+def test_the_gpu_session_runs_every_file_of_gpu_tests():
+    """scripts/gpu_session.sh is what a session lent a GPU runs: a file with a test that needs one (ON_A_GPU,
+    or skipped where CUDA is not available) that the script does not name never runs there (those of
+    chunked attention and of the draft model were missed so)."""
+    script = (ROOT / "scripts" / "gpu_session.sh").read_text()
+    needs_a_gpu = re.compile(r"ON_A_GPU|not torch\.cuda\.is_available\(\)")
+    files = sorted(path.name for path in (ROOT / "tests").glob("test_*.py")
+                   if path.name != Path(__file__).name and needs_a_gpu.search(path.read_text()))
+    assert "test_draft_model.py" in files
+    assert [name for name in files if not re.search(rf"tests/{re.escape(name)}\b", script)] == []
+
+
 def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     """`make bench-gpu` runs on a GPU machine when one is at hand: its smoke mode (the same steps on CPU,
     tiny shapes) keeps it working in between, and its tables carry every row, none of them failed, and
