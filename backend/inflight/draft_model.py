@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .config import EngineConfig
 from .input_buffers import build_step_inputs
-from .model_runner import ModelRunner, compute_dtype, kv_bytes_per_block, kv_cache_dtype
+from .model_runner import ModelRunner, compute_dtype, kv_bytes_per_block, kv_cache_dtype, kv_heads_and_head_dim
 from .model_support import UnsupportedModel
 from .scheduler import ScheduledBatch
 from .sequence import BlockTable, Sequence
@@ -82,14 +82,11 @@ class DraftModel:
         full_config = AutoConfig.from_pretrained(spec.model, trust_remote_code=config.trust_remote_code)
         hf_config = getattr(full_config, "text_config", full_config)
         device_type = config.device_type
-        dtype = compute_dtype(config.dtype, getattr(hf_config, "dtype", None) or getattr(full_config, "dtype", None),
-                              device_type)
+        dtype = compute_dtype(config.dtype, full_config, device_type)
         capability = torch.cuda.get_device_capability(config.device) if device_type == "cuda" else None
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, device_type, capability)
-        heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         per_block = kv_bytes_per_block(config.block_size, hf_config.num_hidden_layers,
-                                       getattr(hf_config, "num_key_value_heads", None) or heads, head_dim, kv_dtype)
+                                       *kv_heads_and_head_dim(hf_config), kv_dtype)
         try:
             with torch.device("meta"):
                 shapes = AutoModelForCausalLM.from_config(full_config, trust_remote_code=config.trust_remote_code)
@@ -128,9 +125,10 @@ class DraftModel:
         last token, then after each draft. One read from the device, at the end."""
         wanted = [len(seq.drafts) for seq in seqs]
         lengths = [seq.num_tokens for seq in seqs]  # (none pending: can_speculate)
-        depths = [self._catch_up(seqs)]  # depths[j][r]: the (j+1)-th draft of the r-th sequence still drafting
-        rows = list(range(len(seqs)))  # the sequences of the latest pass
+        # Each pass's drafts (a tensor on the device) and the sequences they are of, by their index in `seqs`.
+        passes = [(self._catch_up(seqs), list(range(len(seqs))))]
         for depth in range(1, max(wanted)):
+            before, rows = passes[-1]
             kept = [k for k, r in enumerate(rows) if wanted[r] > depth]
             rows = [rows[k] for k in kept]
             # Each computes its latest draft (at position length + depth - 1), read from the pass before.
@@ -138,11 +136,9 @@ class DraftModel:
             inputs = build_step_inputs(ScheduledBatch(views, [1] * len(views), len(views)), self.runner.block_size,
                                        list(range(len(views))), table_rows=self.tables)
             inputs.pending_at, inputs.pending_rows = np.arange(len(views)), np.asarray(kept, dtype=np.int64)
-            depths.append(self._greedy(self.runner.run(inputs, depths[-1])))
+            passes.append((self._greedy(self.runner.run(inputs, before)), rows))
         drafts: list[list[int]] = [[] for _ in seqs]
-        rows = list(range(len(seqs)))
-        for depth, tokens in enumerate(depths):
-            rows = [r for r in rows if wanted[r] > depth]
+        for tokens, rows in passes:
             for r, token in zip(rows, tokens.tolist()):
                 drafts[r].append(token)
         for seq, length, proposed in zip(seqs, lengths, drafts):

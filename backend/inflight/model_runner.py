@@ -56,13 +56,23 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device_type: str,
     return chosen
 
 
-def compute_dtype(setting: str, checkpoint_dtype, device_type: str) -> torch.dtype:
-    """The setting; for "auto", bfloat16 on a GPU (float16 where the checkpoint is), float32 on a CPU."""
+def compute_dtype(setting: str, full_config, device_type: str) -> torch.dtype:
+    """The setting; for "auto", bfloat16 on a GPU (float16 where the checkpoint is), float32 on a CPU. (A
+    vision-language checkpoint may say its dtype at the top of `full_config` only.)"""
     if setting != "auto":
         return _DTYPES[setting]
     if device_type == "cpu":
         return torch.float32
-    return torch.float16 if str(checkpoint_dtype).removeprefix("torch.") == "float16" else torch.bfloat16
+    checkpoint = getattr(getattr(full_config, "text_config", full_config), "dtype", None) or getattr(
+        full_config, "dtype", None)
+    return torch.float16 if str(checkpoint).removeprefix("torch.") == "float16" else torch.bfloat16
+
+
+def kv_heads_and_head_dim(hf_config) -> tuple[int, int]:
+    """The model's KV heads (all of them: a rank of tensor parallelism holds its share) and their size."""
+    heads = hf_config.num_attention_heads
+    return (getattr(hf_config, "num_key_value_heads", None) or heads,
+            getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
 
 
 def kv_bytes_per_block(block_size: int, layers: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:
@@ -87,9 +97,7 @@ class ModelRunner:
         hf_config = getattr(full_config, "text_config", full_config)
         # before loading the weights: refused at once
         self.attention_chunk = attention_chunk(hf_config, full_config.model_type in images.PROMPT_SEES_ITSELF)
-        # (a vision-language checkpoint may say its dtype at the top only)
-        self.dtype = dtype = compute_dtype(config.dtype, getattr(hf_config, "dtype", None)
-                                           or getattr(full_config, "dtype", None), self.device.type)
+        self.dtype = dtype = compute_dtype(config.dtype, full_config, self.device.type)
         sharding = {}
         if self.world_size > 1:  # transformers' own tensor-parallel plan over the process group
             from transformers.distributed import DistributedConfig
@@ -132,9 +140,8 @@ class ModelRunner:
                                    f"({config.block_size}): the engine reads a chunk from its first block")
         self.num_layers = hf_config.num_hidden_layers
         # This rank's KV heads: the attention layers see 1/N of them under tensor parallelism.
-        self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None)
-                             or hf_config.num_attention_heads) // self.world_size
-        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        kv_heads, self.head_dim = kv_heads_and_head_dim(hf_config)
+        self.num_kv_heads = kv_heads // self.world_size
         self.block_size = config.block_size
         self.attention_impl = ops.resolve_impl(None, self.device.type)
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
