@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for the lent GPU machine (Python 3.12, no package registry), at the versions requirements.txt
 # pins: transformers, and peft with accelerate (LoRA), into .whl/ (carried on every call), xgrammar and what it imports into .whl-grammar/
-# (carried when the call runs the grammar tests), pillow into .whl-images/ (7 MB: carried when the call
+# (carried when the call runs the grammar tests; with compressed-tensors, which imports pydantic too, for
+# test_quantized.py's second format), pillow into .whl-images/ (7 MB: carried when the call
 # runs test_images.py; with .serving/, .whl/ and the tokenizer it would pass the 64 MiB a call may carry).
 # scripts/gpu_session.sh installs whatever of them is there.
 set -euo pipefail
@@ -16,6 +17,7 @@ fetch() {  # fetch FOLDER REQUIREMENT...
 }
 fetch .whl "$(pin transformers)" "$(pin peft)" "$(pin accelerate)"
 fetch .whl-grammar "$(pin xgrammar)" "$(pin apache-tvm-ffi)" "$(pin pydantic)" "$(pin pydantic_core)" \
-  "$(pin annotated-types)" "$(pin typing-inspection)" "$(pin typing_extensions)"
+  "$(pin annotated-types)" "$(pin typing-inspection)" "$(pin typing_extensions)" "$(pin compressed-tensors)" \
+  "$(pin loguru)"
 fetch .whl-images "$(pin pillow)"
 du -sh .whl .whl-grammar .whl-images

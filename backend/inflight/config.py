@@ -98,6 +98,10 @@ class EngineConfig:
     # fp8_e5m2. A float32 model with a bfloat16 cache holds twice the tokens, and its decode attention reads
     # half the bytes; an fp8 cache holds twice a 16-bit one's.
     kv_cache_dtype: str = "auto"
+    # fp8: an unquantized checkpoint's linear layers (not the output head) quantized to FP8 as it loads, in
+    # blocks of 128 x 128 (transformers' fine-grained FP8; a GPU of compute capability 8.9 on: half the weights'
+    # memory of 16 bits). None: the checkpoint's own quantization, if any (quantization.py).
+    quantization: str | None = None
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # pool size as a block count ...
     kv_cache_memory: int | None = None  # ... or as bytes ...
@@ -186,6 +190,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("float32", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "auto"):
             raise ValueError("kv_cache_dtype must be float32, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2 or auto, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or null (the checkpoint's own), got {self.quantization!r}")
         positive("block_size")
         if self.block_size & (self.block_size - 1) or self.block_size < 8:
             raise ValueError(f"block_size must be a power of two of at least 8, got {self.block_size}")

@@ -121,7 +121,8 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, 
     keys and values; gate and up) are packed as one weight and computed as one matmul. Returns how many
     layers were packed."""
     dtypes = packable_dtypes()
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear
+    # (not layers whose forward is another's: a compressed-tensors layer rounds its input first, quantization.py)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)
                and m.weight.device.type == "cpu" and m.weight.dtype in dtypes]
     packable = {id(m) for m in linears}
     groups = [group for group in sibling_projections(model) if all(id(m) in packable for m in group)] \

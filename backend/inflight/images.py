@@ -51,13 +51,13 @@ def is_vision_language(hf_config) -> bool:
 
 
 def load(model: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool, max_images: int,
-         cache_bytes: int, sharding: dict) -> tuple[torch.nn.Module, "ImageEncoder"]:
+         cache_bytes: int, loading: dict) -> tuple[torch.nn.Module, "ImageEncoder"]:
     """The checkpoint's language model as a causal LM with inflight's attention, and its image encoder
-    (whose vision tower keeps transformers' own attention). `sharding`: transformers' tensor-parallel
-    options (the language model sharded by its plan)."""
+    (whose vision tower keeps transformers' own attention). `loading`: from_pretrained's further options
+    (transformers' tensor-parallel plan sharding the language model; a quantized checkpoint's, quantization.py)."""
     full = AutoModelForImageTextToText.from_pretrained(
         model, dtype=dtype, trust_remote_code=trust_remote_code,
-        attn_implementation={"text_config": attn_implementation, "vision_config": "sdpa"}, **sharding).eval()
+        attn_implementation={"text_config": attn_implementation, "vision_config": "sdpa"}, **loading).eval()
     text_config = full.config.text_config
     with torch.device("meta"):  # (its own weights are replaced at once by the checkpoint's)
         language_model = AutoModelForCausalLM.from_config(text_config, dtype=dtype)

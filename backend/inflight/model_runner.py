@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from . import images, ops
+from . import images, ops, quantization
 from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, AttentionContext
 from .config import EngineConfig
 from .cpu_experts import pack_experts
@@ -98,22 +98,22 @@ class ModelRunner:
         # before loading the weights: refused at once
         self.attention_chunk = attention_chunk(hf_config, full_config.model_type in images.PROMPT_SEES_ITSELF)
         self.dtype = dtype = compute_dtype(config.dtype, full_config, self.device.type)
-        sharding = {}
+        loading = quantization.loading_options(full_config, self.device, config.quantization)
         if self.world_size > 1:  # transformers' own tensor-parallel plan over the process group
             from transformers.distributed import DistributedConfig
-            sharding["distributed_config"] = DistributedConfig(tp_size=self.world_size, tp_plan="auto")
+            loading["distributed_config"] = DistributedConfig(tp_size=self.world_size, tp_plan="auto")
         attn_implementation = ATTN_IMPLEMENTATION_COMPILED if config.torch_compile else ATTN_IMPLEMENTATION
         self.image_encoder = None  # a vision-language model's (images.py)
         try:
             if images.is_vision_language(full_config):
                 model, self.image_encoder = images.load(config.model, dtype, attn_implementation,
                                                         config.trust_remote_code, config.max_images_per_prompt,
-                                                        config.image_cache_memory, sharding)
+                                                        config.image_cache_memory, loading)
                 self.image_encoder.to(self.device)
             else:
                 model = AutoModelForCausalLM.from_pretrained(
                     config.model, dtype=dtype, attn_implementation=attn_implementation,
-                    trust_remote_code=config.trust_remote_code, **sharding)
+                    trust_remote_code=config.trust_remote_code, **loading)
             self.model = model.to(self.device).eval()
         except ValueError as e:  # (transformers' message lists every model type it has: long, and not why)
             if not str(e).startswith("Unrecognized configuration class"):
@@ -126,6 +126,7 @@ class ModelRunner:
                 raise
             raise refuse(hf_config.model_type, "its modeling code does not use transformers' attention interface "
                                                "(AttentionInterface), where inflight's paged attention plugs in") from e
+        quantization.describe(self.model, quantization.quant_method(full_config))
         self.hf_config = hf_config
         # A PaliGemma prompt sees itself whole past a sliding window (a Gemma 3 image within it)
         self.spans_past_window = self.image_encoder is not None and self.image_encoder.spans == "prompt"

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from . import quantization
 from .config import EngineConfig
 from .input_buffers import StepInputs
 from .launch import start_python_process
@@ -46,14 +47,16 @@ class RanksFailedError(RuntimeError):
     """A rank failed or died: the ranks can no longer run a step together."""
 
 
-def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
+def check_tensor_parallel(config: EngineConfig, full_config) -> None:
     """Clear errors, before any process starts, for what tensor parallelism cannot do."""
     n = config.tensor_parallel_size
+    hf_config = getattr(full_config, "text_config", full_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % n or kv_heads % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the model's {heads} attention heads and "
                          f"{kv_heads} KV heads")
+    quantization.check_tensor_parallel(full_config, n)
     accelerator = torch._C._get_accelerator().type
     if accelerator != config.device_type:
         # transformers builds the tensor-parallel mesh on the accelerator torch detects.
@@ -126,7 +129,7 @@ class TensorParallelRunner:
         """`beside`: what a draft model takes beside rank 0's pool (ModelRunner's; the draft model runs whole
         on rank 0, and every rank's pool has as many blocks as the smallest)."""
         hf_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-        check_tensor_parallel(config, getattr(hf_config, "text_config", hf_config))
+        check_tensor_parallel(config, hf_config)
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group: "
                                "one tensor-parallel engine per process")

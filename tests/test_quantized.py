@@ -1,0 +1,182 @@
+"""Quantized checkpoints (quantization.py): a tiny Llama written by hand in two formats' layouts, block-wise
+FP8 (transformers' "fp8": FP8 weights, a float32 scale for each 128 x 128 block) and compressed-tensors'
+FP8-dynamic (FP8 weights with a scale a row, inputs rounded to FP8 a token at a time), run by the engine
+greedy equal to HF transformers loading the same checkpoint, token for token."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import hf_greedy, make_tiny_model, random_prompts
+from inflight import LLM, SamplingParams, quantization
+
+BLOCK = 128
+FP8_MAX = 448.0  # float8_e4m3fn's largest value
+FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
+FP8_SCHEME = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                    "dynamic": True}}
+INT4_SCHEME = {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}
+
+
+def compressed_tensors(*schemes: dict) -> dict:
+    """A compressed-tensors quantization_config with one group a scheme, every Linear but the output head."""
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {f"group_{i}": {"targets": ["Linear"], **scheme}
+                                                     for i, scheme in enumerate(schemes)}}
+
+
+def blockwise_fp8(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    rows, cols = weight.shape
+    blocks = weight.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    quantized = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+    return {name: quantized, name.replace("weight", "weight_scale_inv"): scale}
+
+
+def rowwise_fp8(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    scale = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    return {name: (weight / scale).to(torch.float8_e4m3fn), name.replace("weight", "weight_scale"): scale}
+
+
+def quantized_copy(base: Path, out: Path, quantize, quantization_config: dict) -> str:
+    """`base`'s checkpoint with each projection's weight quantized by `quantize`, and the config saying so."""
+    out.mkdir()
+    for path in base.iterdir():
+        if path.name != "model.safetensors":
+            (out / path.name).write_bytes(path.read_bytes())
+    tensors = {}
+    for name, tensor in load_file(base / "model.safetensors").items():
+        tensors.update(quantize(name, tensor) if name.endswith("_proj.weight") else {name: tensor})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("quantized")
+    # Every projection a whole number of 128 x 128 blocks (heads of 64: 4 query, 2 KV)
+    base = make_tiny_model("llama", root / "base", hidden_size=256, intermediate_size=512)
+    return {"base": str(base),
+            "fp8": quantized_copy(base, root / "fp8", blockwise_fp8, FP8),
+            "compressed-tensors": quantized_copy(base, root / "ct", rowwise_fp8, compressed_tensors(FP8_SCHEME))}
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+def test_greedy_equals_hf_loading_the_same_checkpoint(checkpoints, method):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[method], dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(checkpoints["base"], dtype=torch.float32).eval()
+    prompts = random_prompts(6, 5, 60, 512, seed=3)
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
+    # The quantization is not lost on the way: the unquantized weights answer otherwise.
+    assert expected != [hf_greedy(base, p, 16) for p in prompts]
+    # Prompts in chunks of 24 and a pool of 12 blocks of 8: chunked prefill and preemption.
+    llm = LLM(checkpoints[method], num_kv_blocks=12, block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.stats()["num_preemptions"] > 0 and llm.block_manager.num_used_blocks == 0
+    q_proj = llm.runner.model.model.layers[0].self_attn.q_proj
+    if method == "compressed-tensors":  # its layers keep the scheme's forward (inputs rounded to FP8)
+        assert q_proj.quantization_scheme.input_activations is not None and "forward" in vars(q_proj)
+
+
+def test_compressed_tensors_loads_for_the_device(monkeypatch):
+    """FP8 matmuls on a GPU that has them when every scheme is FP8; dequantized weights otherwise."""
+    from transformers import PretrainedConfig
+
+    def options(device: str, *schemes):
+        config = PretrainedConfig(quantization_config=compressed_tensors(*schemes))
+        chosen = quantization.loading_options(config, torch.device(device))["quantization_config"]
+        return chosen.use_optimized_inference, chosen.dequantize
+
+    assert options("cpu", FP8_SCHEME) == (False, True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert options("cuda", FP8_SCHEME) == (True, False)
+    assert options("cuda", FP8_SCHEME, INT4_SCHEME) == (False, True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert options("cuda", FP8_SCHEME) == (False, True)
+    # Other methods load as transformers has them load.
+    assert quantization.loading_options(PretrainedConfig(quantization_config=FP8), torch.device("cpu")) == {}
+    assert quantization.loading_options(PretrainedConfig(), torch.device("cpu")) == {}
+
+
+def test_the_quantization_setting(checkpoints, default_model, monkeypatch):
+    """quantization "fp8" quantizes an unquantized checkpoint on a GPU that computes in FP8, and is refused
+    elsewhere, for sizes its blocks do not divide, over a checkpoint quantized otherwise, or as another name."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="quantization must be fp8 or null"):
+        LLM(checkpoints["base"], quantization="int4")
+    with pytest.raises(ValueError, match=r"quantization fp8 quantizes weights in blocks of 128 x 128; the model's "
+                                         "query rows: 576, not a multiple of 128"):
+        LLM(default_model, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization fp8: FP8 weights need a GPU of compute capability 8.9 or "
+                                         "more .Ada, Hopper., not a CPU"):
+        LLM(checkpoints["base"], quantization="fp8")
+    with pytest.raises(ValueError, match=r"the checkpoint is already quantized \(compressed-tensors\)"):
+        LLM(checkpoints["compressed-tensors"], quantization="fp8")
+    assert LLM(checkpoints["fp8"], quantization="fp8", num_kv_blocks=8).generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    chosen = quantization.loading_options(AutoConfig.from_pretrained(checkpoints["base"]), torch.device("cuda"),
+                                          "fp8")["quantization_config"]
+    assert chosen.quant_method == "fp8" and tuple(chosen.weight_block_size) == (128, 128)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tensor parallelism here shards over CPU processes")
+def test_tensor_parallel_fp8_as_one_rank_and_what_it_cannot_shard_refused(checkpoints, tmp_path):
+    # Twice the heads: each rank's key and value rows a whole FP8 block (128 of 256)
+    base = make_tiny_model("llama", tmp_path / "base", hidden_size=512, intermediate_size=1024,
+                           num_attention_heads=8, num_key_value_heads=4)
+    fp8 = quantized_copy(base, tmp_path / "fp8", blockwise_fp8, FP8)
+    prompts = random_prompts(3, 5, 40, 512, seed=4)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in LLM(fp8, num_kv_blocks=32).generate(prompts, greedy)]
+    llm = LLM(fp8, num_kv_blocks=32, tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == one
+    finally:
+        llm.close()
+    # Refused before any rank starts: the key and value projections' 128 rows would give each rank half a block
+    with pytest.raises(ValueError, match=r"splits the model's key and value rows \(128\) into 64 a rank, not a "
+                                         "whole number of the checkpoint's FP8 blocks of 128"):
+        LLM(checkpoints["fp8"], tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="compressed-tensors checkpoint: transformers' quantizer for it does not"):
+        LLM(checkpoints["compressed-tensors"], tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors", "base"])
+def test_on_a_gpu_beside_cuda_graphs(checkpoints, method):
+    """On a GPU of compute capability 8.9 on the weights stay FP8 (transformers' FP8Linear; compressed-tensors'
+    row-wise FP8 matmuls; the unquantized checkpoint quantized by the `quantization` setting), CUDA graphs
+    replay the decode steps, and greedy output equals HF's on the GPU with the same options."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if method == "compressed-tensors":
+        pytest.importorskip("compressed_tensors", reason="compressed-tensors travels in .whl-grammar/")
+    fp8_matmuls = torch.cuda.get_device_capability() >= quantization.FP8_CAPABILITY
+    requested = "fp8" if method == "base" else None
+    if requested and not fp8_matmuls:
+        pytest.skip("quantization fp8 needs a GPU of compute capability 8.9 or more")
+    options = quantization.loading_options(AutoConfig.from_pretrained(checkpoints[method]), torch.device("cuda"),
+                                           requested)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[method], dtype=torch.bfloat16, **options).to("cuda").eval()
+    prompts = random_prompts(6, 5, 60, 512, seed=3)
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
+    llm = LLM(checkpoints[method], device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
+              quantization=requested)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.runner.graphs.replays > 0
+    weight = llm.runner.model.model.layers[0].self_attn.q_proj.weight
+    assert (weight.dtype == torch.float8_e4m3fn) == fp8_matmuls
