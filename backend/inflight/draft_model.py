@@ -57,7 +57,8 @@ class DraftModel:
         self.runner = ModelRunner(dataclasses.replace(
             config, model=spec.model, speculative_config=None, num_kv_blocks=target.num_blocks, kv_cache_memory=None,
             kv_cache_memory_fraction=None, max_model_len=target.max_model_len, hybrid_kv_cache=False,
-            lora_modules=None, lora_task_slots=0, quantization=None, fused_layers=None if config.fused_layers else config.fused_layers,
+            lora_modules=None, lora_task_slots=0, quantization=None,
+            fused_layers=None if config.fused_layers else config.fused_layers,
             tensor_parallel_size=1, gpu_device_ids=None, device=str(target.device)))  # (whole, on rank 0's device)
         draft = self.runner
         if draft.image_encoder is not None or draft.chunk_view is not None:

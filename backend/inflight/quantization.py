@@ -13,9 +13,10 @@ not run or would run slowly:
 - "compressed-tensors": on such a GPU, when every scheme of the checkpoint quantizes weights to FP8, the
   layers run row-wise FP8 matmuls (`use_optimized_inference`: vLLM's FP8-dynamic checkpoints). Otherwise
   the weights are dequantized as they load (`dequantize`) rather than at the model's first forward pass
-  (compressed-tensors' default, where a layer called alone before it fails). The layers keep compressed-tensors' forward, which
-  rounds their inputs (and weights) to the scheme's grid as transformers' model does, so output equals
-  HF's; the engine's CPU packing and GPU merging leave such layers alone (their forward is not nn.Linear's).
+  (compressed-tensors' default, where a layer called alone before it fails). The layers keep
+  compressed-tensors' forward, which rounds their inputs (and weights) to the scheme's grid as transformers'
+  model does, so output equals HF's; the engine's CPU packing and GPU merging leave such layers alone
+  (their forward is not nn.Linear's).
 
 The `quantization` setting ("fp8", vLLM's name) quantizes an unquantized checkpoint as it loads, in
 transformers' fine-grained FP8 (blocks of 128 x 128, each with its scale): on a GPU of compute capability
