@@ -241,6 +241,40 @@ def bench_kv_cache_dtype(model_dir: str, work: Workload, repeats: int, budget: i
             "tokens_per_gib": tokens_per_gib, "same": same, "leading": leading, "requests": len(outputs["auto"])}
 
 
+QUANTIZED = {"fp8-dynamic": "compressed-tensors FP8-dynamic", "w4a16": "compressed-tensors W4A16 (groups of 64)"}
+
+
+def bench_quantized(model_dir: str, work: Workload, repeats: int, budget: int) -> dict:
+    """The workload offline (greedy) on the model and on its quantized copies (QUANTIZED, written by
+    quantized_checkpoints.py): output tok/s (medians of alternating runs), and how many outputs stay equal
+    to the unquantized model's."""
+    import tempfile
+
+    from quantized_checkpoints import quantized_copy
+
+    root = tempfile.mkdtemp(prefix="inflight-quantized-")
+    folders = {None: model_dir, **{fmt: quantized_copy(model_dir, Path(root) / fmt, fmt, group=64)
+                                   for fmt in QUANTIZED}}
+    outputs = {}
+
+    def run(fmt: str | None) -> float:
+        elapsed, _, outs = inflight_run(folders[fmt], work, max_num_batched_tokens=budget)
+        outputs[fmt] = [o.token_ids for o in outs]
+        return elapsed
+
+    seconds = alternating({fmt: lambda fmt=fmt: run(fmt) for fmt in folders}, repeats)
+    for fmt, times in seconds.items():
+        print(f"  {QUANTIZED.get(fmt, 'unquantized')}, each run: "
+              + ", ".join(f"{work.output_tokens / t:.1f}" for t in times) + " tok/s", file=sys.stderr)
+    same, leading = {}, {}
+    for fmt in QUANTIZED:
+        pairs = list(zip(outputs[None], outputs[fmt]))
+        same[fmt] = sum(a == b for a, b in pairs)
+        leading[fmt] = statistics.mean(agreeing_tokens(b, a) / len(a) for a, b in pairs)
+    return {"rates": {fmt: work.output_tokens / statistics.median(times) for fmt, times in seconds.items()},
+            "same": same, "leading": leading, "requests": len(outputs[None])}
+
+
 def save_random_model(model_dir: str, out: str, config_class, keys: tuple[str, ...], **settings) -> None:
     """A model of `config_class` with random weights (seed 0, float32) saved to `out` with `model_dir`'s
     tokenizer: `model_dir`'s config values named in `keys`, its head size, and `settings`."""
@@ -800,14 +834,14 @@ def main() -> None:
                              "search against HF generate's), spec (n-gram speculative decoding against HF's prompt "
                              "lookup), draft (a draft model's speculative decoding, --draft-model, against HF's "
                              "assisted generation with it; not run unless named), tp (tensor parallelism: 1 and 3 "
-                             "ranks), detok (detokenizing 128 streams), "
-                             "sampling (the sampler's cost for 128 streams), attention (the CPU attention kernels "
-                             "against the torch paths, bench_cpu_attention.py), kv-dtype (bfloat16 and fp8 KV caches "
-                             "against the model's float32 one), window (long prompts on a model whose layers share a "
-                             "sliding window: blocks behind it given back or kept), hybrid (long prompts on a model of "
-                             "Gemma 3's windowed and full layers: the windowed ones' block tables of their own or one "
-                             "table for all), moe (a mixture-of-experts model's "
-                             "experts packed or as transformers runs them)")
+                             "ranks), detok (detokenizing 128 streams), sampling (the sampler's cost for 128 streams), "
+                             "attention (the CPU attention kernels against the torch paths, bench_cpu_attention.py), "
+                             "kv-dtype (bfloat16 and fp8 KV caches against the model's float32 one), quantized (the "
+                             "model's compressed-tensors FP8-dynamic and W4A16 copies against it; not run unless "
+                             "named), window (long prompts on a model whose layers share a sliding window: blocks "
+                             "behind it given back or kept), hybrid (long prompts on a model of Gemma 3's windowed and "
+                             "full layers: the windowed ones' block tables of their own or one table for all), moe (a "
+                             "mixture-of-experts model's experts packed or as transformers runs them)")
     parser.add_argument("--draft-model", default=None,
                         help="the draft model of the draft peer: a folder of a model with the same tokenizer "
                              "(default: the model itself, whose drafts are all kept)")
@@ -906,6 +940,16 @@ def main() -> None:
             print(f"| {kv} | {rate:.1f} ({rate / plain - 1:+.1%}) | {r['tokens_per_gib'][kv]:,} | "
                   f"{r['same'][kv]} of {r['requests']} (on average the first {r['leading'][kv]:.0%} of a "
                   "request's tokens) |")
+    if "quantized" in peers:
+        r = bench_quantized(args.model, work, args.repeats, args.max_num_batched_tokens)
+        plain = r["rates"][None]
+        print(f"\n| checkpoint, inflight offline on a CPU (dequantized as it loads), median of {args.repeats} | "
+              f"output tok/s | greedy outputs equal to the unquantized model's |\n|---|---:|---|\n"
+              f"| unquantized, float32 | {plain:.1f} | |")
+        for fmt, name in QUANTIZED.items():
+            rate = r["rates"][fmt]
+            print(f"| {name} | {rate:.1f} ({rate / plain - 1:+.1%}) | {r['same'][fmt]} of {r['requests']} (on "
+                  f"average the first {r['leading'][fmt]:.0%} of a request's tokens) |")
     if "window" in peers:
         r = bench_sliding_window(args.model, args.repeats, args.max_num_batched_tokens, args.seed)
         print_long_prompts(r, f"a window of {r['window']} in every layer, {r['blocks']} blocks of 16", args.repeats,

@@ -63,10 +63,10 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     import subprocess
 
     out = tmp_path / "bench-gpu.md"
-    # Every mode but torch_compile's (half the run's time on a CI host; its engine is tested elsewhere),
-    # which --skip leaves out like any part.
+    # Every mode but torch_compile's (half the run's time on a CI host; its engine is tested elsewhere) and
+    # FP8 weights' (refused on a CPU: test_quantized.py), which --skip leaves out like any part.
     result = subprocess.run([sys.executable, str(ROOT / "client" / "bench_gpu.py"), "--smoke", "--all", "--skip",
-                             "compile", "--host-profile", "--out", str(out)], capture_output=True, text=True,
+                             "compile,fp8", "--host-profile", "--out", str(out)], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     # How long each measurement took, on stderr: what fits a GPU session is planned from them.
@@ -120,7 +120,7 @@ def test_bench_gpu_runs_the_issues_set_unless_asked_for_all():
 
     assert selected_modes(False, set()) == ["graphs"]
     assert selected_modes(True, set()) == list(MODES) and list(MODES)[0] == "graphs"
-    assert selected_modes(True, {"compile", "eager"}) == ["graphs", "unfused", "sync"]
+    assert selected_modes(True, {"compile", "eager"}) == ["graphs", "unfused", "sync", "fp8"]
     assert selected_modes(True, {"graphs"})[0] == "compile"
 
 

@@ -1,61 +1,17 @@
-"""Quantized checkpoints (quantization.py): a tiny Llama written by hand in two formats' layouts, block-wise
-FP8 (transformers' "fp8": FP8 weights, a float32 scale for each 128 x 128 block) and compressed-tensors'
-FP8-dynamic (FP8 weights with a scale a row, inputs rounded to FP8 a token at a time), run by the engine
-greedy equal to HF transformers loading the same checkpoint, token for token."""
+"""Quantized checkpoints (quantization.py): a tiny Llama written in three formats' layouts, block-wise FP8
+(transformers' "fp8": FP8 weights, a float32 scale for each 128 x 128 block), compressed-tensors' FP8-dynamic
+(FP8 weights with a scale a row, inputs rounded to FP8 a token at a time) and its W4A16 (4-bit weights, a
+scale for each 128 of a row, packed), run by the engine greedy equal to HF transformers loading the same
+checkpoint, token for token; the `quantization` setting; tensor parallelism."""
 
-import json
-from pathlib import Path
+import functools
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from conftest import hf_greedy, make_tiny_model, random_prompts
 from inflight import LLM, SamplingParams, quantization
-
-BLOCK = 128
-FP8_MAX = 448.0  # float8_e4m3fn's largest value
-FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
-FP8_SCHEME = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
-              "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
-                                    "dynamic": True}}
-INT4_SCHEME = {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}
-
-
-def compressed_tensors(*schemes: dict) -> dict:
-    """A compressed-tensors quantization_config with one group a scheme, every Linear but the output head."""
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "ignore": ["lm_head"], "config_groups": {f"group_{i}": {"targets": ["Linear"], **scheme}
-                                                     for i, scheme in enumerate(schemes)}}
-
-
-def blockwise_fp8(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    rows, cols = weight.shape
-    blocks = weight.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
-    quantized = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
-    return {name: quantized, name.replace("weight", "weight_scale_inv"): scale}
-
-
-def rowwise_fp8(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    scale = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX
-    return {name: (weight / scale).to(torch.float8_e4m3fn), name.replace("weight", "weight_scale"): scale}
-
-
-def quantized_copy(base: Path, out: Path, quantize, quantization_config: dict) -> str:
-    """`base`'s checkpoint with each projection's weight quantized by `quantize`, and the config saying so."""
-    out.mkdir()
-    for path in base.iterdir():
-        if path.name != "model.safetensors":
-            (out / path.name).write_bytes(path.read_bytes())
-    tensors = {}
-    for name, tensor in load_file(base / "model.safetensors").items():
-        tensors.update(quantize(name, tensor) if name.endswith("_proj.weight") else {name: tensor})
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = quantization_config
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    return str(out)
+from quantized_checkpoints import FORMATS, compressed_tensors_config, fp8_dynamic_scheme, int4_scheme, quantized_copy
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +19,10 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("quantized")
     # Every projection a whole number of 128 x 128 blocks (heads of 64: 4 query, 2 KV)
     base = make_tiny_model("llama", root / "base", hidden_size=256, intermediate_size=512)
-    return {"base": str(base),
-            "fp8": quantized_copy(base, root / "fp8", blockwise_fp8, FP8),
-            "compressed-tensors": quantized_copy(base, root / "ct", rowwise_fp8, compressed_tensors(FP8_SCHEME))}
+    return {"base": str(base), **{fmt: quantized_copy(base, root / fmt, fmt) for fmt in FORMATS}}
 
 
-@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+@pytest.mark.parametrize("method", FORMATS)
 def test_greedy_equals_hf_loading_the_same_checkpoint(checkpoints, method):
     from transformers import AutoModelForCausalLM
 
@@ -84,8 +38,13 @@ def test_greedy_equals_hf_loading_the_same_checkpoint(checkpoints, method):
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.stats()["num_preemptions"] > 0 and llm.block_manager.num_used_blocks == 0
     q_proj = llm.runner.model.model.layers[0].self_attn.q_proj
-    if method == "compressed-tensors":  # its layers keep the scheme's forward (inputs rounded to FP8)
-        assert q_proj.quantization_scheme.input_activations is not None and "forward" in vars(q_proj)
+    assert type(q_proj._parameters) is dict  # (out of compressed-tensors' offload cache)
+    # Packed for oneDNN, as nn.Linear layers are, unless the scheme rounds the layer's inputs first; the
+    # output head (not quantized) too
+    assert isinstance(q_proj.forward, functools.partial) == (method != "fp8-dynamic")
+    assert isinstance(llm.runner.model.lm_head.forward, functools.partial)
+    if method == "fp8-dynamic":
+        assert q_proj.quantization_scheme.input_activations is not None
 
 
 def test_compressed_tensors_loads_for_the_device(monkeypatch):
@@ -93,18 +52,20 @@ def test_compressed_tensors_loads_for_the_device(monkeypatch):
     from transformers import PretrainedConfig
 
     def options(device: str, *schemes):
-        config = PretrainedConfig(quantization_config=compressed_tensors(*schemes))
+        config = PretrainedConfig(quantization_config=compressed_tensors_config(*schemes, layout="float-quantized"))
         chosen = quantization.loading_options(config, torch.device(device))["quantization_config"]
         return chosen.use_optimized_inference, chosen.dequantize
 
-    assert options("cpu", FP8_SCHEME) == (False, True)
+    fp8, int4 = fp8_dynamic_scheme(), int4_scheme(128)
+    assert options("cpu", fp8) == (False, True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert options("cuda", FP8_SCHEME) == (True, False)
-    assert options("cuda", FP8_SCHEME, INT4_SCHEME) == (False, True)
+    assert options("cuda", fp8) == (True, False)
+    assert options("cuda", fp8, int4) == (False, True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert options("cuda", FP8_SCHEME) == (False, True)
+    assert options("cuda", fp8) == (False, True)
     # Other methods load as transformers has them load.
-    assert quantization.loading_options(PretrainedConfig(quantization_config=FP8), torch.device("cpu")) == {}
+    blockwise = PretrainedConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert quantization.loading_options(blockwise, torch.device("cpu")) == {}
     assert quantization.loading_options(PretrainedConfig(), torch.device("cpu")) == {}
 
 
@@ -122,7 +83,7 @@ def test_the_quantization_setting(checkpoints, default_model, monkeypatch):
                                          "more .Ada, Hopper., not a CPU"):
         LLM(checkpoints["base"], quantization="fp8")
     with pytest.raises(ValueError, match=r"the checkpoint is already quantized \(compressed-tensors\)"):
-        LLM(checkpoints["compressed-tensors"], quantization="fp8")
+        LLM(checkpoints["fp8-dynamic"], quantization="fp8")
     assert LLM(checkpoints["fp8"], quantization="fp8", num_kv_blocks=8).generate(
         [[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -137,7 +98,7 @@ def test_tensor_parallel_fp8_as_one_rank_and_what_it_cannot_shard_refused(checkp
     # Twice the heads: each rank's key and value rows a whole FP8 block (128 of 256)
     base = make_tiny_model("llama", tmp_path / "base", hidden_size=512, intermediate_size=1024,
                            num_attention_heads=8, num_key_value_heads=4)
-    fp8 = quantized_copy(base, tmp_path / "fp8", blockwise_fp8, FP8)
+    fp8 = quantized_copy(base, tmp_path / "fp8", "fp8")
     prompts = random_prompts(3, 5, 40, 512, seed=4)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     one = [o.outputs[0].token_ids for o in LLM(fp8, num_kv_blocks=32).generate(prompts, greedy)]
@@ -148,21 +109,24 @@ def test_tensor_parallel_fp8_as_one_rank_and_what_it_cannot_shard_refused(checkp
         llm.close()
     # Refused before any rank starts: the key and value projections' 128 rows would give each rank half a block
     with pytest.raises(ValueError, match=r"splits the model's key and value rows \(128\) into 64 a rank, not a "
-                                         "whole number of the checkpoint's FP8 blocks of 128"):
+                                         "whole number of the FP8 blocks of 128"):
         LLM(checkpoints["fp8"], tensor_parallel_size=2)
+    # (the blocks the quantization setting would make: refused before the device could be)
+    with pytest.raises(ValueError, match="splits the model's key and value rows"):
+        LLM(checkpoints["base"], tensor_parallel_size=2, quantization="fp8")
     with pytest.raises(ValueError, match="compressed-tensors checkpoint: transformers' quantizer for it does not"):
-        LLM(checkpoints["compressed-tensors"], tensor_parallel_size=2)
+        LLM(checkpoints["fp8-dynamic"], tensor_parallel_size=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("method", ["fp8", "compressed-tensors", "base"])
+@pytest.mark.parametrize("method", ["fp8", "fp8-dynamic", "base"])
 def test_on_a_gpu_beside_cuda_graphs(checkpoints, method):
     """On a GPU of compute capability 8.9 on the weights stay FP8 (transformers' FP8Linear; compressed-tensors'
     row-wise FP8 matmuls; the unquantized checkpoint quantized by the `quantization` setting), CUDA graphs
     replay the decode steps, and greedy output equals HF's on the GPU with the same options."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if method == "compressed-tensors":
+    if method == "fp8-dynamic":
         pytest.importorskip("compressed_tensors", reason="compressed-tensors travels in .whl-grammar/")
     fp8_matmuls = torch.cuda.get_device_capability() >= quantization.FP8_CAPABILITY
     requested = "fp8" if method == "base" else None

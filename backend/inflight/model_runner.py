@@ -114,6 +114,7 @@ class ModelRunner:
                 model = AutoModelForCausalLM.from_pretrained(
                     config.model, dtype=dtype, attn_implementation=attn_implementation,
                     trust_remote_code=config.trust_remote_code, **loading)
+            quantization.unwrap(model, full_config)
             self.model = model.to(self.device).eval()
         except ValueError as e:  # (transformers' message lists every model type it has: long, and not why)
             if not str(e).startswith("Unrecognized configuration class"):

@@ -56,7 +56,7 @@ def check_tensor_parallel(config: EngineConfig, full_config) -> None:
     if heads % n or kv_heads % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the model's {heads} attention heads and "
                          f"{kv_heads} KV heads")
-    quantization.check_tensor_parallel(full_config, n)
+    quantization.check_tensor_parallel(full_config, n, config.quantization)
     accelerator = torch._C._get_accelerator().type
     if accelerator != config.device_type:
         # transformers builds the tensor-parallel mesh on the accelerator torch detects.

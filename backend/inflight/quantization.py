@@ -14,9 +14,10 @@ not run or would run slowly:
   layers run row-wise FP8 matmuls (`use_optimized_inference`: vLLM's FP8-dynamic checkpoints). Otherwise
   the weights are dequantized as they load (`dequantize`) rather than at the model's first forward pass
   (compressed-tensors' default, where a layer called alone before it fails). The layers keep
-  compressed-tensors' forward, which rounds their inputs (and weights) to the scheme's grid as transformers'
-  model does, so output equals HF's; the engine's CPU packing and GPU merging leave such layers alone
-  (their forward is not nn.Linear's).
+  compressed-tensors' forward where it rounds their inputs to the scheme's grid (W8A8, FP8-dynamic), as
+  transformers' model does, so output equals HF's; the engine's CPU packing and GPU merging leave such
+  layers alone (their forward is not nn.Linear's). Layers whose scheme rounds weights alone get nn.Linear's
+  forward back, and their parameters leave compressed-tensors' offload cache (`unwrap`).
 
 The `quantization` setting ("fp8", vLLM's name) quantizes an unquantized checkpoint as it loads, in
 transformers' fine-grained FP8 (blocks of 128 x 128, each with its scale): on a GPU of compute capability
@@ -79,21 +80,47 @@ def loading_options(full_config, device: torch.device, requested: str | None = N
                                                            dequantize=not fp8_matmuls)}
 
 
-def check_tensor_parallel(full_config, ranks: int) -> None:
+def check_tensor_parallel(full_config, ranks: int, requested: str | None = None) -> None:
     """A ValueError, before any rank starts, for a quantized checkpoint tensor parallelism cannot shard:
-    a method transformers does not shard, or FP8 blocks that a rank's share of a projection would cut."""
+    a method transformers does not shard, or FP8 blocks (the checkpoint's, or those `requested` makes) that a
+    rank's share of a projection would cut."""
     method = quant_method(full_config)
     if method in NOT_SHARDED:
         raise ValueError(f"tensor parallelism over a {method} checkpoint: transformers' quantizer for it does not "
                          "shard the weights (transformers 5.18); run it with tensor_parallel_size 1")
-    block = (settings(full_config).get("weight_block_size") or [None])[0] if method == "fp8" else None
+    if method == "fp8":
+        block = (settings(full_config).get("weight_block_size") or [None])[0]
+    else:
+        block = FP8_BLOCK if method is None and requested == "fp8" else None
     if block is None:
         return
     for name, size in _projection_sizes(full_config).items():
         if name != "hidden size" and size // ranks % block:  # (the hidden size is not split)
             raise ValueError(f"tensor_parallel_size {ranks} splits the model's {name} ({size}) into {size // ranks} "
-                             f"a rank, not a whole number of the checkpoint's FP8 blocks of {block}: transformers "
-                             "cannot shard its scales so; run it with fewer ranks")
+                             f"a rank, not a whole number of the FP8 blocks of {block}: transformers cannot shard "
+                             "their scales so; run it with fewer ranks")
+
+
+def unwrap(model: torch.nn.Module, full_config) -> None:
+    """A compressed-tensors checkpoint's model, loaded, made plain where that changes no result: its layers'
+    parameters back in dicts (compressed-tensors keeps them in an offload cache, which would keep them on
+    the CPU through `.to(device)`), and a layer whose scheme rounds its weights alone (W4A16, W8A16), which
+    are dequantized on their grid already, back to nn.Linear's forward (rounding them again each call gives
+    the same values): packed on a CPU, merged on a GPU, as any layer."""
+    if quant_method(full_config) != "compressed-tensors":
+        return
+    from compressed_tensors.offload import remove_dispatch
+
+    remove_dispatch(model, onload_tensors=True)  # (which leaves each module its class's forward, bound)
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if forward is None:
+            continue
+        scheme = getattr(module, "quantization_scheme", None)
+        weights_alone = (scheme is not None and module.weight.is_floating_point()
+                         and scheme.input_activations is None and scheme.output_activations is None)
+        if weights_alone or getattr(forward, "__func__", None) is type(module).forward:
+            del module.forward
 
 
 def _projection_sizes(full_config) -> dict[str, int]:
