@@ -119,22 +119,25 @@ def test_tensor_parallel_fp8_as_one_rank_and_what_it_cannot_shard_refused(checkp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("method", ["fp8", "fp8-dynamic", "base"])
+@pytest.mark.parametrize("method", [*FORMATS, "base"])
 def test_on_a_gpu_beside_cuda_graphs(checkpoints, method):
     """On a GPU of compute capability 8.9 on the weights stay FP8 (transformers' FP8Linear; compressed-tensors'
-    row-wise FP8 matmuls; the unquantized checkpoint quantized by the `quantization` setting), CUDA graphs
-    replay the decode steps, and greedy output equals HF's on the GPU with the same options."""
+    row-wise FP8 matmuls; the unquantized checkpoint quantized by the `quantization` setting; W4A16's
+    dequantized, its layers plain, on the GPU), CUDA graphs replay the decode steps, and greedy output equals
+    HF's on the GPU with the same options."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if method == "fp8-dynamic":
+    if method in ("fp8-dynamic", "w4a16"):
         pytest.importorskip("compressed_tensors", reason="compressed-tensors travels in .whl-grammar/")
     fp8_matmuls = torch.cuda.get_device_capability() >= quantization.FP8_CAPABILITY
     requested = "fp8" if method == "base" else None
     if requested and not fp8_matmuls:
         pytest.skip("quantization fp8 needs a GPU of compute capability 8.9 or more")
-    options = quantization.loading_options(AutoConfig.from_pretrained(checkpoints[method]), torch.device("cuda"),
-                                           requested)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoints[method], dtype=torch.bfloat16, **options).to("cuda").eval()
+    config = AutoConfig.from_pretrained(checkpoints[method])
+    options = quantization.loading_options(config, torch.device("cuda"), requested)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[method], dtype=torch.bfloat16, **options)
+    quantization.unwrap(hf, config)  # (its parameters out of compressed-tensors' CPU cache, same values)
+    hf = hf.to("cuda").eval()
     prompts = random_prompts(6, 5, 60, 512, seed=3)
     expected = [hf_greedy(hf, p, 16) for p in prompts]
     llm = LLM(checkpoints[method], device="cuda", dtype="bfloat16", num_kv_blocks=64, block_size=16,
@@ -143,4 +146,4 @@ def test_on_a_gpu_beside_cuda_graphs(checkpoints, method):
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.runner.graphs.replays > 0
     weight = llm.runner.model.model.layers[0].self_attn.q_proj.weight
-    assert (weight.dtype == torch.float8_e4m3fn) == fp8_matmuls
+    assert (weight.dtype == torch.float8_e4m3fn) == (fp8_matmuls and method != "w4a16")

@@ -153,6 +153,6 @@ def describe(model: torch.nn.Module, method: str | None) -> None:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(module, torch.nn.Linear) or type(module).__name__.endswith("Linear"):
-            kind = f"{type(module).__name__} ({weight.dtype if weight is not None else 'packed'})"
+            kind = f"{type(module).__name__} ({weight.dtype if weight is not None else 'no weight'})"
             kinds[kind] = kinds.get(kind, 0) + 1
     logger.info("quantized checkpoint (%s): %s", method, ", ".join(f"{n} x {kind}" for kind, n in kinds.items()))
