@@ -24,9 +24,11 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("method", FORMATS)
 def test_greedy_equals_hf_loading_the_same_checkpoint(checkpoints, method):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(checkpoints[method], dtype=torch.float32).eval()
+    # (the engine's options for a CPU: on a machine with a GPU transformers would keep FP8 weights)
+    options = quantization.loading_options(AutoConfig.from_pretrained(checkpoints[method]), torch.device("cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[method], dtype=torch.float32, **options).eval()
     base = AutoModelForCausalLM.from_pretrained(checkpoints["base"], dtype=torch.float32).eval()
     prompts = random_prompts(6, 5, 60, 512, seed=3)
     expected = [hf_greedy(hf, p, 16) for p in prompts]
@@ -47,8 +49,9 @@ def test_greedy_equals_hf_loading_the_same_checkpoint(checkpoints, method):
         assert q_proj.quantization_scheme.input_activations is not None
 
 
-def test_compressed_tensors_loads_for_the_device(monkeypatch):
-    """FP8 matmuls on a GPU that has them when every scheme is FP8; dequantized weights otherwise."""
+def test_checkpoints_load_for_the_device(monkeypatch):
+    """compressed-tensors: FP8 matmuls on a GPU that has them when every scheme is FP8, dequantized weights
+    otherwise; block-wise FP8 likewise."""
     from transformers import PretrainedConfig
 
     def options(device: str, *schemes):
@@ -63,9 +66,15 @@ def test_compressed_tensors_loads_for_the_device(monkeypatch):
     assert options("cuda", fp8, int4) == (False, True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert options("cuda", fp8) == (False, True)
-    # Other methods load as transformers has them load.
-    blockwise = PretrainedConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    assert quantization.loading_options(blockwise, torch.device("cpu")) == {}
+    # Block-wise FP8: kept on a GPU that computes in FP8, dequantized elsewhere (the checkpoint's layers left
+    # unquantized kept so); other checkpoints load as transformers has them load.
+    blockwise = PretrainedConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                      "modules_to_not_convert": ["lm_head", "model.layers.0.mlp"]})
+    for device in ("cpu", "cuda"):  # (a CPU, then a GPU of compute capability 8.0)
+        chosen = quantization.loading_options(blockwise, torch.device(device))["quantization_config"]
+        assert chosen.dequantize and chosen.modules_to_not_convert == ["lm_head", "model.layers.0.mlp"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert quantization.loading_options(blockwise, torch.device("cuda")) == {}
     assert quantization.loading_options(PretrainedConfig(), torch.device("cpu")) == {}
 
 

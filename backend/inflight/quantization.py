@@ -7,9 +7,9 @@ as transformers' do; attention, the KV cache and the schedule are the engine's a
 decide here is how a format loads on the device the engine runs on, where transformers' defaults would
 not run or would run slowly:
 
-- "fp8" (transformers' fine-grained FP8): nothing to ask. On a GPU of compute capability 8.9 on the
-  weights stay FP8 and transformers' FP8Linear layers run its Triton kernels; elsewhere transformers
-  dequantizes them as it loads (a CPU, an A100).
+- "fp8" (transformers' fine-grained FP8): on a GPU of compute capability 8.9 on the weights stay FP8 and
+  transformers' FP8Linear layers run its Triton kernels; elsewhere (a CPU, an A100) they are dequantized as
+  they load (`dequantize`: transformers would keep them FP8 for an engine on the CPU of a machine with a GPU).
 - "compressed-tensors": on such a GPU, when every scheme of the checkpoint quantizes weights to FP8, the
   layers run row-wise FP8 matmuls (`use_optimized_inference`: vLLM's FP8-dynamic checkpoints). Otherwise
   the weights are dequantized as they load (`dequantize`) rather than at the model's first forward pass
@@ -71,6 +71,11 @@ def loading_options(full_config, device: torch.device, requested: str | None = N
         return {"quantization_config": FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK))}
     if requested is not None and method != requested:
         raise ValueError(f"quantization {requested}: the checkpoint is already quantized ({method})")
+    if method == "fp8" and not has_fp8:  # (transformers would keep FP8 for a CPU engine on a GPU's machine)
+        from transformers import FineGrainedFP8Config
+
+        return {"quantization_config": FineGrainedFP8Config(
+            dequantize=True, modules_to_not_convert=settings(full_config).get("modules_to_not_convert"))}
     if method != "compressed-tensors":
         return {}
     from transformers import CompressedTensorsConfig
