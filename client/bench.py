@@ -252,17 +252,17 @@ def bench_quantized(model_dir: str, work: Workload, repeats: int, budget: int) -
 
     from quantized_checkpoints import quantized_copy
 
-    root = tempfile.mkdtemp(prefix="inflight-quantized-")
-    folders = {None: model_dir, **{fmt: quantized_copy(model_dir, Path(root) / fmt, fmt, group=64)
-                                   for fmt in QUANTIZED}}
     outputs = {}
 
-    def run(fmt: str | None) -> float:
-        elapsed, _, outs = inflight_run(folders[fmt], work, max_num_batched_tokens=budget)
+    def run(folder: str, fmt: str | None) -> float:
+        elapsed, _, outs = inflight_run(folder, work, max_num_batched_tokens=budget)
         outputs[fmt] = [o.token_ids for o in outs]
         return elapsed
 
-    seconds = alternating({fmt: lambda fmt=fmt: run(fmt) for fmt in folders}, repeats)
+    with tempfile.TemporaryDirectory(prefix="inflight-quantized-") as root:
+        folders = {None: model_dir, **{fmt: quantized_copy(model_dir, Path(root) / fmt, fmt, group=64)
+                                       for fmt in QUANTIZED}}
+        seconds = alternating({fmt: lambda fmt=fmt: run(folders[fmt], fmt) for fmt in folders}, repeats)
     for fmt, times in seconds.items():
         print(f"  {QUANTIZED.get(fmt, 'unquantized')}, each run: "
               + ", ".join(f"{work.output_tokens / t:.1f}" for t in times) + " tok/s", file=sys.stderr)

@@ -2,7 +2,7 @@
 # Wheels for the lent GPU machine (Python 3.12, no package registry), at the versions requirements.txt
 # pins: transformers, and peft with accelerate (LoRA), into .whl/ (carried on every call), xgrammar and what it imports into .whl-grammar/
 # (carried when the call runs the grammar tests; with compressed-tensors, which imports pydantic too, for
-# test_quantized.py's second format), pillow into .whl-images/ (7 MB: carried when the call
+# test_quantized.py's compressed-tensors formats), pillow into .whl-images/ (7 MB: carried when the call
 # runs test_images.py; with .serving/, .whl/ and the tokenizer it would pass the 64 MiB a call may carry).
 # scripts/gpu_session.sh installs whatever of them is there.
 set -euo pipefail
