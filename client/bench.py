@@ -212,6 +212,14 @@ def agreeing_tokens(ours: list[int], reference: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(ours, reference)) if x != y), min(len(ours), len(reference)))
 
 
+def agreement(reference: list[list[int]], outputs: list[list[int]]) -> tuple[int, float]:
+    """How many outputs equal the reference's, and the share of a reference's tokens they agree on from
+    the start, on average."""
+    pairs = list(zip(reference, outputs))
+    return (sum(a == b for a, b in pairs),
+            statistics.mean(agreeing_tokens(b, a) / len(a) for a, b in pairs))
+
+
 KV_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 
 
@@ -234,9 +242,7 @@ def bench_kv_cache_dtype(model_dir: str, work: Workload, repeats: int, budget: i
               + " tok/s", file=sys.stderr)
     same, leading = {}, {}
     for kv in KV_DTYPES[1:]:
-        pairs = list(zip(outputs["auto"], outputs[kv]))
-        same[kv] = sum(a == b for a, b in pairs)
-        leading[kv] = statistics.mean(agreeing_tokens(b, a) / len(a) for a, b in pairs)
+        same[kv], leading[kv] = agreement(outputs["auto"], outputs[kv])
     return {"rates": {kv: work.output_tokens / statistics.median(times) for kv, times in seconds.items()},
             "tokens_per_gib": tokens_per_gib, "same": same, "leading": leading, "requests": len(outputs["auto"])}
 
@@ -268,9 +274,7 @@ def bench_quantized(model_dir: str, work: Workload, repeats: int, budget: int) -
               + ", ".join(f"{work.output_tokens / t:.1f}" for t in times) + " tok/s", file=sys.stderr)
     same, leading = {}, {}
     for fmt in QUANTIZED:
-        pairs = list(zip(outputs[None], outputs[fmt]))
-        same[fmt] = sum(a == b for a, b in pairs)
-        leading[fmt] = statistics.mean(agreeing_tokens(b, a) / len(a) for a, b in pairs)
+        same[fmt], leading[fmt] = agreement(outputs[None], outputs[fmt])
     return {"rates": {fmt: work.output_tokens / statistics.median(times) for fmt, times in seconds.items()},
             "same": same, "leading": leading, "requests": len(outputs[None])}
 

@@ -14,6 +14,7 @@ compressed-tensors' layouts are written by its own compressors. The output head 
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -58,10 +59,7 @@ def quantized_copy(base: str | Path, out: str | Path, fmt: str, group: int = 128
         config = compressed_tensors_config(int4_scheme(group), layout="pack-quantized")
     else:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    out.mkdir(parents=True)
-    for path in base.iterdir():
-        if path.is_file() and path.name != "model.safetensors":
-            (out / path.name).write_bytes(path.read_bytes())
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns("model.safetensors"))
     tensors = {}
     for name, tensor in load_file(base / "model.safetensors").items():
         if name.endswith("_proj.weight"):

@@ -30,8 +30,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .config import EngineConfig
 from .input_buffers import build_step_inputs
-from .model_runner import ModelRunner, compute_dtype, kv_bytes_per_block, kv_cache_dtype, kv_heads_and_head_dim
-from .model_support import UnsupportedModel
+from .model_runner import ModelRunner, compute_dtype, kv_bytes_per_block, kv_cache_dtype
+from .model_support import UnsupportedModel, kv_heads_and_head_dim
 from .scheduler import ScheduledBatch
 from .sequence import BlockTable, Sequence
 from .speculative import NgramProposer, can_speculate

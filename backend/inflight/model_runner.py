@@ -27,7 +27,7 @@ from .input_buffers import (BlockTableRows, InputBuffers, StepInputs, StepTensor
 from .kernel_warmup import compile_attention_kernels
 from .lora import LoRAAdapters
 from .model_support import (UnsupportedModel, attention_chunk, check_attention_calls, chunked_layers,
-                            common_sliding_window, refuse, windowed_layers)
+                            common_sliding_window, kv_heads_and_head_dim, refuse, windowed_layers)
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
 from .step_memory import largest_step, peak_bytes, run_largest_step
@@ -66,13 +66,6 @@ def compute_dtype(setting: str, full_config, device_type: str) -> torch.dtype:
     checkpoint = getattr(getattr(full_config, "text_config", full_config), "dtype", None) or getattr(
         full_config, "dtype", None)
     return torch.float16 if str(checkpoint).removeprefix("torch.") == "float16" else torch.bfloat16
-
-
-def kv_heads_and_head_dim(hf_config) -> tuple[int, int]:
-    """The model's KV heads (all of them: a rank of tensor parallelism holds its share) and their size."""
-    heads = hf_config.num_attention_heads
-    return (getattr(hf_config, "num_key_value_heads", None) or heads,
-            getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
 
 
 def kv_bytes_per_block(block_size: int, layers: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:

@@ -55,6 +55,13 @@ def attention_chunk(hf_config, prompt_sees_itself: bool = False) -> int | None:
     return hf_config.attention_chunk_size if "chunked_attention" in layer_types else None
 
 
+def kv_heads_and_head_dim(hf_config) -> tuple[int, int]:
+    """The model's KV heads (all of them: a rank of tensor parallelism holds its share) and their size."""
+    heads = hf_config.num_attention_heads
+    return (getattr(hf_config, "num_key_value_heads", None) or heads,
+            getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+
+
 def chunked_layers(hf_config) -> list[bool]:
     """Each layer's attention: chunked (Llama 4's) or not."""
     layer_types, _ = get_layer_types_and_kwargs(hf_config)

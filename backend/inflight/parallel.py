@@ -32,6 +32,7 @@ from .config import EngineConfig
 from .input_buffers import StepInputs
 from .launch import start_python_process
 from .model_runner import ModelRunner
+from .model_support import kv_heads_and_head_dim
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def check_tensor_parallel(config: EngineConfig, full_config) -> None:
     n = config.tensor_parallel_size
     hf_config = getattr(full_config, "text_config", full_config)
     heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    kv_heads, _ = kv_heads_and_head_dim(hf_config)
     if heads % n or kv_heads % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the model's {heads} attention heads and "
                          f"{kv_heads} KV heads")

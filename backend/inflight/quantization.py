@@ -32,6 +32,8 @@ import logging
 
 import torch
 
+from .model_support import kv_heads_and_head_dim
+
 logger = logging.getLogger(__name__)
 
 FP8_CAPABILITY = (8, 9)  # FP8 matmuls: Ada, Hopper and later
@@ -131,10 +133,8 @@ def unwrap(model: torch.nn.Module, full_config) -> None:
 def _projection_sizes(full_config) -> dict[str, int]:
     """The sizes of the decoder's projections: their rows, and the hidden size (the columns of most)."""
     hf_config = getattr(full_config, "text_config", full_config)
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return {"query rows": heads * head_dim,
-            "key and value rows": (getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim,
+    kv_heads, head_dim = kv_heads_and_head_dim(hf_config)
+    return {"query rows": hf_config.num_attention_heads * head_dim, "key and value rows": kv_heads * head_dim,
             "MLP rows": getattr(hf_config, "intermediate_size", None) or 0, "hidden size": hf_config.hidden_size}
 
 
