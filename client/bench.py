@@ -198,6 +198,37 @@ def bench_prefix_caching(model_dir: str, n: int, seed: int) -> list[tuple]:
     return rows
 
 
+def bench_kv_offload(model_dir: str, n: int, seed: int, sessions: int = 8, pool_blocks: int = 64) -> list[tuple]:
+    """`sessions` conversations of a 400-token context each (25 blocks) taking turns, one turn each a round
+    (`n` turns in all, a new question of 8-24 tokens and 32 output tokens each): a pool of `pool_blocks`
+    holds about two contexts, so by a session's next turn the pool has handed its blocks to the others.
+    Prefix caching off, the pool alone, and the pool with a host tier holding every context."""
+    rng = random.Random(seed)
+    contexts = [[rng.randrange(100, 49152) for _ in range(400)] for _ in range(sessions)]
+    turns = [contexts[i % sessions] + [rng.randrange(100, 49152) for _ in range(rng.randint(8, 24))]
+             for i in range(n)]
+    rows, block_bytes = [], None
+    for name, settings in (("prefix caching off", dict(enable_prefix_caching=False)), ("the pool alone", {}),
+                           ("the pool and a host tier", None)):
+        if settings is None:  # (every context's 25 blocks, and room to spare)
+            settings = dict(kv_offload_memory=2 * sessions * 25 * block_bytes)
+        llm = make_llm(model_dir, num_kv_blocks=pool_blocks, **settings)
+        block_bytes = llm.runner.bytes_per_block
+        llm.generate([turns[0][:8]], None)  # warm-up
+        ttfts, seconds, tokens = [], 0.0, 0
+        for first in range(0, n, sessions):
+            ttft, tps = stream_ttft(llm, turns[first:first + sessions], 32)
+            round_tokens = 32 * len(turns[first:first + sessions])
+            ttfts.append(ttft)
+            seconds, tokens = seconds + round_tokens / tps, tokens + round_tokens
+        stats = llm.stats()
+        hit = stats["prefix_cache_hit_tokens"] / max(stats["prefix_cache_queried_tokens"], 1)
+        loaded = stats.get("kv_offload_loaded_blocks_total", 0)
+        rows.append((name, statistics.mean(ttfts), tokens / seconds, hit, loaded))
+        print(f"  {name}: mean TTFT {rows[-1][1]:.2f} s, {rows[-1][2]:.1f} tok/s, hit {hit:.0%}", file=sys.stderr)
+    return rows
+
+
 PERSON_SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
@@ -840,7 +871,9 @@ def main() -> None:
                              "assisted generation with it; not run unless named), tp (tensor parallelism: 1 and 3 "
                              "ranks), detok (detokenizing 128 streams), sampling (the sampler's cost for 128 streams), "
                              "attention (the CPU attention kernels against the torch paths, bench_cpu_attention.py), "
-                             "kv-dtype (bfloat16 and fp8 KV caches against the model's float32 one), quantized (the "
+                             "kv-dtype (bfloat16 and fp8 KV caches against the model's float32 one), offload (turns of "
+                             "conversations whose contexts the pool cannot hold at once: the pool alone and with a "
+                             "host tier, kv_offload_memory; not run unless named), quantized (the "
                              "model's compressed-tensors FP8-dynamic and W4A16 copies against it; not run unless "
                              "named), window (long prompts on a model whose layers share a sliding window: blocks "
                              "behind it given back or kept), hybrid (long prompts on a model of Gemma 3's windowed and "
@@ -925,6 +958,13 @@ def main() -> None:
         print("|---|---|---:|---:|---:|")
         for name, caching, ttft, tps, hit in rows:
             print(f"| {name} | {caching} | {ttft:.2f} | {tps:.1f} | {hit} |")
+    if "offload" in peers:
+        rows = bench_kv_offload(args.model, args.num_requests, args.seed)
+        print(f"\n| {args.num_requests} turns of 8 conversations (400-token contexts, 32 output tokens), a pool of 64 "
+              "blocks | mean TTFT (s) | output tok/s | prompt tokens found cached | blocks from the host tier |")
+        print("|---|---:|---:|---:|---:|")
+        for name, ttft, tps, hit, loaded in rows:
+            print(f"| {name} | {ttft:.2f} | {tps:.1f} | {hit:.0%} | {loaded} |")
     if "logprobs" in peers:
         seconds = alternating({k: lambda k=k: run_inflight(args.model, work, logprobs=k,
                                                            max_num_batched_tokens=args.max_num_batched_tokens)

@@ -35,7 +35,7 @@ want tests-engine && part tests-engine "${TESTS_S:-120}" python3 -m pytest -v --
   tests/test_cuda_graphs.py tests/test_engine_greedy.py tests/test_fused_layers.py tests/test_engine_behaviour.py \
   tests/test_async_scheduling.py tests/test_lora.py tests/test_beam_search.py tests/test_speculative.py \
   tests/test_prompt_embeds.py tests/test_images.py tests/test_sliding_window.py tests/test_draft_model.py \
-  tests/test_chunked_attention.py tests/test_quantized.py \
+  tests/test_chunked_attention.py tests/test_quantized.py tests/test_kv_offload.py \
   -k "${TESTS_K:-(cuda or graphs or auto or padded or bucket or step_inputs or gpu or pipeline) and not more_model_types}"
 # The other model types (README "Models") on CUDA: their kernels' softcap and sinks compiled, and whether
 # each captures in CUDA graphs (the warnings summary names those whose decode steps ran eagerly).

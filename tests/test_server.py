@@ -30,7 +30,8 @@ PROMPTS = [
     "The capital of Japan is",
 ]
 MAX_TOKENS = 24
-SETTINGS = dict(num_kv_blocks=256, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512)
+SETTINGS = dict(num_kv_blocks=256, kv_cache_memory=None, max_num_seqs=64, max_num_batched_tokens=512,
+                kv_offload_memory=1 << 28)
 
 
 @pytest.fixture(scope="module")
@@ -670,6 +671,26 @@ def test_tensorrt_llm_perf_metrics_in_the_final_response(server):
     assert reused[0][0] == 0 and reused[1][0] == reused[1][1] > 0, reused
     plain = generate(server.grpc_url, prompt, **greedy())
     assert not any("arrival_time_ns" in r for r in plain.responses)
+
+
+def test_a_prompt_found_again_in_the_host_tier_after_the_pool_moved_on(server):
+    """kv_offload_memory: a prompt whose blocks the pool (256 blocks) handed to other prompts since is found
+    again in the host tier: the same text, its full blocks reported reused, and the host tier's metrics."""
+    prompt = "A prompt for the host tier: " + PROMPTS[4] * 8
+    first = generate(server.grpc_url, prompt, return_perf_metrics=True, **greedy(ignore_eos=True))
+    loaded = server.metrics().get("inflight_kv_offload_loaded_blocks_total", 0)
+    for i in range(5):  # (about 57 blocks each: more than the pool, so every block cached before is handed out)
+        filler = generate(server.grpc_url, f"Filler {i}: " + " ".join(PROMPTS) * 20, max_tokens=1, temperature=0.0)
+        assert filler.error is None
+    again = generate(server.grpc_url, prompt, return_perf_metrics=True, return_num_input_tokens=True,
+                     **greedy(ignore_eos=True))
+    assert first.error is None and again.error is None and again.text == first.text
+    reused = int(again.responses[-1]["kv_cache_reused_blocks"][0])
+    assert reused == (int(again.responses[-1]["num_input_tokens"][0]) - 1) // 16 > 0
+    server.wait_for_metric("inflight_kv_offload_loaded_blocks_total", lambda v: v >= loaded + reused, timeout=10)
+    metrics = server.metrics()
+    assert metrics["inflight_kv_offload_stored_blocks_total"] >= reused
+    assert 0 < metrics["inflight_kv_offload_blocks_used"] <= metrics["inflight_kv_offload_blocks_total"]
 
 
 def test_lora_adapters_by_name_beside_the_base_model(server, offline):

@@ -1178,3 +1178,22 @@ def test_metrics_send_latencies_in_one_batch_and_only_what_changed():
     assert sorted(api.messages) == [("increment", "inflight_lora_requests_total", "alpha", 1),
                                     ("set", "inflight_lora_requests_running", "alpha", 0),
                                     ("set", "inflight_lora_requests_waiting", "alpha", 0)]
+
+
+def test_the_host_tiers_gauges_and_counters_are_made_when_the_engine_reports_them():
+    """With kv_offload_memory the engine reports its host tier (kv_offload.py): two gauges set, two counters
+    advanced by what they gained; an engine without one sends none of them."""
+    api = FakeMetricsApi()
+    metrics = TritonMetrics(api, {"model": "llm", "version": "1"})
+    metrics.update(idle_stats())
+    assert not [m for m in api.messages if "offload" in m[1]]
+    tier = {"kv_offload_blocks_used": 5, "kv_offload_blocks_total": 40, "kv_offload_stored_blocks_total": 9,
+            "kv_offload_loaded_blocks_total": 4}
+    metrics.update({**idle_stats(), **tier})
+    metrics.update({**idle_stats(), **tier, "kv_offload_blocks_used": 3, "kv_offload_loaded_blocks_total": 6})
+    sent = [m[:2] + m[3:] for m in api.messages if "offload" in m[1]]
+    assert sent == [("set", "inflight_kv_offload_blocks_used", 5), ("set", "inflight_kv_offload_blocks_total", 40),
+                    ("increment", "inflight_kv_offload_stored_blocks_total", 9),
+                    ("increment", "inflight_kv_offload_loaded_blocks_total", 4),
+                    ("set", "inflight_kv_offload_blocks_used", 3),
+                    ("increment", "inflight_kv_offload_loaded_blocks_total", 2)]

@@ -446,7 +446,7 @@ def run_random_history(seed: int) -> None:
                 pool.free(victim)
                 live.remove(victim)
                 continue
-            for source, destination in pool.take_pending_copies():
+            for source, destination, _ in pool.take_pending_copies():
                 holds[destination] = holds[source]
             end = seq.num_computed_tokens + n
             for group, table, _ in tables(seq):

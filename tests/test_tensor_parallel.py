@@ -13,6 +13,7 @@ import torch
 from conftest import make_tiny_model, random_prompts
 from inflight import LLM, LoRATask, SamplingParams
 from inflight.engine import EngineDeadError
+from test_kv_offload import waves
 
 pytestmark = [
     pytest.mark.slow,
@@ -84,6 +85,23 @@ def test_tiny_checkpoint_sharded_over_two_and_four_ranks(tmp_path, ranks, fused,
         assert run_to_the_end(llm, prompts, params) == expected
         assert not drafts or llm.stats()["spec_decode_draft_tokens_total"] > 0
         assert llm.runner.kv_cache.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
+    finally:
+        llm.close()
+
+
+def test_a_host_tier_on_two_ranks(tmp_path):
+    """kv_offload_memory (split over the ranks): each rank stores and loads its own KV heads of each block,
+    the copies in the step's message; output equal to one rank's with the same tier, blocks brought back."""
+    model = str(make_tiny_model("llama", tmp_path / "tiny", num_attention_heads=8, num_key_value_heads=4))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    settings = dict(num_kv_blocks=14, max_num_seqs=3, max_num_batched_tokens=48, num_threads=1)
+    one = LLM(model, kv_offload_memory=1 << 22, **settings)
+    expected = run_to_the_end(one, waves(seed=3), [params] * 18)
+    llm = LLM(model, tensor_parallel_size=2, kv_offload_memory=1 << 22, **settings)
+    try:
+        assert llm.block_manager.host.num_slots == (1 << 21) // llm.runner.bytes_per_block  # (a rank's share)
+        assert run_to_the_end(llm, waves(seed=3), [params] * 18) == expected
+        assert llm.stats()["kv_offload_loaded_blocks_total"] == one.stats()["kv_offload_loaded_blocks_total"] > 0
     finally:
         llm.close()
 

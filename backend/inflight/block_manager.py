@@ -7,6 +7,9 @@ user is gone keeps its contents and its hash in the free pool, so a later prompt
 can take it back; when a fresh block is needed, blocks with no cached contents go first, then cached
 ones in least-recently-freed order.
 
+With a host tier (kv_offload.py), a cached block handed to another sequence is copied to host memory
+first, and a prefix is found on from the pool's blocks into the host's, which are copied back.
+
 When every layer attends within one sliding window, a sequence gives back each block once all its
 tokens are behind the window of the next token it computes (`release_behind_window`): a long sequence
 holds the window's blocks, not its whole length's.
@@ -16,6 +19,7 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from .kv_offload import FROM_HOST, TO_HOST, BlockCopy, HostBlock, HostTier
 from .sequence import Sequence
 
 
@@ -25,16 +29,17 @@ class Block:
     ref_count: int = 0
     hash: int | None = None  # set while the block is registered in the prefix cache
     token_ids: tuple | None = None  # its tokens as Sequence.cache_key gives them
-    parent_id: int | None = None  # the block before it in the sequence that filled it
     lora_id: int = 0  # the LoRA adapter of the sequence that filled it
-    # Which registration in the prefix cache is its present one (0: none): a hybrid model's windowed blocks
-    # are keyed by their full block's (hybrid_blocks.py)
+    # Which registration in the prefix cache is its present one (0: none), unique over the engine's life and
+    # kept by a block moved to the host tier and back: a hybrid model's windowed blocks are keyed by their
+    # full block's (hybrid_blocks.py), and a block's parent is named by it
     registration: int = 0
+    parent_registration: int = 0  # the block before it in the sequence that filled it (0: none)
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, host_slots: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -44,9 +49,10 @@ class BlockManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self._cached: dict = {}  # hash (a hybrid model's windowed block's: its key, hybrid_blocks.py) -> block id
         self._registrations = itertools.count(1)
-        # (source, destination) block pairs to copy before the next forward: a shared block about to
-        # be written is copied first (copy-on-write), as the completions of one prompt diverge.
-        self.pending_copies: list[tuple[int, int]] = []
+        # Copies to make before the next forward, in order: a shared block about to be written is copied
+        # first (copy-on-write), as the completions of one prompt diverge; blocks go to the host tier and back.
+        self.pending_copies: list[BlockCopy] = []
+        self.host = HostTier(host_slots) if host_slots and enable_prefix_caching else None
 
     # -- pool state --------------------------------------------------------------------------
     @property
@@ -100,7 +106,7 @@ class BlockManager:
             shared = self.blocks[table[i]]
             shared.ref_count -= 1
             table[i] = self._take_free_block()
-            self.pending_copies.append((shared.block_id, table[i]))
+            self.pending_copies.append(BlockCopy(shared.block_id, table[i]))
             needed -= 1
         for _ in range(needed):
             table.append(self._take_free_block())
@@ -116,7 +122,7 @@ class BlockManager:
         theirs.block_hashes = list(ours.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
+    def take_pending_copies(self) -> list[BlockCopy]:
         """The copies asked for since the last call, for the next step to make first."""
         copies = list(self.pending_copies)
         self.pending_copies.clear()  # (in place: a hybrid model's groups of layers share the list)
@@ -128,6 +134,8 @@ class BlockManager:
         else:
             block_id, _ = self._free_cached.popitem(last=False)
             block = self.blocks[block_id]
+            if self.host is not None:
+                self._store_on_host(block)
             self._uncache(block)
         block.ref_count = 1
         return block.block_id
@@ -192,44 +200,89 @@ class BlockManager:
         from. Returns the number of tokens reused."""
         return self.take_prefix(seq, self.cached_prefix(seq))
 
-    def cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+    def cached_prefix(self, seq: Sequence) -> list[tuple[int, int | None]]:
         """The longest run of cached full blocks that begins the tokens of `seq` (all but its last token),
-        as (hash, block id) pairs; nothing taken."""
+        as (hash, block id) pairs, the block id None for a block in the host tier; nothing taken."""
         assert not self.blocks_of(seq).block_table
         if not self.enable_prefix_caching or seq.params.needs_prompt_logits:
             return []  # prompt logprobs and context logits need every prompt position computed
-        run, parent_hash, parent_id = [], self._root_hash(seq), None
+        run, parent_hash, parent_registration = [], self._root_hash(seq), 0
         known = seq.num_prompt_tokens + len(seq.output_token_ids)
         for start in range(0, known - 1 - self.block_size + 1, self.block_size):
             chunk = seq.cache_key(start, start + self.block_size)
             h = self.hash_block(parent_hash, chunk)
             block_id = self._cached.get(h)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
+            block = self.blocks[block_id] if block_id is not None else None
             # Compare contents, not only hashes: a collision must never hand out wrong KV.
-            if block.token_ids != chunk or block.parent_id != parent_id or block.lora_id != seq.lora_id:
+            if block is not None and block.token_ids == chunk and block.lora_id == seq.lora_id \
+                    and block.parent_registration == parent_registration:
+                run.append((h, block_id))
+                parent_hash, parent_registration = h, block.registration
+                continue
+            kept = self.host.find(h, chunk, seq.lora_id, parent_registration) if self.host is not None else None
+            if kept is None:
                 break
-            run.append((h, block_id))
-            parent_hash, parent_id = h, block_id
+            run.append((h, None))
+            parent_hash, parent_registration = h, kept.registration
         while run and seq.span_split_by(len(run) * self.block_size):  # (the span is computed again whole)
             run.pop()
         return run
 
-    def take_prefix(self, seq: Sequence, run: list[tuple[int, int]]) -> int:
-        """Give `seq` (without blocks) the cached blocks of `run` (cached_prefix's, or a part of it that
-        begins it) and mark their tokens computed; returns how many."""
+    def take_prefix(self, seq: Sequence, run: list[tuple[int, int | None]]) -> int:
+        """Give `seq` (without blocks) the cached blocks of `run` (cached_prefix's, just found, or a part of it
+        that begins it) and mark their tokens computed; returns how many. Blocks of the host tier are copied
+        back into free blocks, as many as there are: the run ends before the first one past them."""
         held = self.blocks_of(seq)
+        run = self._loadable(run)
+        # The host tier's blocks first, their slots held until their copies back are asked for (a block the
+        # loads displace may go to the host, not into one of them); then the pool's own, so that no load takes
+        # one; then a free block for each load.
+        from_host = {h: self.host.take(h) for h, block_id in run if block_id is None}
         for h, block_id in run:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self._free_cached[block_id]
-            block.ref_count += 1
+            if block_id is not None:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self._free_cached[block_id]
+                block.ref_count += 1
+        loaded = {h: self._take_free_block() for h in from_host}
+        for h, block_id in run:
+            if block_id is None:
+                block_id = loaded[h]
+                self._cache_loaded(self.blocks[block_id], h, from_host[h])
             held.block_table.append(block_id)
             held.block_hashes.append(h)
+        for kept in from_host.values():
+            self.host.free_slot(kept.slot)
         seq.num_computed_tokens = len(run) * self.block_size
         self.release_behind_window(seq)
         return seq.num_computed_tokens
+
+    def _loadable(self, run: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+        """`run` up to its first block in the host tier that the free blocks left after taking the pool's own
+        cannot hold."""
+        free = self.num_free_blocks - sum(1 for _, block_id in run
+                                          if block_id is not None and self.blocks[block_id].ref_count == 0)
+        for i, (_, block_id) in enumerate(run):
+            if block_id is None:
+                if free == 0:
+                    return run[:i]
+                free -= 1
+        return run
+
+    def _store_on_host(self, block: Block) -> None:
+        """Before a cached block is handed out: its contents to a host slot, its identity to the host tier."""
+        kept = HostBlock(-1, block.token_ids, block.lora_id, block.registration, block.parent_registration)
+        slot = self.host.store(block.hash, kept)
+        if slot is not None:
+            self.pending_copies.append(BlockCopy(block.block_id, slot, TO_HOST))
+
+    def _cache_loaded(self, block: Block, block_hash: int, kept: HostBlock) -> None:
+        """`kept`'s contents copied back into `block`, which is cached as it was. (The pool caches nothing under
+        that hash: a hash is in one tier at a time.)"""
+        self.pending_copies.append(BlockCopy(kept.slot, block.block_id, FROM_HOST))
+        block.hash, block.token_ids, block.lora_id = block_hash, kept.token_ids, kept.lora_id
+        block.registration, block.parent_registration = kept.registration, kept.parent_registration
+        self._cached[block_hash] = block.block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that became full of computed tokens since the last call."""
@@ -245,23 +298,26 @@ class BlockManager:
             chunk = seq.cache_key(i * self.block_size, (i + 1) * self.block_size)
             h = self.hash_block(parent_hash, chunk)
             block = self.blocks[held.block_table[i]]
-            parent_id = held.block_table[i - 1] if i else None
+            parent = self.blocks[held.block_table[i - 1]] if i else None
             # Only extend a chain whose parent is itself the cached block for the parent hash, so that
-            # a match (which checks parent ids) proves the whole prefix is identical. (A parent given back
-            # behind a sliding window qualifies while the cache still holds it: its hash says so.)
-            parent_cached = parent_id is None or self.blocks[parent_id].hash == parent_hash
+            # a match (which checks parents' registrations) proves the whole prefix is identical. (A parent
+            # given back behind a sliding window qualifies while the cache still holds it: its hash says so.)
+            parent_cached = parent is None or parent.hash == parent_hash
             if parent_cached and h not in self._cached and block.hash is None:
-                block.hash, block.token_ids, block.parent_id, block.lora_id = h, chunk, parent_id, seq.lora_id
+                block.hash, block.token_ids, block.lora_id = h, chunk, seq.lora_id
                 block.registration = next(self._registrations)
+                block.parent_registration = parent.registration if parent is not None else 0
                 self._cached[h] = block.block_id
+                if self.host is not None:
+                    self.host.discard(h)  # (one place for a block: the pool's)
             held.block_hashes.append(h)
             parent_hash = h
 
     def _uncache(self, block: Block) -> None:
         if block.hash is not None:
             del self._cached[block.hash]
-            block.hash = block.token_ids = block.parent_id = None
-            block.registration = 0
+            block.hash = block.token_ids = None
+            block.registration = block.parent_registration = 0
 
     def check_all_free(self) -> None:
         """Raise if any block is still referenced (used by tests and at shutdown)."""

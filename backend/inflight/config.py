@@ -106,6 +106,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # pool size as a block count ...
     kv_cache_memory: int | None = None  # ... or as bytes ...
     kv_cache_memory_fraction: float | None = None  # ... or as a share of free device memory
+    # Bytes of host memory (all ranks together) for a second tier of the prefix cache: cached blocks the pool
+    # hands to other sequences are kept there, and copied back when a prompt's prefix finds them
+    # (kv_offload.py; TensorRT-LLM's host cache). None or 0: none.
+    kv_offload_memory: int | None = None
     # Sequences running at once, and the token budget of one step (decodes + prefill chunks). None: the
     # device's default (DEFAULT_BATCH_LIMITS), the budget at least max_num_seqs.
     max_num_seqs: int | None = None
@@ -237,6 +241,12 @@ class EngineConfig:
         frac = self.kv_cache_memory_fraction
         if frac is not None and (isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac <= 1.0):
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {frac!r}")
+        offload = self.kv_offload_memory
+        if isinstance(offload, bool) or not isinstance(offload, (int, type(None))) or (offload or 0) < 0:
+            raise ValueError(f"kv_offload_memory must be a number of bytes (0 or null: none), got {offload!r}")
+        if offload and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory keeps the prefix cache's blocks in host memory: it needs "
+                             "enable_prefix_caching")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running sequence must be able to decode in the same step.
             raise ValueError(

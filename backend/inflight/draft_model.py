@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .config import EngineConfig
 from .input_buffers import build_step_inputs
+from .kv_offload import ON_DEVICE, BlockCopy
 from .model_runner import ModelRunner, compute_dtype, kv_bytes_per_block, kv_cache_dtype
 from .model_support import UnsupportedModel, kv_heads_and_head_dim
 from .scheduler import ScheduledBatch
@@ -57,7 +58,7 @@ class DraftModel:
         self.runner = ModelRunner(dataclasses.replace(
             config, model=spec.model, speculative_config=None, num_kv_blocks=target.num_blocks, kv_cache_memory=None,
             kv_cache_memory_fraction=None, max_model_len=target.max_model_len, hybrid_kv_cache=False,
-            lora_modules=None, lora_task_slots=0, quantization=None,
+            lora_modules=None, lora_task_slots=0, quantization=None, kv_offload_memory=None,
             fused_layers=None if config.fused_layers else config.fused_layers,
             tensor_parallel_size=1, gpu_device_ids=None, device=str(target.device)))  # (whole, on rank 0's device)
         draft = self.runner
@@ -106,11 +107,11 @@ class DraftModel:
         return [UNFILLED] * limit
 
     @torch.inference_mode()
-    def fill(self, batch: ScheduledBatch, block_copies: list[tuple[int, int]]) -> None:
+    def fill(self, batch: ScheduledBatch, block_copies: list[BlockCopy]) -> None:
         """Before the model's step: copy the blocks it copies, then propose the drafts the scheduler placed
         in `batch`; where a grammar refuses one, the sequence's drafts end before it (and its count of the
         batch's tokens with them)."""
-        self.runner.copy_blocks(block_copies)
+        self.runner.copy_blocks([c for c in block_copies if c.kind == ON_DEVICE])  # (it recomputes cached blocks)
         at = [i for i, seq in enumerate(batch.seqs) if seq.drafts and seq.drafts[0] == UNFILLED]
         if not at:
             return

@@ -32,6 +32,7 @@ from .draft_model import DraftModel
 from .encoders import Encoders, copy_or_load
 from .hybrid_blocks import HybridBlockManager
 from .input_buffers import to_device
+from .kv_offload import BlockCopy
 from .logprobs import MeasuredLogprobs, entries, measure
 from .lora_tasks import LoRATask, TaskRefused, TaskSlots, TaskWeights
 from .model_runner import ModelRunner
@@ -128,7 +129,8 @@ class LLMEngine:
                                                     self.runner.window_groups)
         else:
             self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                              self.config.enable_prefix_caching, self.runner.sliding_window)
+                                              self.config.enable_prefix_caching, self.runner.sliding_window,
+                                              host_slots=self.runner.host_slots)
         self._grammars: StructuredOutputs | None = None  # built with the first constrained request
         self._grammars_lock = threading.Lock()
         # TensorRT-LLM's LoRA tasks: which slot of the LoRA layers holds which (lora_tasks.py)
@@ -757,7 +759,7 @@ class LLMEngine:
         return children
 
     # The three stages of a step that run outside the engine's bookkeeping (faults.py wraps them).
-    def _forward(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]],
+    def _forward(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[BlockCopy],
                  pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
         return self.runner.execute(batch, logits_at, block_copies, pending)
 
@@ -1027,6 +1029,9 @@ class LLMEngine:
             "requests_aborted_total": self.num_aborted,
             "requests_failed_total": self.num_failed_requests,
             "failed_steps_total": self.num_failed_steps,
+            **({"kv_offload_blocks_used": bm.host.num_used_slots, "kv_offload_blocks_total": bm.host.num_slots,
+                "kv_offload_stored_blocks_total": bm.host.stored, "kv_offload_loaded_blocks_total": bm.host.loaded}
+               if bm.host is not None else {}),
             **({"lora_requests": self._lora_requests()} if self.config.lora_modules else {}),
             **({"lora_task_loads": self.lora_tasks.loads} if self.lora_tasks is not None else {}),
             **({"images_encoded_total": self.runner.image_encoder.images_encoded,

@@ -20,6 +20,7 @@ window of its end.
 """
 
 from .block_manager import BlockManager
+from .kv_offload import BlockCopy
 from .sequence import Sequence, WindowBlocks
 
 
@@ -38,6 +39,7 @@ class WindowBlockManager(BlockManager):
                                                                         full.enable_prefix_caching)
         self.blocks, self._free_empty, self._free_cached = full.blocks, full._free_empty, full._free_cached
         self._cached, self.pending_copies = full._cached, full.pending_copies
+        self.host = None  # (no host tier for a hybrid model: kv_offload.py)
 
     def blocks_of(self, seq: Sequence) -> WindowBlocks:
         while len(seq.windows) <= self.group:
@@ -109,6 +111,7 @@ class HybridBlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window  # the windowed layers' (the scheduler releases behind it)
+        self.host = None  # (no host tier: model_runner refuses one)
 
     @property
     def num_blocks(self) -> int:
@@ -160,7 +163,7 @@ class HybridBlockManager:
             for group in self.windows:
                 group.release_behind_window(seq)
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
+    def take_pending_copies(self) -> list[BlockCopy]:
         return self.full.take_pending_copies()  # (every group's: one pool, one list)
 
     def match_prefix(self, seq: Sequence) -> int:

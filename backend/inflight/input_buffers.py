@@ -18,6 +18,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from .kv_offload import BlockCopy
 from .scheduler import ScheduledBatch
 from .sequence import BlockTable
 
@@ -42,7 +43,7 @@ class StepInputs:
     seq_lens: np.ndarray  # [S] context + new tokens
     block_tables: np.ndarray  # [S, max_blocks], padded with block 0
     logits_at: np.ndarray  # flat positions whose logits are returned
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination), done first
+    block_copies: list[BlockCopy] = field(default_factory=list)  # the block manager's, made first (kv_offload.py)
     # Under async scheduling: the flat positions whose token is still on the GPU (PENDING in input_ids),
     # and each one's row in the previous step's sampled tokens, which the runner reads it from.
     pending_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -117,7 +118,7 @@ class BlockTableRows:
 
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int, logits_at: list[int],
-                      block_copies: list[tuple[int, int]] | None = None,
+                      block_copies: list[BlockCopy] | None = None,
                       table_rows: BlockTableRows | None = None,
                       window_rows: list[BlockTableRows] = (), attention_chunk: int | None = None) -> StepInputs:
     """The flat inputs of a step: its scheduled tokens, their positions and cache slots, and the

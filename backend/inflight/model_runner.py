@@ -25,6 +25,7 @@ from .hybrid_blocks import blocks_a_window_holds
 from .input_buffers import (BlockTableRows, InputBuffers, StepInputs, StepTensors, build_step_inputs, chunk_tables,
                             empty_prefill, to_device)
 from .kernel_warmup import compile_attention_kernels
+from .kv_offload import FROM_HOST, ON_DEVICE, TO_HOST, BlockCopy, HostKVStore, runs_of_kind
 from .lora import LoRAAdapters
 from .model_support import (UnsupportedModel, attention_chunk, check_attention_calls, chunked_layers,
                             common_sliding_window, kv_heads_and_head_dim, refuse, windowed_layers)
@@ -157,6 +158,7 @@ class ModelRunner:
                 self._group_layers(self.chunk_view, frozenset(i for i, chunked in enumerate(self.chunked_layers)
                                                               if chunked))
         self._allocate_pool(self._pool_size())
+        self.host_kv = self._allocate_host_tier()  # (None: no host tier)
         # Before packing and fusing: the adapters' hooks keep their layers unmerged (fused_layers.py).
         self.lora = (LoRAAdapters(self.model, config.lora_modules or {}, dtype, self.device, config.lora_task_slots,
                                   config.max_lora_rank)
@@ -440,22 +442,54 @@ class ModelRunner:
         dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
         return int(smallest.item())
 
+    def _allocate_host_tier(self) -> HostKVStore | None:
+        """The host tier's slots (kv_offload.py): as many blocks as kv_offload_memory holds, split over the ranks."""
+        memory = self.config.kv_offload_memory
+        if not memory:
+            return None
+        if self.window_groups:
+            raise ValueError("kv_offload_memory: a host tier for a model whose windowed layers have block tables of "
+                             "their own is not built; set hybrid_kv_cache false to use one")
+        slots = self._smallest_over_ranks(memory // self.world_size // self.bytes_per_block)
+        if slots < 1:
+            split = f", split over {self.world_size} ranks" if self.world_size > 1 else ""
+            raise ValueError(f"kv_offload_memory ({memory} bytes{split}) holds no KV block of {self.bytes_per_block} "
+                             "bytes")
+        started = time.perf_counter()
+        store = HostKVStore(slots, self._kv_bytes, self.token_history.by_block)
+        logger.info("KV host tier: %d blocks of %d tokens (%.2f GiB%s%s), allocated in %.1f s", slots,
+                    self.block_size, store.nbytes / 2**30, " pinned" if self.device.type == "cuda" else "",
+                    f" on each of {self.world_size} ranks" if self.world_size > 1 else "",
+                    time.perf_counter() - started)
+        return store
+
+    @property
+    def host_slots(self) -> int:
+        return 0 if self.host_kv is None else len(self.host_kv.kv)
+
     @torch.inference_mode()
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy the KV of each (source, destination) block pair, in every layer, and its tokens' ids."""
-        if pairs:
-            src, dst = (to_device(ids, self.device) for ids in zip(*pairs))
-            self._kv_bytes[:, :, dst] = self._kv_bytes[:, :, src]
-            self.token_history.copy_blocks(src, dst)
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Make the block manager's copies, in order: the KV of a block in every layer, and its tokens' ids,
+        to another block, to a slot of the host tier or from one."""
+        for kind, sources, destinations in runs_of_kind(copies):
+            if kind == ON_DEVICE:
+                src, dst = to_device(sources, self.device), to_device(destinations, self.device)
+                self._kv_bytes[:, :, dst] = self._kv_bytes[:, :, src]
+                self.token_history.copy_blocks(src, dst)
+            elif kind == TO_HOST:
+                self.host_kv.store(to_device(sources, self.device), destinations)
+            else:
+                assert kind == FROM_HOST
+                self.host_kv.load(sources, to_device(destinations, self.device))
 
     def prepare(self, batch: ScheduledBatch, logits_at: list[int],
-                block_copies: list[tuple[int, int]] | None = None) -> StepInputs:
+                block_copies: list[BlockCopy] | None = None) -> StepInputs:
         """The step's inputs; logits are returned at the flat positions `logits_at` (a sequence's last
         scheduled token where it samples; prompt positions where prompt logprobs are asked for)."""
         return build_step_inputs(batch, self.block_size, logits_at, block_copies, self.table_rows,
                                  self.window_table_rows, self.chunk_view)
 
-    def execute(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]] | None = None,
+    def execute(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[BlockCopy] | None = None,
                 pending: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
         """Copy the blocks asked for, run the scheduled tokens; logits [len(logits_at), vocab].
         `pending`: (the previous step's sampled tokens on the device, the flat positions whose token

@@ -30,6 +30,7 @@ from transformers import AutoConfig
 from . import quantization
 from .config import EngineConfig
 from .input_buffers import StepInputs
+from .kv_offload import BlockCopy
 from .launch import start_python_process
 from .model_runner import ModelRunner
 from .model_support import kv_heads_and_head_dim
@@ -182,7 +183,7 @@ class TensorParallelRunner:
                 if worker.receive() != what:
                     raise RuntimeError(f"tensor-parallel worker {worker.describe()}")
 
-    def execute(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[tuple[int, int]] | None = None,
+    def execute(self, batch: ScheduledBatch, logits_at: list[int], block_copies: list[BlockCopy] | None = None,
                 pending: None = None) -> torch.Tensor:
         """ModelRunner.execute's, without `pending`: async scheduling is refused under tensor parallelism
         (config.py), since the workers would need rank 0's sampled tokens."""

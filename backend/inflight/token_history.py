@@ -33,6 +33,11 @@ class TokenHistory:
         token's id (beyond the vocabulary) is kept as the last id: whatever a slot holds indexes logits."""
         self._ids[slot_mapping] = input_ids.clamp(max=self.vocab_size - 1)
 
+    @property
+    def by_block(self) -> torch.Tensor:
+        """The ids as [block, block_size] (a view: the host tier copies blocks' ids out and back, kv_offload.py)."""
+        return self._blocks
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._blocks[dst] = self._blocks[src]
 

@@ -71,6 +71,16 @@ LORA_TASK_COUNTERS = {  # with lora_task_slots (lora_tasks.py)
     "lora_task_loads": ("inflight_lora_task_loads_total", "LoRA tasks sent with requests (lora_weights) loaded "
                                                           "into a slot"),
 }
+KV_OFFLOAD_GAUGES = {  # with kv_offload_memory (kv_offload.py)
+    "kv_offload_blocks_used": ("inflight_kv_offload_blocks_used", "KV blocks kept in the host tier"),
+    "kv_offload_blocks_total": ("inflight_kv_offload_blocks_total", "KV blocks the host tier holds"),
+}
+KV_OFFLOAD_COUNTERS = {
+    "kv_offload_stored_blocks_total": ("inflight_kv_offload_stored_blocks_total",
+                                       "Cached KV blocks copied to the host tier as the pool handed them out"),
+    "kv_offload_loaded_blocks_total": ("inflight_kv_offload_loaded_blocks_total",
+                                       "KV blocks copied back from the host tier for a prompt's prefix"),
+}
 IMAGE_COUNTERS = {  # a vision-language model's (images.py)
     "images_encoded_total": ("inflight_images_encoded_total", "Images of prompts run through the vision tower"),
     "images_cached_total": ("inflight_images_cached_total", "Images of prompts whose vectors were kept from before"),
@@ -163,6 +173,8 @@ class TritonMetrics:
         self._accepted_by_position: list[_Sent] = []  # ... and a position's when a draft there is first kept
         self._images: dict[str, _Sent] = {}  # made when first sent: the model takes images
         self._task_loads: dict[str, _Sent] = {}  # made when first sent: the engine takes LoRA tasks
+        self._offload_gauges: dict[str, _Sent] = {}  # made when first sent: the engine has a host tier
+        self._offload_counters: dict[str, _Sent] = {}
 
     def _metric(self, name: str, description: str, kind, labels: dict | None = None, **options):
         family = self._families_by_name.get(name)
@@ -210,21 +222,27 @@ class TritonMetrics:
             self._accepted_by_position[position].advance(kept)
         self._images = self._advance_counters(stats, IMAGE_COUNTERS, self._images)
         self._task_loads = self._advance_counters(stats, LORA_TASK_COUNTERS, self._task_loads)
+        self._offload_gauges = self._advance_counters(stats, KV_OFFLOAD_GAUGES, self._offload_gauges, gauges=True)
+        self._offload_counters = self._advance_counters(stats, KV_OFFLOAD_COUNTERS, self._offload_counters)
         for adapter, (running, waiting, total) in stats.get("lora_requests", {}).items():
             sent = self._lora.get(adapter) or self._lora_metrics(adapter)
             sent[0].set(running)
             sent[1].set(waiting)
             sent[2].advance(total)
 
-    def _advance_counters(self, stats: dict, counters: dict, sent: dict) -> dict:
-        """Counters that only some engines report (made when first reported): advanced to the stats'."""
+    def _advance_counters(self, stats: dict, counters: dict, sent: dict, gauges: bool = False) -> dict:
+        """Counters (or `gauges`) that only some engines report (made when first reported): advanced (set) to
+        the stats'."""
         if next(iter(counters)) not in stats:
             return sent
         if not sent:
-            kind = self._pb_utils.MetricFamily.COUNTER
+            kind = self._pb_utils.MetricFamily.GAUGE if gauges else self._pb_utils.MetricFamily.COUNTER
             sent = {key: _Sent(self._metric(name, desc, kind)) for key, (name, desc) in counters.items()}
-        for key, counter in sent.items():
-            counter.advance(stats[key])
+        for key, metric in sent.items():
+            if gauges:
+                metric.set(stats[key])
+            else:
+                metric.advance(stats[key])
         return sent
 
     def _lora_metrics(self, adapter: str) -> tuple["_Sent", "_Sent", "_Sent"]:

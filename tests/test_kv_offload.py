@@ -1,0 +1,233 @@
+"""The prefix cache's host tier (kv_offload_memory, kv_offload.py): blocks the pool hands out kept in host
+memory and copied back for a prefix that finds them, greedy and logits as without it, every block and slot
+back."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_prompts
+from inflight import LLM, SamplingParams
+from inflight.block_manager import BlockManager
+from inflight.config import EngineConfig
+from inflight.kv_offload import FROM_HOST, ON_DEVICE, TO_HOST
+from inflight.sequence import Sequence
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+# -- the block manager's bookkeeping, against a model of what each block and slot holds -------------------
+@pytest.mark.parametrize("seed, weak_hashes", [(0, False), (25, False), (50, False), (75, True), (100, True)])
+def test_random_histories_find_every_prefix_block_holding_its_tokens(seed, weak_hashes, monkeypatch):
+    """Random histories (block sizes 2-8, pools of 4-40 blocks, host tiers of 1-60 slots, two adapters):
+    sequences sharing prefixes arriving, found in the pool and the host tier, computed in random chunks,
+    forked and copied on write, preempted, finished. A model of each block's and slot's contents (the
+    adapter and the tokens whose KV it holds), moved by the pending copies in their order, checks every
+    block a sequence's table names after every match and step; every block back at the end, and prefixes
+    found in the host tier in every case. 25 histories a case, 400 events each. `weak_hashes`: three
+    hashes in all, so that blocks of the same tokens after other prefixes collide (told apart by their
+    parents' registrations) as do others."""
+    if weak_hashes:
+        monkeypatch.setattr(BlockManager, "hash_block", staticmethod(lambda parent, tokens: hash((parent, tokens)) % 3))
+    loaded = 0
+    for history in range(seed, seed + 25):
+        loaded += run_random_history(history)
+    assert loaded > 0
+
+
+def run_random_history(seed: int) -> int:
+    rng = random.Random(seed)
+    bs = rng.choice([2, 4, 8])
+    pool = BlockManager(rng.randint(4, 40), bs, True, host_slots=rng.randint(1, 60))
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    holds, host = {}, {}  # block id / host slot -> (adapter, the tokens whose KV it holds)
+    prefixes = [[rng.randrange(4) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    live = []
+
+    def copy():
+        for source, destination, kind in pool.take_pending_copies():
+            if kind == ON_DEVICE:
+                holds[destination] = holds[source]
+            elif kind == TO_HOST:
+                host[destination] = holds[source]
+            else:
+                assert kind == FROM_HOST
+                holds[destination] = host[source]
+
+    def check(seq):
+        computed = seq.num_computed_tokens
+        for i in range(-(-computed // bs)):
+            tokens = tuple(seq.token_ids[:min((i + 1) * bs, computed)])
+            held = holds.get(seq.block_table[i])
+            assert held is not None and held[0] == seq.lora_id and held[1][:len(tokens)] == tokens, (seed, i)
+
+    for event in range(400):
+        action = rng.random()
+        if action < 0.3 or not live:  # a sequence arrives
+            tokens = rng.choice(prefixes) + [rng.randrange(4) for _ in range(rng.randint(1, 30))]
+            seq = Sequence(f"s{event}", tokens, params, detokenizer=None)
+            seq.lora_id = rng.choice([0, 0, 1])
+            pool.match_prefix(seq)
+            copy()
+            check(seq)
+            live.append(seq)
+        elif action < 0.8:  # a step of one sequence: its next chunk, or a token more
+            seq = rng.choice(live)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(rng.randrange(4))
+            n = min(rng.randint(1, seq.num_tokens - seq.num_computed_tokens), pool.max_new_tokens(seq))
+            if n <= 0 or not pool.allocate(seq, n):
+                victim = rng.choice(live)  # preempted
+                pool.free(victim)
+                live.remove(victim)
+                continue
+            copy()
+            end = seq.num_computed_tokens + n
+            for i in range(seq.num_computed_tokens // bs, -(-end // bs)):
+                holds[seq.block_table[i]] = (seq.lora_id, tuple(seq.token_ids[:min((i + 1) * bs, end)]))
+            seq.num_computed_tokens = end
+            pool.cache_full_blocks(seq)
+            check(seq)
+        elif action < 0.9:  # a computed sequence forks
+            parent = rng.choice(live)
+            if parent.num_computed_tokens == parent.num_tokens:
+                child = Sequence(parent.request_id + "+", list(parent.prompt_token_ids), params, detokenizer=None)
+                child.output_token_ids, child.lora_id = list(parent.output_token_ids), parent.lora_id
+                pool.fork(parent, child)
+                live.append(child)
+        else:  # one finishes
+            seq = rng.choice(live)
+            pool.free(seq)
+            live.remove(seq)
+    for seq in live:
+        pool.free(seq)
+    pool.check_all_free()
+    assert pool.host.num_used_slots <= pool.host.num_slots
+    return pool.host.loaded
+
+
+def test_a_prefix_runs_on_from_the_pool_into_the_host_tier():
+    """A prompt's first blocks still cached in the pool and the rest in the host tier: found whole, the
+    host's copied back into free blocks, one copy each, and cached in the pool again (found there next)."""
+    pool = BlockManager(6, 4, True, host_slots=8)
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+
+    def compute(tokens) -> Sequence:
+        seq = Sequence(str(tokens), tokens, params, detokenizer=None)
+        pool.match_prefix(seq)
+        pool.allocate(seq, seq.num_uncomputed_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        pool.cache_full_blocks(seq)
+        pool.free(seq)
+        return seq
+
+    prompt = list(range(17))  # 4 full blocks and a token
+    compute(prompt)
+    pool.take_pending_copies()
+    compute([100 + t for t in range(13)])  # 4 blocks: 2 never cached, then the prompt's tail (freed first)
+    stored = pool.take_pending_copies()
+    assert [c.kind for c in stored] == [TO_HOST] * 2 and pool.host.num_used_slots == 2
+    again = Sequence("again", prompt, params, detokenizer=None)
+    assert pool.match_prefix(again) == 16
+    loads = pool.take_pending_copies()
+    assert sorted(c.kind for c in loads).count(FROM_HOST) == 2 and pool.host.loaded == 2
+    assert {c.destination for c in loads if c.kind == FROM_HOST} == set(again.block_table[2:4])
+    pool.free(again)
+    assert pool.match_prefix(Sequence("third", prompt, params, detokenizer=None)) == 16
+    assert not any(c.kind == FROM_HOST for c in pool.take_pending_copies())
+
+
+# -- the engine ------------------------------------------------------------------------------------------
+def waves(seed: int) -> list[list[int]]:
+    """Three prefixes of 70-90 tokens, each with three tails, sent prefix after prefix and then again: a
+    pool of 14 blocks holds about one prefix's requests, so the second round finds the first's blocks in
+    the host tier only."""
+    rng = random.Random(seed)
+    prefixes = random_prompts(3, 70, 90, vocab=512, seed=seed)
+    rounds = [[prefix + [rng.randrange(512) for _ in range(rng.randint(1, 20))] for _ in range(3)]
+              for prefix in prefixes]
+    return [prompt for wave in rounds + rounds for prompt in wave]
+
+
+@pytest.mark.parametrize("family, async_scheduling, draft_model", [
+    ("llama", False, False), ("llama", True, False), ("mistral", False, False), ("llama", False, True)])
+def test_greedy_outputs_equal_the_engine_without_a_host_tier(tiny_models, family, async_scheduling, draft_model):
+    """Chunked prefill, preemption (14 blocks for 3 requests of ~110 tokens) and a host tier smaller than
+    what the pool hands out (30 blocks: the oldest forgotten): outputs equal those without prefix caching
+    (Mistral: every layer within a sliding window, blocks behind it given back), blocks found in the host
+    tier and copied back, every block free at the end. `draft_model`: speculative decoding with a draft
+    model (the model itself), whose pool makes the copies on the device alone (it computes cached blocks
+    again)."""
+    model = tiny_models[family]
+    prompts = waves(seed=7)
+    settings = dict(block_size=BLOCK, num_kv_blocks=14, max_num_seqs=3, max_num_batched_tokens=48,
+                    async_scheduling=async_scheduling)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(model, enable_prefix_caching=False, **settings)
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    speculative = {"model": model, "num_speculative_tokens": 3} if draft_model else None
+    llm = LLM(model, kv_offload_memory=30 * plain.runner.bytes_per_block, speculative_config=speculative, **settings)
+    assert llm.block_manager.host.num_slots == 30
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.stats()
+    assert stats["kv_offload_loaded_blocks_total"] > 0 and stats["kv_offload_stored_blocks_total"] > 30
+    assert 0 < stats["kv_offload_blocks_used"] <= stats["kv_offload_blocks_total"] == 30
+    assert stats["num_preemptions"] > 0 or family == "mistral"  # (its sequences hold a window's blocks)
+    assert not draft_model or stats["spec_decode_accepted_tokens_total"] > 0
+    llm.block_manager.check_all_free()
+
+
+def test_a_prefix_brought_back_from_the_host_gives_the_same_logits_bit_for_bit(tiny_models):
+    """Sent again after other prompts took every block of the pool, a request finds its prompt in the host
+    tier: its raw logits under a repetition penalty (which reads the prompt's token ids the host tier kept
+    beside its KV: token_history.py) equal the first time's bit for bit, as its seeded draws do."""
+    llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=12, kv_offload_memory=1 << 24)
+    prompt = random_prompts(1, 3 * BLOCK + 5, 3 * BLOCK + 5, vocab=512, seed=11)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True, repetition_penalty=1.5,
+                            return_generation_logits=True)
+    first = llm.generate([prompt], params)[0]
+    llm.generate(random_prompts(2, 5 * BLOCK, 5 * BLOCK, vocab=512, seed=12), GREEDY)  # (one after the other)
+    assert llm.stats()["kv_offload_stored_blocks_total"] >= 3
+    again = llm.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 3 * BLOCK
+    assert llm.stats()["kv_offload_loaded_blocks_total"] == 3
+    assert np.array_equal(first.outputs[0].generation_logits, again.outputs[0].generation_logits)
+    assert again.token_ids == first.token_ids
+    llm.block_manager.check_all_free()
+
+
+def test_settings_refused_with_a_reason(tiny_models, more_tiny_models):
+    model = tiny_models["llama"]
+    for value in (-1, True, 1.5, "1G"):
+        with pytest.raises(ValueError, match="kv_offload_memory must be a number of bytes"):
+            EngineConfig(model=model, kv_offload_memory=value)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        EngineConfig(model=model, kv_offload_memory=1 << 20, enable_prefix_caching=False)
+    assert EngineConfig(model=model, kv_offload_memory=0).kv_offload_memory == 0  # (none)
+    with pytest.raises(ValueError, match="holds no KV block of"):
+        LLM(model, num_kv_blocks=8, kv_offload_memory=100)
+    with pytest.raises(ValueError, match="set hybrid_kv_cache false"):
+        LLM(more_tiny_models("gemma2"), num_kv_blocks=16, kv_offload_memory=1 << 20)
+    llm = LLM(more_tiny_models("gemma2"), num_kv_blocks=16, kv_offload_memory=1 << 20, hybrid_kv_cache=False)
+    assert llm.block_manager.host.num_slots == (1 << 20) // llm.runner.bytes_per_block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_beside_cuda_graphs_and_async_scheduling(tiny_models):
+    """On a GPU the host tier is pinned memory, its copies asynchronous on the step's stream (nothing waits
+    for the device): with CUDA graphs and async scheduling (steps launched before the one before is read),
+    greedy output equals the engine's without prefix caching, and blocks are brought back."""
+    model = tiny_models["llama"]
+    prompts = waves(seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    settings = dict(device="cuda", dtype="bfloat16", block_size=BLOCK, num_kv_blocks=14, max_num_seqs=3,
+                    max_num_batched_tokens=48)
+    expected = [o.token_ids for o in LLM(model, enable_prefix_caching=False, **settings).generate(prompts, params)]
+    llm = LLM(model, kv_offload_memory=1 << 24, **settings)
+    assert llm.config.async_scheduling and llm.runner.host_kv.kv.is_pinned()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.stats()["kv_offload_loaded_blocks_total"] > 0 and llm.runner.graphs.replays > 0
+    llm.block_manager.check_all_free()
