@@ -116,6 +116,88 @@ def hf_tiny_llama(tiny_models):
     return AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
 
 
+def random_pool_history(pool, rng, tables, label, adapters=(0,), vocab: int = 6, longest_prefix: int = 30,
+                        events: int = 400) -> None:
+    """Random events on a block manager `pool`: sequences sharing four prefixes arriving (each of one of
+    `adapters`, found in the prefix cache), computed in random chunks, forked and copied on write, preempted,
+    finished; every block back at the end. A model of what each block and host slot holds (a tag, and the
+    tokens whose KV it holds as written) follows the steps' writes and the pending copies in their order, and
+    checks every block the sequence's tables name after every match and step: `tables(seq)` gives each table
+    as (its tag, the table, how many blocks it gave back). `label` names the history in a failure."""
+    from inflight import SamplingParams
+    from inflight.kv_offload import FROM_HOST, ON_DEVICE, TO_HOST
+    from inflight.sequence import Sequence
+
+    bs = pool.block_size
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    holds, host = {}, {}  # block id / host slot -> (tag, tokens)
+    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(1, longest_prefix))] for _ in range(4)]
+    live = []
+
+    def copy():
+        for source, destination, kind in pool.take_pending_copies():
+            if kind == ON_DEVICE:
+                holds[destination] = holds[source]
+            elif kind == TO_HOST:
+                host[destination] = holds[source]
+            else:
+                assert kind == FROM_HOST
+                holds[destination] = host[source]
+
+    def check(seq):
+        computed = seq.num_computed_tokens
+        for tag, table, released in tables(seq):
+            for i in range(released, min(len(table), -(-computed // bs))):
+                tokens = tuple(seq.token_ids[:min((i + 1) * bs, computed)])
+                held = holds.get(table[i])
+                assert held is not None and held[0] == tag and held[1][:len(tokens)] == tokens, (label, tag, i)
+
+    for event in range(events):
+        action = rng.random()
+        if action < 0.3 or not live:  # a sequence arrives
+            tokens = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+            seq = Sequence(f"s{event}", tokens, params, detokenizer=None)
+            seq.lora_id = rng.choice(adapters)
+            pool.match_prefix(seq)
+            copy()
+            check(seq)
+            live.append(seq)
+        elif action < 0.8:  # a step of one sequence: its next chunk, or a token more
+            seq = rng.choice(live)
+            pool.release_behind_window(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(rng.randrange(vocab))
+            n = min(rng.randint(1, seq.num_tokens - seq.num_computed_tokens), pool.max_new_tokens(seq))
+            if n <= 0 or not pool.allocate(seq, n):
+                victim = rng.choice(live)  # preempted
+                pool.free(victim)
+                live.remove(victim)
+                continue
+            copy()
+            check(seq)  # (a block written in part before, copied on write, holds that part)
+            end = seq.num_computed_tokens + n
+            for tag, table, _ in tables(seq):
+                for i in range(seq.num_computed_tokens // bs, -(-end // bs)):
+                    holds[table[i]] = (tag, tuple(seq.token_ids[:min((i + 1) * bs, end)]))
+            seq.num_computed_tokens = end
+            pool.cache_full_blocks(seq)
+            check(seq)
+        elif action < 0.9:  # a computed sequence forks
+            parent = rng.choice(live)
+            if parent.num_computed_tokens == parent.num_tokens:
+                child = Sequence(parent.request_id + "+", list(parent.prompt_token_ids), params, detokenizer=None)
+                child.output_token_ids, child.lora_id = list(parent.output_token_ids), parent.lora_id
+                pool.fork(parent, child)
+                live.append(child)
+        else:  # one finishes
+            seq = rng.choice(live)
+            pool.free(seq)
+            live.remove(seq)
+    for seq in live:
+        pool.free(seq)
+    pool.check_all_free()
+
+
 def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Token-id prompts of lengths spread from min_len to max_len (both included)."""
     rng = random.Random(seed)

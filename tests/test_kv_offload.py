@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import random_pool_history, random_prompts
 from inflight import LLM, SamplingParams
 from inflight.block_manager import BlockManager
 from inflight.config import EngineConfig
-from inflight.kv_offload import FROM_HOST, ON_DEVICE, TO_HOST
+from inflight.kv_offload import FROM_HOST, TO_HOST
 from inflight.sequence import Sequence
 
 BLOCK = 16
@@ -40,71 +40,9 @@ def test_random_histories_find_every_prefix_block_holding_its_tokens(seed, weak_
 
 def run_random_history(seed: int) -> int:
     rng = random.Random(seed)
-    bs = rng.choice([2, 4, 8])
-    pool = BlockManager(rng.randint(4, 40), bs, True, host_slots=rng.randint(1, 60))
-    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
-    holds, host = {}, {}  # block id / host slot -> (adapter, the tokens whose KV it holds)
-    prefixes = [[rng.randrange(4) for _ in range(rng.randint(1, 40))] for _ in range(4)]
-    live = []
-
-    def copy():
-        for source, destination, kind in pool.take_pending_copies():
-            if kind == ON_DEVICE:
-                holds[destination] = holds[source]
-            elif kind == TO_HOST:
-                host[destination] = holds[source]
-            else:
-                assert kind == FROM_HOST
-                holds[destination] = host[source]
-
-    def check(seq):
-        computed = seq.num_computed_tokens
-        for i in range(-(-computed // bs)):
-            tokens = tuple(seq.token_ids[:min((i + 1) * bs, computed)])
-            held = holds.get(seq.block_table[i])
-            assert held is not None and held[0] == seq.lora_id and held[1][:len(tokens)] == tokens, (seed, i)
-
-    for event in range(400):
-        action = rng.random()
-        if action < 0.3 or not live:  # a sequence arrives
-            tokens = rng.choice(prefixes) + [rng.randrange(4) for _ in range(rng.randint(1, 30))]
-            seq = Sequence(f"s{event}", tokens, params, detokenizer=None)
-            seq.lora_id = rng.choice([0, 0, 1])
-            pool.match_prefix(seq)
-            copy()
-            check(seq)
-            live.append(seq)
-        elif action < 0.8:  # a step of one sequence: its next chunk, or a token more
-            seq = rng.choice(live)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.output_token_ids.append(rng.randrange(4))
-            n = min(rng.randint(1, seq.num_tokens - seq.num_computed_tokens), pool.max_new_tokens(seq))
-            if n <= 0 or not pool.allocate(seq, n):
-                victim = rng.choice(live)  # preempted
-                pool.free(victim)
-                live.remove(victim)
-                continue
-            copy()
-            end = seq.num_computed_tokens + n
-            for i in range(seq.num_computed_tokens // bs, -(-end // bs)):
-                holds[seq.block_table[i]] = (seq.lora_id, tuple(seq.token_ids[:min((i + 1) * bs, end)]))
-            seq.num_computed_tokens = end
-            pool.cache_full_blocks(seq)
-            check(seq)
-        elif action < 0.9:  # a computed sequence forks
-            parent = rng.choice(live)
-            if parent.num_computed_tokens == parent.num_tokens:
-                child = Sequence(parent.request_id + "+", list(parent.prompt_token_ids), params, detokenizer=None)
-                child.output_token_ids, child.lora_id = list(parent.output_token_ids), parent.lora_id
-                pool.fork(parent, child)
-                live.append(child)
-        else:  # one finishes
-            seq = rng.choice(live)
-            pool.free(seq)
-            live.remove(seq)
-    for seq in live:
-        pool.free(seq)
-    pool.check_all_free()
+    pool = BlockManager(rng.randint(4, 40), rng.choice([2, 4, 8]), True, host_slots=rng.randint(1, 60))
+    random_pool_history(pool, rng, lambda seq: [(seq.lora_id, seq.block_table, 0)], label=seed, adapters=(0, 0, 1),
+                        vocab=4, longest_prefix=40)
     assert pool.host.num_used_slots <= pool.host.num_slots
     return pool.host.loaded
 

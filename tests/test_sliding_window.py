@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import hf_greedy, make_tiny_model, random_prompts
+from conftest import hf_greedy, make_tiny_model, random_pool_history, random_prompts
 from inflight import LLM, SamplingParams
 from inflight.block_manager import BlockManager
 from inflight.hybrid_blocks import HybridBlockManager
@@ -410,62 +410,9 @@ def run_random_history(seed: int) -> None:
     rng = random.Random(seed)
     bs, window, groups = rng.choice([2, 4, 8]), rng.randint(2, 40), rng.randint(1, 3)
     pool = HybridBlockManager(rng.randint(4 * (groups + 1), 80), bs, True, window, groups)
-    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
-    holds = {}  # block id -> (group, the tokens whose KV it holds)
-    prefixes = [[rng.randrange(6) for _ in range(rng.randint(1, 30))] for _ in range(4)]
-    live = []
 
-    def tables(seq):
+    def tables(seq):  # (tagged by group)
         return [(0, seq.block_table, 0)] + [(g + 1, w.block_table, w.num_released_blocks)
                                             for g, w in enumerate(seq.windows)]
 
-    def check(seq):
-        computed = seq.num_computed_tokens
-        for group, table, released in tables(seq):
-            for i in range(released, min(len(table), -(-computed // bs))):
-                tokens = tuple(seq.token_ids[:min((i + 1) * bs, computed)])
-                held = holds.get(table[i])
-                assert held is not None and held[0] == group and held[1][:len(tokens)] == tokens, (seed, group, i)
-
-    for event in range(400):
-        action = rng.random()
-        if action < 0.3 or not live:  # a sequence arrives
-            tokens = rng.choice(prefixes) + [rng.randrange(6) for _ in range(rng.randint(1, 30))]
-            seq = Sequence(f"s{event}", tokens, params, detokenizer=None)
-            pool.match_prefix(seq)
-            check(seq)
-            live.append(seq)
-        elif action < 0.8:  # a step of one sequence: its next chunk, or a token more
-            seq = rng.choice(live)
-            pool.release_behind_window(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.output_token_ids.append(rng.randrange(6))
-            n = min(rng.randint(1, seq.num_tokens - seq.num_computed_tokens), pool.max_new_tokens(seq))
-            if n <= 0 or not pool.allocate(seq, n):
-                victim = rng.choice(live)  # preempted
-                pool.free(victim)
-                live.remove(victim)
-                continue
-            for source, destination, _ in pool.take_pending_copies():
-                holds[destination] = holds[source]
-            end = seq.num_computed_tokens + n
-            for group, table, _ in tables(seq):
-                for i in range(seq.num_computed_tokens // bs, -(-end // bs)):
-                    holds[table[i]] = (group, tuple(seq.token_ids[:min((i + 1) * bs, end)]))
-            seq.num_computed_tokens = end
-            pool.cache_full_blocks(seq)
-            check(seq)
-        elif action < 0.9:  # a computed sequence forks
-            parent = rng.choice(live)
-            if parent.num_computed_tokens == parent.num_tokens:
-                child = Sequence(parent.request_id + "+", list(parent.prompt_token_ids), params, detokenizer=None)
-                child.output_token_ids = list(parent.output_token_ids)
-                pool.fork(parent, child)
-                live.append(child)
-        else:  # one finishes
-            seq = rng.choice(live)
-            pool.free(seq)
-            live.remove(seq)
-    for seq in live:
-        pool.free(seq)
-    pool.check_all_free()
+    random_pool_history(pool, rng, tables, label=seed)
