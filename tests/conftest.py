@@ -198,6 +198,13 @@ def random_pool_history(pool, rng, tables, label, adapters=(0,), vocab: int = 6,
     pool.check_all_free()
 
 
+def hybrid_tables(seq) -> list:
+    """A sequence's tables under hybrid_blocks.py, for random_pool_history: the full layers' (tag 0) and each
+    windowed group's (tag 1 on), with the blocks each gave back behind the window."""
+    return [(0, seq.block_table, 0)] + [(g + 1, w.block_table, w.num_released_blocks)
+                                        for g, w in enumerate(seq.windows)]
+
+
 def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Token-id prompts of lengths spread from min_len to max_len (both included)."""
     rng = random.Random(seed)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_pool_history, random_prompts
+from conftest import hybrid_tables, random_pool_history, random_prompts
 from inflight import LLM, SamplingParams
 from inflight.block_manager import BlockManager
+from inflight.hybrid_blocks import HybridBlockManager
 from inflight.config import EngineConfig
 from inflight.kv_offload import FROM_HOST, TO_HOST
 from inflight.sequence import Sequence
@@ -47,6 +48,23 @@ def run_random_history(seed: int) -> int:
     return pool.host.loaded
 
 
+@pytest.mark.parametrize("seed", [200, 225])
+def test_random_histories_of_hybrid_tables_with_a_host_tier(seed):
+    """The same histories over a hybrid model's tables (hybrid_blocks.py: windows 2-40, one to three windowed
+    groups, pools of 8-80): the full layers' blocks and each windowed group's go to the host tier and back
+    under their keys, a prefix found as far as the full layers' blocks reach and the windows' blocks within
+    the window of its end, in the pool or the host tier; blocks brought back in every case."""
+    loaded = 0
+    for history in range(seed, seed + 25):
+        rng = random.Random(history)
+        bs, window, groups = rng.choice([2, 4, 8]), rng.randint(2, 40), rng.randint(1, 3)
+        pool = HybridBlockManager(rng.randint(4 * (groups + 1), 80), bs, True, window, groups,
+                                  host_slots=rng.randint(1, 60))
+        random_pool_history(pool, rng, hybrid_tables, label=history, adapters=(0, 0, 1), vocab=4, longest_prefix=40)
+        loaded += pool.host.loaded
+    assert loaded > 0
+
+
 def test_a_prefix_runs_on_from_the_pool_into_the_host_tier():
     """A prompt's first blocks still cached in the pool and the rest in the host tier: found whole, the
     host's copied back into free blocks, one copy each, and cached in the pool again (found there next)."""
@@ -78,6 +96,34 @@ def test_a_prefix_runs_on_from_the_pool_into_the_host_tier():
     assert not any(c.kind == FROM_HOST for c in pool.take_pending_copies())
 
 
+def test_a_hybrid_prefix_comes_back_with_its_windowed_blocks():
+    """A hybrid model's prompt whose blocks all went to the host tier (full layers' and windowed group's) is
+    found whole again: its full blocks and its windowed blocks within the window of its end copied back."""
+    pool = HybridBlockManager(12, 4, True, sliding_window=8, window_groups=1, host_slots=32)
+    params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+
+    def compute(tokens) -> Sequence:
+        seq = Sequence(str(tokens), tokens, params, detokenizer=None)
+        pool.match_prefix(seq)
+        assert pool.allocate(seq, seq.num_uncomputed_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        pool.cache_full_blocks(seq)
+        pool.free(seq)
+        return seq
+
+    prompt = list(range(21))  # 5 full blocks and a token: the window of 8 reaches back into block 3
+    compute(prompt)
+    compute([100 + t for t in range(23)])  # 6 blocks in each group: every cached block of the prompt handed out
+    pool.take_pending_copies()
+    again = Sequence("again", prompt, params, detokenizer=None)
+    assert pool.match_prefix(again) == 20
+    loads = [c for c in pool.take_pending_copies() if c.kind == FROM_HOST]
+    assert len(loads) == 5 + 2  # (the full layers' 5, the windowed group's blocks 3 and 4)
+    assert again.windows[0].num_released_blocks == 3
+    pool.free(again)
+    pool.check_all_free()
+
+
 # -- the engine ------------------------------------------------------------------------------------------
 def waves(seed: int) -> list[list[int]]:
     """Three prefixes of 70-90 tokens, each with three tails, sent prefix after prefix and then again: a
@@ -91,29 +137,33 @@ def waves(seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family, async_scheduling, draft_model", [
-    ("llama", False, False), ("llama", True, False), ("mistral", False, False), ("llama", False, True)])
-def test_greedy_outputs_equal_the_engine_without_a_host_tier(tiny_models, family, async_scheduling, draft_model):
+    ("llama", False, False), ("llama", True, False), ("mistral", False, False), ("llama", False, True),
+    ("gemma3_text", False, False), ("gemma2", True, False)])
+def test_greedy_outputs_equal_the_engine_without_a_host_tier(tiny_models, more_tiny_models, family, async_scheduling,
+                                                             draft_model):
     """Chunked prefill, preemption (14 blocks for 3 requests of ~110 tokens) and a host tier smaller than
     what the pool hands out (30 blocks: the oldest forgotten): outputs equal those without prefix caching
-    (Mistral: every layer within a sliding window, blocks behind it given back), blocks found in the host
+    (Mistral: every layer within a sliding window, blocks behind it given back; Gemma 2 and 3: windowed
+    layers beside full ones, their blocks in tables of their own, twice the pool), blocks found in the host
     tier and copied back, every block free at the end. `draft_model`: speculative decoding with a draft
     model (the model itself), whose pool makes the copies on the device alone (it computes cached blocks
     again)."""
-    model = tiny_models[family]
+    model = tiny_models[family] if family in tiny_models else more_tiny_models(family)
     prompts = waves(seed=7)
-    settings = dict(block_size=BLOCK, num_kv_blocks=14, max_num_seqs=3, max_num_batched_tokens=48,
+    hybrid = family.startswith("gemma")
+    settings = dict(block_size=BLOCK, num_kv_blocks=28 if hybrid else 14, max_num_seqs=3, max_num_batched_tokens=48,
                     async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = LLM(model, enable_prefix_caching=False, **settings)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     speculative = {"model": model, "num_speculative_tokens": 3} if draft_model else None
     llm = LLM(model, kv_offload_memory=30 * plain.runner.bytes_per_block, speculative_config=speculative, **settings)
-    assert llm.block_manager.host.num_slots == 30
+    assert llm.block_manager.host.num_slots == 30 and bool(llm.runner.window_groups) == hybrid
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     stats = llm.stats()
     assert stats["kv_offload_loaded_blocks_total"] > 0 and stats["kv_offload_stored_blocks_total"] > 30
     assert 0 < stats["kv_offload_blocks_used"] <= stats["kv_offload_blocks_total"] == 30
-    assert stats["num_preemptions"] > 0 or family == "mistral"  # (its sequences hold a window's blocks)
+    assert stats["num_preemptions"] > 0 or family != "llama"  # (the others' windowed layers hold a window)
     assert not draft_model or stats["spec_decode_accepted_tokens_total"] > 0
     llm.block_manager.check_all_free()
 
@@ -137,7 +187,7 @@ def test_a_prefix_brought_back_from_the_host_gives_the_same_logits_bit_for_bit(t
     llm.block_manager.check_all_free()
 
 
-def test_settings_refused_with_a_reason(tiny_models, more_tiny_models):
+def test_settings_refused_with_a_reason(tiny_models):
     model = tiny_models["llama"]
     for value in (-1, True, 1.5, "1G"):
         with pytest.raises(ValueError, match="kv_offload_memory must be a number of bytes"):
@@ -147,9 +197,7 @@ def test_settings_refused_with_a_reason(tiny_models, more_tiny_models):
     assert EngineConfig(model=model, kv_offload_memory=0).kv_offload_memory == 0  # (none)
     with pytest.raises(ValueError, match="holds no KV block of"):
         LLM(model, num_kv_blocks=8, kv_offload_memory=100)
-    with pytest.raises(ValueError, match="set hybrid_kv_cache false"):
-        LLM(more_tiny_models("gemma2"), num_kv_blocks=16, kv_offload_memory=1 << 20)
-    llm = LLM(more_tiny_models("gemma2"), num_kv_blocks=16, kv_offload_memory=1 << 20, hybrid_kv_cache=False)
+    llm = LLM(model, num_kv_blocks=16, kv_offload_memory=1 << 20)
     assert llm.block_manager.host.num_slots == (1 << 20) // llm.runner.bytes_per_block
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import hf_greedy, make_tiny_model, random_pool_history, random_prompts
+from conftest import hf_greedy, hybrid_tables, make_tiny_model, random_pool_history, random_prompts
 from inflight import LLM, SamplingParams
 from inflight.block_manager import BlockManager
 from inflight.hybrid_blocks import HybridBlockManager
@@ -410,9 +410,4 @@ def run_random_history(seed: int) -> None:
     rng = random.Random(seed)
     bs, window, groups = rng.choice([2, 4, 8]), rng.randint(2, 40), rng.randint(1, 3)
     pool = HybridBlockManager(rng.randint(4 * (groups + 1), 80), bs, True, window, groups)
-
-    def tables(seq):  # (tagged by group)
-        return [(0, seq.block_table, 0)] + [(g + 1, w.block_table, w.num_released_blocks)
-                                            for g, w in enumerate(seq.windows)]
-
-    random_pool_history(pool, rng, tables, label=seed)
+    random_pool_history(pool, rng, hybrid_tables, label=seed)

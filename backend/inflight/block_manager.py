@@ -200,9 +200,9 @@ class BlockManager:
         from. Returns the number of tokens reused."""
         return self.take_prefix(seq, self.cached_prefix(seq))
 
-    def cached_prefix(self, seq: Sequence) -> list[tuple[int, int | None]]:
+    def cached_prefix(self, seq: Sequence) -> list[tuple[int, int | None, int]]:
         """The longest run of cached full blocks that begins the tokens of `seq` (all but its last token),
-        as (hash, block id) pairs, the block id None for a block in the host tier; nothing taken."""
+        as (hash, block id, registration), the block id None for a block in the host tier; nothing taken."""
         assert not self.blocks_of(seq).block_table
         if not self.enable_prefix_caching or seq.params.needs_prompt_logits:
             return []  # prompt logprobs and context logits need every prompt position computed
@@ -216,53 +216,71 @@ class BlockManager:
             # Compare contents, not only hashes: a collision must never hand out wrong KV.
             if block is not None and block.token_ids == chunk and block.lora_id == seq.lora_id \
                     and block.parent_registration == parent_registration:
-                run.append((h, block_id))
+                run.append((h, block_id, block.registration))
                 parent_hash, parent_registration = h, block.registration
                 continue
             kept = self.host.find(h, chunk, seq.lora_id, parent_registration) if self.host is not None else None
             if kept is None:
                 break
-            run.append((h, None))
+            run.append((h, None, kept.registration))
             parent_hash, parent_registration = h, kept.registration
         while run and seq.span_split_by(len(run) * self.block_size):  # (the span is computed again whole)
             run.pop()
         return run
 
-    def take_prefix(self, seq: Sequence, run: list[tuple[int, int | None]]) -> int:
+    def take_prefix(self, seq: Sequence, run: list[tuple[int, int | None, int]]) -> int:
         """Give `seq` (without blocks) the cached blocks of `run` (cached_prefix's, just found, or a part of it
         that begins it) and mark their tokens computed; returns how many. Blocks of the host tier are copied
         back into free blocks, as many as there are: the run ends before the first one past them."""
-        held = self.blocks_of(seq)
         run = self._loadable(run)
-        # The host tier's blocks first, their slots held until their copies back are asked for (a block the
-        # loads displace may go to the host, not into one of them); then the pool's own, so that no load takes
-        # one; then a free block for each load.
-        from_host = {h: self.host.take(h) for h, block_id in run if block_id is None}
-        for h, block_id in run:
+        self.hold_prefix(seq, self.take_cached([(h, block_id) for h, block_id, _ in run]), [h for h, _, _ in run])
+        return seq.num_computed_tokens
+
+    def hold_prefix(self, seq: Sequence, block_ids: list[int], hashes: list) -> None:
+        """`seq` (without blocks) holds these cached blocks (take_cached's), their tokens computed."""
+        held = self.blocks_of(seq)
+        for block_id, h in zip(block_ids, hashes):
+            held.block_table.append(block_id)
+            held.block_hashes.append(h)
+        seq.num_computed_tokens = len(block_ids) * self.block_size
+        self.release_behind_window(seq)
+
+    def take_cached(self, wanted: list[tuple[object, int | None]]) -> list[int]:
+        """Take a reference to each cached block of `wanted`, (its key, its block id, None: in the host tier),
+        in order; those of the host tier copied back into free blocks (loads_fit must have said there are
+        enough). The host tier's are taken first, their slots held until their copies back are asked for (a
+        block the loads displace may go to the host, not into one of them); then the pool's own, so that no
+        load takes one; then a free block for each load."""
+        from_host = {key: self.host.take(key) for key, block_id in wanted if block_id is None}
+        for _, block_id in wanted:
             if block_id is not None:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
                     del self._free_cached[block_id]
                 block.ref_count += 1
-        loaded = {h: self._take_free_block() for h in from_host}
-        for h, block_id in run:
+        loaded = {key: self._take_free_block() for key in from_host}
+        taken = []
+        for key, block_id in wanted:
             if block_id is None:
-                block_id = loaded[h]
-                self._cache_loaded(self.blocks[block_id], h, from_host[h])
-            held.block_table.append(block_id)
-            held.block_hashes.append(h)
+                block_id = loaded[key]
+                self._cache_loaded(self.blocks[block_id], key, from_host[key])
+            taken.append(block_id)
         for kept in from_host.values():
             self.host.free_slot(kept.slot)
-        seq.num_computed_tokens = len(run) * self.block_size
-        self.release_behind_window(seq)
-        return seq.num_computed_tokens
+        return taken
 
-    def _loadable(self, run: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+    def loads_fit(self, wanted: list[tuple[object, int | None]]) -> bool:
+        """Whether the free blocks left once the pool's blocks of `wanted` are taken hold its host tier's."""
+        loads = sum(1 for _, block_id in wanted if block_id is None)
+        return loads <= self.num_free_blocks - sum(1 for _, block_id in wanted
+                                                    if block_id is not None and self.blocks[block_id].ref_count == 0)
+
+    def _loadable(self, run: list[tuple[int, int | None, int]]) -> list[tuple[int, int | None, int]]:
         """`run` up to its first block in the host tier that the free blocks left after taking the pool's own
         cannot hold."""
-        free = self.num_free_blocks - sum(1 for _, block_id in run
+        free = self.num_free_blocks - sum(1 for _, block_id, _ in run
                                           if block_id is not None and self.blocks[block_id].ref_count == 0)
-        for i, (_, block_id) in enumerate(run):
+        for i, (_, block_id, _) in enumerate(run):
             if block_id is None:
                 if free == 0:
                     return run[:i]
@@ -276,13 +294,14 @@ class BlockManager:
         if slot is not None:
             self.pending_copies.append(BlockCopy(block.block_id, slot, TO_HOST))
 
-    def _cache_loaded(self, block: Block, block_hash: int, kept: HostBlock) -> None:
-        """`kept`'s contents copied back into `block`, which is cached as it was. (The pool caches nothing under
-        that hash: a hash is in one tier at a time.)"""
+    def _cache_loaded(self, block: Block, key, kept: HostBlock) -> None:
+        """`kept`'s contents copied back into `block`, which is cached as it was, under `key` (its hash; a
+        hybrid model's windowed block's key). (The pool caches nothing under that key: a key is in one tier at
+        a time.)"""
         self.pending_copies.append(BlockCopy(kept.slot, block.block_id, FROM_HOST))
-        block.hash, block.token_ids, block.lora_id = block_hash, kept.token_ids, kept.lora_id
+        block.hash, block.token_ids, block.lora_id = key, kept.token_ids, kept.lora_id
         block.registration, block.parent_registration = kept.registration, kept.parent_registration
-        self._cached[block_hash] = block.block_id
+        self._cached[key] = block.block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that became full of computed tokens since the last call."""

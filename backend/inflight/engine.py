@@ -126,7 +126,7 @@ class LLMEngine:
         if self.runner.window_groups:  # (windowed layers beside full ones: block tables of their own)
             self.block_manager = HybridBlockManager(self.runner.num_blocks, self.config.block_size,
                                                     self.config.enable_prefix_caching, self.runner.hybrid_window,
-                                                    self.runner.window_groups)
+                                                    self.runner.window_groups, host_slots=self.runner.host_slots)
         else:
             self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                               self.config.enable_prefix_caching, self.runner.sliding_window,

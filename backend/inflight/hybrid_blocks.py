@@ -29,26 +29,27 @@ class WindowBlockManager(BlockManager):
     shared), its own tables (seq.windows[group]) and window. Under prefix caching its blocks are found by the
     full layers' block of the same positions rather than by a chain of hashes, so that a prefix needs only
     its blocks within the window of its end (a long system prompt is found again long after its first
-    blocks went to other sequences): a block registered here is keyed by its group, the full layers' block
-    the same sequence held there and that block's registration (block_manager.py), which identify exactly
-    the tokens up to it, and no other tokens once that block is registered again."""
+    blocks went to other sequences): a block registered here is keyed by its group and the registration of
+    the full layers' block the same sequence held there (block_manager.py), which identifies exactly the
+    tokens up to it (unique over the engine's life, kept by a block moved to the host tier and back), and no
+    other tokens once that block is registered again. With a host tier, a windowed block goes there and back
+    under its key as the full layers' blocks do (kv_offload.py)."""
 
     def __init__(self, full: BlockManager, group: int, sliding_window: int):
         self.full, self.group, self.sliding_window = full, group, sliding_window
         self.num_blocks, self.block_size, self.enable_prefix_caching = (full.num_blocks, full.block_size,
                                                                         full.enable_prefix_caching)
         self.blocks, self._free_empty, self._free_cached = full.blocks, full._free_empty, full._free_cached
-        self._cached, self.pending_copies = full._cached, full.pending_copies
-        self.host = None  # (no host tier for a hybrid model: kv_offload.py)
+        self._cached, self.pending_copies, self.host = full._cached, full.pending_copies, full.host
 
     def blocks_of(self, seq: Sequence) -> WindowBlocks:
         while len(seq.windows) <= self.group:
             seq.windows.append(WindowBlocks())
         return seq.windows[self.group]
 
-    def _key(self, full_block_id: int) -> tuple[int, int, int] | None:
-        registration = self.full.blocks[full_block_id].registration
-        return (self.group, full_block_id, registration) if registration else None
+    def _key(self, registration: int) -> tuple[int, int] | None:
+        """The key of this group's block at the positions of the full layers' block of `registration`."""
+        return (self.group, registration) if registration else None
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that became full since the last call (after the full layers')."""
@@ -58,38 +59,46 @@ class WindowBlockManager(BlockManager):
         for i in range(len(held.block_hashes), seq.num_computed_tokens // self.block_size):
             full_id = seq.block_table[i]
             # (a full layers' block not registered, another there holding the same tokens, keys nothing)
-            key = self._key(full_id) if self.full.blocks[full_id].hash == seq.block_hashes[i] else None
+            full_block = self.full.blocks[full_id]
+            key = self._key(full_block.registration) if full_block.hash == seq.block_hashes[i] else None
             block = self.blocks[held.block_table[i]]
             if key is not None and key not in self._cached and block.hash is None:
                 block.hash = key  # (its registration is never read: a key names a full block's)
                 self._cached[key] = block.block_id
+                if self.host is not None:
+                    self.host.discard(key)  # (one place for a block: the pool's)
             held.block_hashes.append(key)
 
     def first_needed(self, num_tokens: int) -> int:
         """The first block the token after `num_tokens` computed ones sees."""
         return max(0, num_tokens - self.sliding_window + 1) // self.block_size
 
-    def cached_twins(self, full_run: list[tuple[int, int]]) -> list[int | None]:
-        """For each block of the full layers' run (cached_prefix's), this group's block of the same
-        positions and tokens, if the pool still holds one."""
-        return [self._cached.get(self._key(full_id)) for _, full_id in full_run]
+    def cached_twins(self, full_run: list[tuple[int, int | None, int]]) -> list[tuple[tuple, int | None] | None]:
+        """For each block of the full layers' run (cached_prefix's), this group's block of the same positions
+        and tokens, as (its key, its block id; None: in the host tier), if the pool or the host tier still
+        holds one; else None."""
+        twins = []
+        for _, _, registration in full_run:
+            key = self._key(registration)
+            block_id = self._cached.get(key)
+            if block_id is not None:
+                twins.append((key, block_id))
+            else:
+                twins.append((key, None) if self.host is not None and self.host.holds(key) else None)
+        return twins
 
-    def take_window_prefix(self, seq: Sequence, num_blocks: int, twins: list[int | None]) -> None:
-        """Give `seq` (without blocks here) the blocks within the window of its first `num_blocks` blocks'
-        end (twins' ids); those behind it count as given back (block 0 in their place, never read)."""
+    def hold_window_prefix(self, seq: Sequence, num_blocks: int, block_ids: list[int]) -> None:
+        """`seq` (without blocks here) holds `block_ids` (take_cached's), this group's blocks within the window
+        of its first `num_blocks` blocks' end; those behind it count as given back (block 0 in their place,
+        never read)."""
         held = self.blocks_of(seq)
         first = self.first_needed(num_blocks * self.block_size)
-        for i in range(num_blocks):
-            if i < first:
-                held.block_table.append(0)
-                held.block_hashes.append(None)
-                continue
-            block = self.blocks[twins[i]]
-            if block.ref_count == 0:
-                del self._free_cached[block.block_id]
-            block.ref_count += 1
-            held.block_table.append(block.block_id)
-            held.block_hashes.append(block.hash)
+        for i in range(first):
+            held.block_table.append(0)
+            held.block_hashes.append(None)
+        for block_id in block_ids:
+            held.block_table.append(block_id)
+            held.block_hashes.append(self.blocks[block_id].hash)
         held.num_released_blocks = first
 
 
@@ -104,14 +113,14 @@ class HybridBlockManager:
     of windowed layers' (one pool)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, sliding_window: int,
-                 window_groups: int):
-        self.full = BlockManager(num_blocks, block_size, enable_prefix_caching)
+                 window_groups: int, host_slots: int = 0):
+        self.full = BlockManager(num_blocks, block_size, enable_prefix_caching, host_slots=host_slots)
         self.windows = [WindowBlockManager(self.full, group, sliding_window) for group in range(window_groups)]
         self.groups = (self.full, *self.windows)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window  # the windowed layers' (the scheduler releases behind it)
-        self.host = None  # (no host tier: model_runner refuses one)
+        self.host = self.full.host
 
     @property
     def num_blocks(self) -> int:
@@ -168,19 +177,28 @@ class HybridBlockManager:
 
     def match_prefix(self, seq: Sequence) -> int:
         """The longest prefix the full layers' blocks hold whose blocks within the window of its end every
-        windowed group holds too."""
+        windowed group holds too (in the pool or the host tier, those of the host tier as many as the free
+        blocks hold)."""
         full_run = self.full.cached_prefix(seq)
         twins = [group.cached_twins(full_run) for group in self.windows]
         held_since = 0  # where the run of blocks every windowed group holds, up to the prefix's end, begins
-        num_blocks = 0
+        whole = [0]  # the prefixes' lengths in blocks whose windows every group holds
         for n in range(1, len(full_run) + 1):
             if any(found[n - 1] is None for found in twins):
                 held_since = n
             elif held_since <= self.windows[0].first_needed(n * self.block_size):
-                num_blocks = n
-        self.full.take_prefix(seq, full_run[:num_blocks])
-        for group, found in zip(self.windows, twins):
-            group.take_window_prefix(seq, num_blocks, found)
+                whole.append(n)
+        for num_blocks in reversed(whole):
+            first = self.windows[0].first_needed(num_blocks * self.block_size)
+            wanted = [(h, block_id) for h, block_id, _ in full_run[:num_blocks]]
+            wanted += [twin for found in twins for twin in found[first:num_blocks]]
+            if self.full.loads_fit(wanted):
+                break
+        taken = self.full.take_cached(wanted)
+        self.full.hold_prefix(seq, taken[:num_blocks], [h for h, _, _ in full_run[:num_blocks]])
+        within = num_blocks - first
+        for g, group in enumerate(self.windows):
+            group.hold_window_prefix(seq, num_blocks, taken[num_blocks + g * within:num_blocks + (g + 1) * within])
         return seq.num_computed_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:

@@ -90,6 +90,9 @@ class HostTier:
             return None
         return block
 
+    def holds(self, key) -> bool:
+        return key in self._blocks
+
     def take(self, block_hash: int) -> HostBlock:
         """Forget the block kept under `block_hash` (find's) as it goes back to the pool; its slot stays
         held until its copy back is asked for (free_slot)."""

@@ -447,9 +447,6 @@ class ModelRunner:
         memory = self.config.kv_offload_memory
         if not memory:
             return None
-        if self.window_groups:
-            raise ValueError("kv_offload_memory: a host tier for a model whose windowed layers have block tables of "
-                             "their own is not built; set hybrid_kv_cache false to use one")
         slots = self._smallest_over_ranks(memory // self.world_size // self.bytes_per_block)
         if slots < 1:
             split = f", split over {self.world_size} ranks" if self.world_size > 1 else ""
