@@ -13,6 +13,7 @@ from inflight import LLM, SamplingParams
 from inflight.block_manager import BlockManager
 from inflight.hybrid_blocks import HybridBlockManager
 from inflight.config import EngineConfig
+from inflight import kv_offload
 from inflight.kv_offload import FROM_HOST, TO_HOST
 from inflight.sequence import Sequence
 
@@ -140,14 +141,15 @@ def waves(seed: int) -> list[list[int]]:
     ("llama", False, False), ("llama", True, False), ("mistral", False, False), ("llama", False, True),
     ("gemma3_text", False, False), ("gemma2", True, False)])
 def test_greedy_outputs_equal_the_engine_without_a_host_tier(tiny_models, more_tiny_models, family, async_scheduling,
-                                                             draft_model):
+                                                             draft_model, monkeypatch):
     """Chunked prefill, preemption (14 blocks for 3 requests of ~110 tokens) and a host tier smaller than
     what the pool hands out (30 blocks: the oldest forgotten): outputs equal those without prefix caching
     (Mistral: every layer within a sliding window, blocks behind it given back; Gemma 2 and 3: windowed
     layers beside full ones, their blocks in tables of their own, twice the pool), blocks found in the host
     tier and copied back, every block free at the end. `draft_model`: speculative decoding with a draft
     model (the model itself), whose pool makes the copies on the device alone (it computes cached blocks
-    again)."""
+    again). The copies are staged three blocks at a time, so that a copy of more goes in parts."""
+    monkeypatch.setattr(kv_offload, "STAGED_BLOCKS", 3)
     model = tiny_models[family] if family in tiny_models else more_tiny_models(family)
     prompts = waves(seed=7)
     hybrid = family.startswith("gemma")

@@ -29,6 +29,9 @@ import numpy as np
 import torch
 
 ON_DEVICE, TO_HOST, FROM_HOST = "device", "to_host", "from_host"
+# Blocks staged on the device at once by a copy to or from the host (a block of a Llama-3-8B shape in
+# bfloat16 is 2 MiB: a 32k-token prompt's 2,000 blocks whole would be 4 GiB beside the pool).
+STAGED_BLOCKS = 64
 
 
 class BlockCopy(NamedTuple):
@@ -57,7 +60,8 @@ class HostTier:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))  # (popped from the end: slot 0 first)
-        self._blocks: OrderedDict[int, HostBlock] = OrderedDict()  # hash -> block, least recently stored first
+        # key (a block's hash; a hybrid model's windowed block's key) -> block, least recently stored first
+        self._blocks: OrderedDict[object, HostBlock] = OrderedDict()
         self.stored = 0  # blocks copied to the host since start-up
         self.loaded = 0  # blocks copied back (found by a prompt)
 
@@ -65,47 +69,47 @@ class HostTier:
     def num_used_slots(self) -> int:
         return len(self._blocks)
 
-    def store(self, block_hash: int, block: HostBlock) -> int | None:
-        """Keep `block` (its slot is set here) under `block_hash`, forgetting the least recently stored block
-        if no slot is free (or the one held under the same hash); returns the slot (None: every slot is held
+    def store(self, key, block: HostBlock) -> int | None:
+        """Keep `block` (its slot is set here) under `key`, forgetting the least recently stored block
+        if no slot is free (or the one held under the same key); returns the slot (None: every slot is held
         by a block on its way back to the pool, and `block` is not kept)."""
-        self.discard(block_hash)
+        self.discard(key)
         if not self._free_slots:
             if not self._blocks:
                 return None
             _, oldest = self._blocks.popitem(last=False)
             self._free_slots.append(oldest.slot)
         block.slot = self._free_slots.pop()
-        self._blocks[block_hash] = block
+        self._blocks[key] = block
         self.stored += 1
         return block.slot
 
-    def find(self, block_hash: int, token_ids: tuple, lora_id: int, parent_registration: int) -> HostBlock | None:
-        """The block kept under `block_hash` if it holds these tokens after the block registered as
+    def find(self, key, token_ids: tuple, lora_id: int, parent_registration: int) -> HostBlock | None:
+        """The block kept under `key` if it holds these tokens after the block registered as
         `parent_registration` (0: first in its sequence) for this adapter; contents compared, not hashes
         alone, so a collision never hands out wrong KV."""
-        block = self._blocks.get(block_hash)
+        block = self._blocks.get(key)
         if block is None or block.token_ids != token_ids or block.lora_id != lora_id \
                 or block.parent_registration != parent_registration:
             return None
         return block
 
     def holds(self, key) -> bool:
-        return key in self._blocks
+        return key in self._blocks  # (a windowed block's key names exactly its tokens: hybrid_blocks.py)
 
-    def take(self, block_hash: int) -> HostBlock:
-        """Forget the block kept under `block_hash` (find's) as it goes back to the pool; its slot stays
+    def take(self, key) -> HostBlock:
+        """Forget the block kept under `key` (find's) as it goes back to the pool; its slot stays
         held until its copy back is asked for (free_slot)."""
         self.loaded += 1
-        return self._blocks.pop(block_hash)
+        return self._blocks.pop(key)
 
     def free_slot(self, slot: int) -> None:
         """A slot whose copy back is asked for: free for the copies after it (they are made in order)."""
         self._free_slots.append(slot)
 
-    def discard(self, block_hash: int) -> None:
-        """Forget the block under `block_hash`, if any (the pool holds those tokens again)."""
-        block = self._blocks.pop(block_hash, None)
+    def discard(self, key) -> None:
+        """Forget the block under `key`, if any (the pool holds those tokens again)."""
+        block = self._blocks.pop(key, None)
         if block is not None:
             self._free_slots.append(block.slot)
 
@@ -129,21 +133,25 @@ class HostKVStore:
 
     def store(self, blocks: torch.Tensor, slots: list[int]) -> None:
         """Copy pool `blocks` (on the device) into host `slots`, in order."""
-        kv = self.pool[:, :, blocks].movedim(2, 0).contiguous()
-        ids = self.token_ids[blocks]
-        for at, first, n in _consecutive_runs(slots):
-            self.kv[first:first + n].copy_(kv[at:at + n], non_blocking=True)
-            self.ids[first:first + n].copy_(ids[at:at + n], non_blocking=True)
+        for start in range(0, len(slots), STAGED_BLOCKS):
+            chunk = blocks[start:start + STAGED_BLOCKS]
+            kv = self.pool[:, :, chunk].movedim(2, 0).contiguous()
+            ids = self.token_ids[chunk]
+            for at, first, n in _consecutive_runs(slots[start:start + STAGED_BLOCKS]):
+                self.kv[first:first + n].copy_(kv[at:at + n], non_blocking=True)
+                self.ids[first:first + n].copy_(ids[at:at + n], non_blocking=True)
 
     def load(self, slots: list[int], blocks: torch.Tensor) -> None:
         """Copy host `slots` into pool `blocks` (on the device)."""
-        kv = torch.empty((len(slots), *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.pool.device)
-        ids = torch.empty((len(slots), self.ids.shape[1]), dtype=self.ids.dtype, device=self.pool.device)
-        for at, first, n in _consecutive_runs(slots):
-            kv[at:at + n].copy_(self.kv[first:first + n], non_blocking=True)
-            ids[at:at + n].copy_(self.ids[first:first + n], non_blocking=True)
-        self.pool[:, :, blocks] = kv.movedim(0, 2)
-        self.token_ids[blocks] = ids
+        for start in range(0, len(slots), STAGED_BLOCKS):
+            chunk = slots[start:start + STAGED_BLOCKS]
+            kv = torch.empty((len(chunk), *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.pool.device)
+            ids = torch.empty((len(chunk), self.ids.shape[1]), dtype=self.ids.dtype, device=self.pool.device)
+            for at, first, n in _consecutive_runs(chunk):
+                kv[at:at + n].copy_(self.kv[first:first + n], non_blocking=True)
+                ids[at:at + n].copy_(self.ids[first:first + n], non_blocking=True)
+            self.pool[:, :, blocks[start:start + STAGED_BLOCKS]] = kv.movedim(0, 2)
+            self.token_ids[blocks[start:start + STAGED_BLOCKS]] = ids
 
 
 def _host_tensor(shape: tuple, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
