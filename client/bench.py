@@ -198,35 +198,45 @@ def bench_prefix_caching(model_dir: str, n: int, seed: int) -> list[tuple]:
     return rows
 
 
-def bench_kv_offload(model_dir: str, n: int, seed: int, sessions: int = 8, pool_blocks: int = 64) -> list[tuple]:
-    """`sessions` conversations of a 400-token context each (25 blocks) taking turns, one turn each a round
-    (`n` turns in all, a new question of 8-24 tokens and 32 output tokens each): a pool of `pool_blocks`
-    holds about two contexts, so by a session's next turn the pool has handed its blocks to the others.
-    Prefix caching off, the pool alone, and the pool with a host tier holding every context."""
+def bench_kv_offload(model_dir: str, n: int, seed: int, sessions: int = 8, context: int = 400, pool_blocks: int = 64,
+                     output_len: int = 32, **settings) -> list[tuple]:
+    """`sessions` conversations of a `context`-token context each taking turns, one turn each a round (`n`
+    turns in all, a new question of 8-24 tokens and `output_len` output tokens each): a pool of `pool_blocks`
+    blocks of 16 tokens holds about two contexts, so by a session's next turn the pool has handed its blocks
+    to the others. Prefix caching off, the pool alone, and the pool with a host tier holding every context.
+    `settings`: the engines' others (make_llm's defaults: float32 on the CPU)."""
     rng = random.Random(seed)
-    contexts = [[rng.randrange(100, 49152) for _ in range(400)] for _ in range(sessions)]
+    contexts = [[rng.randrange(100, 49152) for _ in range(context)] for _ in range(sessions)]
     turns = [contexts[i % sessions] + [rng.randrange(100, 49152) for _ in range(rng.randint(8, 24))]
              for i in range(n)]
     rows, block_bytes = [], None
-    for name, settings in (("prefix caching off", dict(enable_prefix_caching=False)), ("the pool alone", {}),
-                           ("the pool and a host tier", None)):
-        if settings is None:  # (every context's 25 blocks, and room to spare)
-            settings = dict(kv_offload_memory=2 * sessions * 25 * block_bytes)
-        llm = make_llm(model_dir, num_kv_blocks=pool_blocks, **settings)
+    for name, tier in (("prefix caching off", dict(enable_prefix_caching=False)), ("the pool alone", {}),
+                       ("the pool and a host tier", None)):
+        if tier is None:  # (every context's blocks, and as many to spare)
+            tier = dict(kv_offload_memory=2 * sessions * -(-context // 16) * block_bytes)
+        llm = make_llm(model_dir, num_kv_blocks=pool_blocks, **tier, **settings)
         block_bytes = llm.runner.bytes_per_block
         llm.generate([turns[0][:8]], None)  # warm-up
         ttfts, seconds, tokens = [], 0.0, 0
         for first in range(0, n, sessions):
-            ttft, tps = stream_ttft(llm, turns[first:first + sessions], 32)
-            round_tokens = 32 * len(turns[first:first + sessions])
+            ttft, tps = stream_ttft(llm, turns[first:first + sessions], output_len)
+            round_tokens = output_len * len(turns[first:first + sessions])
             ttfts.append(ttft)
             seconds, tokens = seconds + round_tokens / tps, tokens + round_tokens
         stats = llm.stats()
         hit = stats["prefix_cache_hit_tokens"] / max(stats["prefix_cache_queried_tokens"], 1)
         loaded = stats.get("kv_offload_loaded_blocks_total", 0)
         rows.append((name, statistics.mean(ttfts), tokens / seconds, hit, loaded))
-        print(f"  {name}: mean TTFT {rows[-1][1]:.2f} s, {rows[-1][2]:.1f} tok/s, hit {hit:.0%}", file=sys.stderr)
+        print(f"  {name}: mean TTFT {rows[-1][1]:.3f} s, {rows[-1][2]:.1f} tok/s, hit {hit:.0%}", file=sys.stderr)
+        del llm
     return rows
+
+
+def kv_offload_table(rows: list[tuple], what: str) -> list[str]:
+    """bench_kv_offload's rows as a markdown table, `what` naming the workload."""
+    return [f"| {what} | mean TTFT (s) | output tok/s | prompt tokens found cached | blocks from the host tier |",
+            "|---|---:|---:|---:|---:|",
+            *(f"| {name} | {ttft:.3f} | {tps:.1f} | {hit:.0%} | {loaded} |" for name, ttft, tps, hit, loaded in rows)]
 
 
 PERSON_SCHEMA = {
@@ -960,11 +970,8 @@ def main() -> None:
             print(f"| {name} | {caching} | {ttft:.2f} | {tps:.1f} | {hit} |")
     if "offload" in peers:
         rows = bench_kv_offload(args.model, args.num_requests, args.seed)
-        print(f"\n| {args.num_requests} turns of 8 conversations (400-token contexts, 32 output tokens), a pool of 64 "
-              "blocks | mean TTFT (s) | output tok/s | prompt tokens found cached | blocks from the host tier |")
-        print("|---|---:|---:|---:|---:|")
-        for name, ttft, tps, hit, loaded in rows:
-            print(f"| {name} | {ttft:.2f} | {tps:.1f} | {hit:.0%} | {loaded} |")
+        print("", *kv_offload_table(rows, f"{args.num_requests} turns of 8 conversations (400-token contexts, 32 "
+                                          "output tokens), a pool of 64 blocks"), sep="\n")
     if "logprobs" in peers:
         seconds = alternating({k: lambda k=k: run_inflight(args.model, work, logprobs=k,
                                                            max_num_batched_tokens=args.max_num_batched_tokens)

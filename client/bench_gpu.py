@@ -16,11 +16,14 @@ With --all, the decode step and offline rate also for the other modes, one chang
 defaults: torch_compile, transformers' own layers, one step at a time, eager, and FP8 weights
 (`quantization` fp8: the 1.2B shape; the default model's 576 rows are refused, a row saying so)
 (EXTRA_MODES: what the issue's five minutes leave no room for). It prints markdown tables and writes them
-to --out, and on stderr how long each measurement took. `--smoke` runs the same steps on CPU with tiny shapes and a few
-requests (the test suite does, so that the script works when a GPU is at hand).
+to --out, and on stderr how long each measurement took. With --offload, the prefix cache's host tier
+(`kv_offload_memory`) against the pool alone, on turns of conversations the pool cannot hold at once.
+`--smoke` runs the same steps on CPU with tiny shapes and a few requests (the test suite does, so that the
+script works when a GPU is at hand).
 
     make bench-gpu
     python3 client/bench_gpu.py --all --skip graphs,sampled,greedy,hf-cb,hf-static   # the other modes alone
+    python3 client/bench_gpu.py --offload --skip graphs,sampled,greedy,hf-cb,hf-static,arrivals  # the host tier
     python3 client/bench_gpu.py --smoke --out /tmp/bench-gpu.md
 """
 
@@ -42,7 +45,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "backend"), str(ROOT / "client")]
 
-from bench import Workload, agreeing_tokens, load_hf, make_workload, run_hf_continuous, run_hf_static  # noqa: E402
+from bench import (Workload, agreeing_tokens, bench_kv_offload, kv_offload_table, load_hf, make_workload,  # noqa: E402
+                   run_hf_continuous, run_hf_static)
 
 TOKENIZER = ROOT / "models" / "SmolLM2-135M-Instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -547,6 +551,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the tables to this file")
     parser.add_argument("--host-profile", action="store_true", help="also profile the host side of decode steps")
     parser.add_argument("--all", action="store_true", help=f"also the modes {', '.join(EXTRA_MODES)}")
+    parser.add_argument("--offload", action="store_true",
+                        help="also the prefix cache's host tier (kv_offload_memory): turns of conversations whose "
+                             "contexts the pool cannot hold at once, on the last shape")
     parser.add_argument("--skip", default="", help=f"comma-separated parts to leave out, of {', '.join(PARTS)}")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -605,12 +612,27 @@ def main() -> None:
                                        for what, value, met in targets))
         if "arrivals" not in skip:
             arrivals_table(report, built, device, sequences, steps, 16 if args.smoke else ARRIVAL_TOKENS)
+        if args.offload:
+            offload_table(report, model_dir, device, args.smoke)
         if args.host_profile:
             for sampling, what in ((None, ""), (SAMPLED, f", {sampled_words()}")):
                 report.add("", f"host profile, {name}, decode steps of {sequences} sequences{what}:", "```",
                            host_profile(model_dir, device, sequences, steps, sampling), "```")
                 report.took(f"host profile{what}")
     report.add("", f"(bench-gpu took {time.perf_counter() - report.started:.0f} s)")
+
+
+def offload_table(report: "Report", model_dir: str, device: str, smoke: bool) -> None:
+    """bench.py's host-tier workload at a GPU's scale: 8 conversations of 2,048-token contexts taking 4 turns
+    each (64 output tokens), a pool of 320 blocks (two and a half contexts), the engine's defaults."""
+    context, pool, turns, output = (64, 12, 16, 4) if smoke else (2048, 320, 32, 64)
+    settings = dict(fused_layers=False) if device == "cpu" else {}
+    rows = bench_kv_offload(model_dir, turns, 0, context=context, pool_blocks=pool, output_len=output,
+                            device=device, dtype=measured_dtype(device), max_num_seqs=16, **settings)
+    release()
+    report.add("", *kv_offload_table(rows, f"{turns} turns of 8 conversations ({context}-token contexts, {output} "
+                                           f"output tokens), a pool of {pool} blocks"))
+    report.took("host tier")
 
 
 def selected_modes(all_modes: bool, skip: set[str]) -> list[str]:

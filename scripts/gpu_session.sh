@@ -43,7 +43,7 @@ want tests-models && part tests-models "${MODELS_S:-240}" python3 -m pytest -q -
   tests/test_engine_greedy.py -k "more_model_types and cuda"
 # BENCH_ARGS: bench-gpu's options beyond the GPU engine issue's set (what `make bench-gpu` runs, in the
 # issue's five minutes), e.g. "--all --skip graphs,sampled,greedy,hf-cb,hf-static" for the other modes
-# alone. The log says how long each measurement took.
+# alone, "--offload --skip graphs,sampled,greedy,hf-cb,hf-static,arrivals" for the host tier alone. The log says how long each measurement took.
 want bench-gpu && part bench-gpu "${BENCH_S:-300}" python3 client/bench_gpu.py --host-profile ${BENCH_ARGS:-} \
   --out "$OUT/bench-gpu.md"
 want bench-kernels && part bench-kernels "${KERNELS_S:-90}" python3 client/bench_kernels.py

@@ -66,7 +66,8 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
     # Every mode but torch_compile's (half the run's time on a CI host; its engine is tested elsewhere) and
     # FP8 weights' (refused on a CPU: test_quantized.py), which --skip leaves out like any part.
     result = subprocess.run([sys.executable, str(ROOT / "client" / "bench_gpu.py"), "--smoke", "--all", "--skip",
-                             "compile,fp8", "--host-profile", "--out", str(out)], capture_output=True, text=True,
+                             "compile,fp8", "--host-profile", "--offload", "--out", str(out)], capture_output=True,
+                            text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     # How long each measurement took, on stderr: what fits a GPU session is planned from them.
@@ -104,6 +105,9 @@ def test_bench_gpu_runs_its_steps_on_cpu(tmp_path):
         within = [float(ms) for ms in re.findall(r"^\| of which[^|]+ \| ([\d.]+) \|$", table, re.M)]
         assert len(within) == 3 and 0 < within[0] < parts[2] and within[1:] == [0, 0], table
     assert text.count("| host time a step (mean of") == 2, text
+    # The host tier against the pool alone, blocks brought back from it.
+    tier = re.search(r"^\| the pool and a host tier \| [\d.]+ \| [\d.]+ \| (\d+)% \| (\d+) \|$", text, re.M)
+    assert "| the pool alone | " in text and tier and int(tier[1]) > 0 and int(tier[2]) > 0, text
     assert "failed:" not in text, text  # a failing measurement is reported in its row, and the run goes on
     # The issue's targets, checked on the defaults (and with torch_compile, left out here): both shapes'
     # decode step (one here), output tok/s and the ratio to HF continuous batching, each with its verdict.
