@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import hybrid_tables, random_pool_history, random_prompts
-from inflight import LLM, SamplingParams
+from inflight import LLM, SamplingParams, faults
 from inflight.block_manager import BlockManager
 from inflight.hybrid_blocks import HybridBlockManager
 from inflight.config import EngineConfig
@@ -186,6 +186,27 @@ def test_a_prefix_brought_back_from_the_host_gives_the_same_logits_bit_for_bit(t
     assert llm.stats()["kv_offload_loaded_blocks_total"] == 3
     assert np.array_equal(first.outputs[0].generation_logits, again.outputs[0].generation_logits)
     assert again.token_ids == first.token_ids
+    llm.block_manager.check_all_free()
+
+
+def test_a_failed_step_leaves_no_block_its_copies_were_to_fill(tiny_models):
+    """A step that fails before its copies are made (here the forward, injected) would leave the pool caching
+    the blocks it was to bring back from the host tier, and the host tier the blocks it was to store, holding
+    whatever they held before: those are forgotten, so the prompt sent again after the failure is computed
+    again, its output as the first time's."""
+    llm = LLM(tiny_models["llama"], block_size=BLOCK, num_kv_blocks=12, kv_offload_memory=1 << 24)
+    prompt = random_prompts(1, 4 * BLOCK + 5, 4 * BLOCK + 5, vocab=512, seed=21)[0]
+    first = llm.generate([prompt], GREEDY)[0]
+    others = random_prompts(2, 5 * BLOCK, 5 * BLOCK, vocab=512, seed=22)
+    before = [o.token_ids for o in llm.generate(others, GREEDY)]  # (the prompt's blocks to the host)
+    stored = llm.stats()["kv_offload_stored_blocks_total"]
+    faults.inject(llm, f"forward@{llm.num_steps + 1}")
+    failed = llm.generate([prompt], GREEDY)[0]
+    assert failed.outputs[0].finish_reason == "error"
+    stats = llm.stats()  # (the failed step's loads displaced the others' blocks: to the host, never copied)
+    assert stats["kv_offload_loaded_blocks_total"] == 4 and stats["kv_offload_stored_blocks_total"] > stored
+    assert llm.generate([prompt], GREEDY)[0].token_ids == first.token_ids
+    assert [o.token_ids for o in llm.generate(others[::-1], GREEDY)] == before[::-1]
     llm.block_manager.check_all_free()
 
 

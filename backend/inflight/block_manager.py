@@ -338,6 +338,20 @@ class BlockManager:
             block.hash = block.token_ids = None
             block.registration = block.parent_registration = 0
 
+    def forget_copies(self, copies: list[BlockCopy]) -> None:
+        """After a failed step, whose copies may not have been made: the host tier forgets the blocks they were
+        to store and the pool the blocks they were to bring back (their holders failed with the step). A copy
+        on write fills a block no cache names."""
+        for copy in copies:
+            if copy.kind == TO_HOST:
+                self.host.forget_slot(copy.destination)
+            elif copy.kind == FROM_HOST:
+                block = self.blocks[copy.destination]
+                if block.block_id in self._free_cached:
+                    del self._free_cached[block.block_id]
+                    self._free_empty.append(block.block_id)
+                self._uncache(block)
+
     def check_all_free(self) -> None:
         """Raise if any block is still referenced (used by tests and at shutdown)."""
         leaked = [b.block_id for b in self.blocks if b.ref_count]

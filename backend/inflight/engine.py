@@ -153,6 +153,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.dead_reason: str | None = None  # set once the engine has stopped for good
         self._failures_since_tokens = 0
+        self._unmade_copies: list[BlockCopy] = []  # the launching step's block copies, until made
         self.num_steps = 0  # counters since start
         self.num_failed_steps = 0
         self.num_pipelined_steps = 0  # steps launched while the one before was still running
@@ -490,6 +491,7 @@ class LLMEngine:
         # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward (and
         # in the draft model's pool before it drafts).
         copies = self.block_manager.take_pending_copies()
+        self._unmade_copies = copies  # (until the runner has made them: a failed step forgets what they fill)
         if self.draft_model is not None:  # (its drafts proposed now: the scheduler placed them)
             self.draft_model.fill(batch, copies)
         self.num_steps += 1
@@ -521,6 +523,7 @@ class LLMEngine:
             start += n
         pending = (self._in_flight.tokens, pending_at, pending_rows) if pending_at else None
         logits = self._forward(batch, logits_at + draft_rows_at + [p.row for p in prompt_positions], copies, pending)
+        self._unmade_copies = []
         self.num_pipelined_steps += self._in_flight is not None
         judged = len(sampling) + len(draft_rows_at)
         measured_prompts = prompt_logprobs.measure(logits[judged:], prompt_positions)
@@ -858,6 +861,9 @@ class LLMEngine:
             for seq in list(self._requests.get(request_id, [])):
                 if not seq.is_finished:
                     deltas.append(self._fail(seq, self.dead_reason or message))
+        if self._unmade_copies:  # (the blocks they were to fill hold what they held before)
+            self.block_manager.forget_copies(self._unmade_copies)
+            self._unmade_copies = []
 
     def _fail_constrained(self, seq: Sequence, deltas: list[RequestDelta]) -> None:
         """Its constraints left no token: its request alone ends, with an error."""

@@ -205,5 +205,8 @@ class HybridBlockManager:
         for group in self.groups:
             group.cache_full_blocks(seq)
 
+    def forget_copies(self, copies) -> None:
+        self.full.forget_copies(copies)  # (one pool, every group's blocks)
+
     def check_all_free(self) -> None:
         self.full.check_all_free()

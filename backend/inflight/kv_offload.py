@@ -107,6 +107,12 @@ class HostTier:
         """A slot whose copy back is asked for: free for the copies after it (they are made in order)."""
         self._free_slots.append(slot)
 
+    def forget_slot(self, slot: int) -> None:
+        """Forget the block kept in `slot`, if any (its copy there may not have been made)."""
+        key = next((key for key, block in self._blocks.items() if block.slot == slot), None)
+        if key is not None:
+            self.discard(key)
+
     def discard(self, key) -> None:
         """Forget the block under `key`, if any (the pool holds those tokens again)."""
         block = self._blocks.pop(key, None)
