@@ -488,8 +488,9 @@ class LLMEngine:
         step in flight read first: its deltas go to `deltas`)."""
         if not batch.seqs:
             return None
-        # Copy-on-write of blocks shared by a prompt's completions: done by the runner before the forward (and
-        # in the draft model's pool before it drafts).
+        # The block manager's copies (copy-on-write of blocks shared by a prompt's completions; blocks to and from
+        # the host tier): made by the runner before the forward (those on the device in the draft model's pool
+        # too, before it drafts).
         copies = self.block_manager.take_pending_copies()
         self._unmade_copies = copies  # (until the runner has made them: a failed step forgets what they fill)
         if self.draft_model is not None:  # (its drafts proposed now: the scheduler placed them)

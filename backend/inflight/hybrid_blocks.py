@@ -205,7 +205,7 @@ class HybridBlockManager:
         for group in self.groups:
             group.cache_full_blocks(seq)
 
-    def forget_copies(self, copies) -> None:
+    def forget_copies(self, copies: list[BlockCopy]) -> None:
         self.full.forget_copies(copies)  # (one pool, every group's blocks)
 
     def check_all_free(self) -> None:
