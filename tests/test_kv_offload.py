@@ -2,6 +2,7 @@
 memory and copied back for a prefix that finds them, greedy and logits as without it, every block and slot
 back."""
 
+import mmap
 import random
 
 import numpy as np
@@ -64,6 +65,15 @@ def test_random_histories_of_hybrid_tables_with_a_host_tier(seed):
         random_pool_history(pool, rng, hybrid_tables, label=history, adapters=(0, 0, 1), vocab=4, longest_prefix=40)
         loaded += pool.host.loaded
     assert loaded > 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 3 * 4096 + 7, 1 << 22])
+def test_pinned_host_memory_begins_on_a_page(nbytes):
+    """What a GPU's host tier pins: exactly the bytes asked for, from a page's start (the driver pins pages)."""
+    buffer = kv_offload.page_aligned(nbytes)
+    assert buffer.nbytes == nbytes and buffer.data_ptr() % mmap.PAGESIZE == 0
+    buffer.fill_(7)  # (all of it writable)
+    assert int(buffer.sum()) == 7 * nbytes
 
 
 def test_a_prefix_runs_on_from_the_pool_into_the_host_tier():

@@ -20,6 +20,7 @@ Under tensor parallelism every rank holds its own KV heads of each slot; the sch
 the other ranks with the step's inputs.
 """
 
+import mmap
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -161,16 +162,25 @@ class HostKVStore:
 
 
 def _host_tensor(shape: tuple, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """An empty host tensor; `pinned`: registered with the CUDA driver at its exact size (torch's pinned
-    allocator rounds a block up to a power of two: a tier of 40 GiB would pin 64)."""
-    tensor = torch.empty(shape, dtype=dtype)
-    if pinned:
-        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
-        if error:
-            raise RuntimeError(f"kv_offload_memory: pinning {tensor.nbytes} bytes of host memory failed (CUDA error "
-                               f"{error}); lower it")
-        weakref.finalize(tensor, torch.cuda.cudart().cudaHostUnregister, tensor.data_ptr())
+    """An empty host tensor; `pinned`: page-aligned and registered with the CUDA driver at its exact size
+    (torch's pinned allocator rounds a block up to a power of two: a tier of 40 GiB would pin 64)."""
+    if not pinned:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = dtype.itemsize * int(np.prod(shape))
+    tensor = page_aligned(nbytes).view(dtype).view(shape)
+    error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0))
+    if error:
+        raise RuntimeError(f"kv_offload_memory: pinning {nbytes} bytes of host memory failed (CUDA error {error}); "
+                           "lower it")
+    weakref.finalize(tensor, torch.cuda.cudart().cudaHostUnregister, tensor.data_ptr())
     return tensor
+
+
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes of host memory that begin on a page (what the driver pins whole)."""
+    raw = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % mmap.PAGESIZE
+    return raw[offset:offset + nbytes]
 
 
 def _consecutive_runs(slots: list[int]):
