@@ -271,21 +271,24 @@ class BlockManager:
 
     def loads_fit(self, wanted: list[tuple[object, int | None]]) -> bool:
         """Whether the free blocks left once the pool's blocks of `wanted` are taken hold its host tier's."""
-        loads = sum(1 for _, block_id in wanted if block_id is None)
-        return loads <= self.num_free_blocks - sum(1 for _, block_id in wanted
-                                                    if block_id is not None and self.blocks[block_id].ref_count == 0)
+        block_ids = [block_id for _, block_id in wanted]
+        return block_ids.count(None) <= self._free_after_taking(block_ids)
 
     def _loadable(self, run: list[tuple[int, int | None, int]]) -> list[tuple[int, int | None, int]]:
         """`run` up to its first block in the host tier that the free blocks left after taking the pool's own
         cannot hold."""
-        free = self.num_free_blocks - sum(1 for _, block_id, _ in run
-                                          if block_id is not None and self.blocks[block_id].ref_count == 0)
+        free = self._free_after_taking([block_id for _, block_id, _ in run])
         for i, (_, block_id, _) in enumerate(run):
             if block_id is None:
                 if free == 0:
                     return run[:i]
                 free -= 1
         return run
+
+    def _free_after_taking(self, block_ids: list[int | None]) -> int:
+        """The free blocks left once the pool's blocks among `block_ids` (None: the host tier's) are taken."""
+        return self.num_free_blocks - sum(1 for block_id in block_ids
+                                          if block_id is not None and self.blocks[block_id].ref_count == 0)
 
     def _store_on_host(self, block: Block) -> None:
         """Before a cached block is handed out: its contents to a host slot, its identity to the host tier."""

@@ -20,6 +20,7 @@ Under tensor parallelism every rank holds its own KV heads of each slot; the sch
 the other ranks with the step's inputs.
 """
 
+import itertools
 import mmap
 import weakref
 from collections import OrderedDict
@@ -157,8 +158,9 @@ class HostKVStore:
             for at, first, n in _consecutive_runs(chunk):
                 kv[at:at + n].copy_(self.kv[first:first + n], non_blocking=True)
                 ids[at:at + n].copy_(self.ids[first:first + n], non_blocking=True)
-            self.pool[:, :, blocks[start:start + STAGED_BLOCKS]] = kv.movedim(0, 2)
-            self.token_ids[blocks[start:start + STAGED_BLOCKS]] = ids
+            destinations = blocks[start:start + STAGED_BLOCKS]
+            self.pool[:, :, destinations] = kv.movedim(0, 2)
+            self.token_ids[destinations] = ids
 
 
 def _host_tensor(shape: tuple, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -196,11 +198,6 @@ def runs_of_kind(copies: list[BlockCopy]):
     """The copies in runs of one kind, in order: (kind, sources, destinations). A run's copies are made
     together (a slot stored twice keeps the later block); across runs order matters: a pool block is stored
     to the host before another is loaded over it, a slot loaded before another block is stored over it."""
-    run: list[BlockCopy] = []
-    for copy in copies:
-        if run and copy.kind != run[0].kind:
-            yield run[0].kind, [c.source for c in run], [c.destination for c in run]
-            run = []
-        run.append(copy)
-    if run:
-        yield run[0].kind, [c.source for c in run], [c.destination for c in run]
+    for kind, run in itertools.groupby(copies, key=lambda copy: copy.kind):
+        sources, destinations, _ = zip(*run)
+        yield kind, list(sources), list(destinations)
