@@ -24,13 +24,14 @@ leaves them out (bench_kernels.SPILLING_BY_TRITON), since the engine may not cho
 """
 
 import argparse
+import contextlib
+import io
 import itertools
+import json
 import multiprocessing
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.cache import get_cache_manager  # noqa: E402
 
 import bench_kernels  # noqa: E402
 from inflight.ops import triton_ops, triton_top_p  # noqa: E402
@@ -70,6 +72,7 @@ FP8_CACHES = [torch.float8_e5m2, torch.float8_e4m3fn]
 FP8_DTYPES = [(query, cache, out) for cache in FP8_CACHES for query, out in
               ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16))]
 FP8_LEAST_ARCH = {torch.float8_e4m3fn: 89}
+USAGE_FILE = "ptxas_usage.json"  # registers and spill stores, kept beside each kernel in Triton's cache
 NEW_KV_LEAST_ARCH = 90  # prefill tiles reading the step's new keys and values (tensor descriptors): Hopper on
 
 
@@ -132,6 +135,9 @@ def multiples_of_16(kernel, heads: int, head_dim: int) -> set[str]:
 
 
 def compile_variant(kernel, constants: dict, dtype, arch: int, hinted: set[str] = frozenset()):
+    """The variant compiled for `arch`, and its registers and spill stores a thread (spill stores: ptxas ran
+    out of registers), from the verbose report of Triton's own ptxas run, kept beside the kernel in Triton's
+    cache: a kernel found there costs no ptxas run (ptxas was most of this script's time)."""
     constants = dict(constants)
     if "HAS_SINKS" in constants and not constants["HAS_SINKS"]:
         constants["sinks_ptr"] = None  # launched with None: a constant, no argument
@@ -143,21 +149,20 @@ def compile_variant(kernel, constants: dict, dtype, arch: int, hinted: set[str] 
     types, attrs = signature(kernel, constants, dtype, hinted)
     source = ASTSource(fn=kernel, signature=types, constexprs=constants, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
-    return triton.compile(source, target=target, options=options)
-
-
-def resource_usage(ptx: str) -> dict[str, int]:
-    """Registers and spill stores per thread, from Triton's own ptxas run verbosely on the kernel's PTX
-    (spill stores mean ptxas ran out of registers)."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        target = re.search(r"^\.target (\w+)", ptx, re.MULTILINE).group(1)  # sm_90a on Hopper
-        report = subprocess.run([str(ptxas), "-v", f"--gpu-name={target}", f.name, "-o", os.devnull],
-                                capture_output=True, text=True, check=True).stderr
-    return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
-            "spills": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
+    triton.knobs.nvidia.dump_ptxas_log = True  # Triton prints its ptxas run's report
+    for again in (False, True):  # compiled again when the cache has the kernel without its report
+        triton.knobs.compilation.always_compile = again
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            compiled = triton.compile(source, target=target, options=options)
+        cache, report = get_cache_manager(compiled.hash), printed.getvalue()
+        if "Used " in report:
+            usage = {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+                     "spills": int(re.search(r"(\d+) bytes spill stores", report).group(1))}
+            cache.put(json.dumps(usage), USAGE_FILE, binary=False)
+            return compiled, usage
+        if (kept := cache.get_file(USAGE_FILE)) is not None:
+            return compiled, json.loads(Path(kept).read_text())
+    raise RuntimeError(f"no ptxas report from Triton {triton.__version__}'s compile")
 
 
 # phase: (tokens, sequences, KV splits) of the launch compiled
@@ -249,11 +254,10 @@ def report(job: tuple[int, list[str], list[str], int, bool]) -> tuple[str, bool]
     found = (sweep_variants if sweep else variants)([getattr(torch, n) for n in dtype_names], shapes, arch=arch)
     name, kernel, constants, dtype, hinted = list(found)[index]
     try:
-        compiled = compile_variant(kernel, constants, dtype, arch, hinted)
+        compiled, usage = compile_variant(kernel, constants, dtype, arch, hinted)
     except Exception as e:  # report every failing variant, not just the first
         return (f"| sm_{arch} | {name} | {type_name(dtype)} | FAILED: {type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''} | | | |"), True
-    usage = resource_usage(compiled.asm["ptx"])
     shared = compiled.metadata.shared
     too_big = shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[80])
     return (f"| sm_{arch} | {name} | {type_name(dtype)} | {compiled.metadata.num_warps} | "

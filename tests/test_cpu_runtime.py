@@ -110,3 +110,28 @@ def test_engine_packs_on_a_cpu_when_asked(tiny_models, packed):
 
 def test_the_allocator_keeps_freed_memory_under_glibc():
     assert keep_freed_memory() == (platform.libc_ver()[0] == "glibc")
+
+
+def test_a_cpu_pool_takes_memory_as_its_blocks_are_written(tiny_models):
+    """The KV pool of a CPU engine is not written at start-up (a fifth of the host's free memory by default:
+    seconds of memset): its pages are mapped as blocks are first written, and read as zeros until then. Its
+    blocks are made as they are first used, and a freed block is used again before a fresh one, so memory
+    grows with the blocks in use at once, not with the requests served."""
+    import psutil
+
+    from inflight import SamplingParams
+
+    rss = psutil.Process().memory_info().rss
+    llm = LLM(tiny_models["llama"], device="cpu", kv_cache_memory=1 << 30, enable_prefix_caching=False)
+    runner = llm.runner
+    assert runner.num_blocks * runner.bytes_per_block > 0.9 * (1 << 30)
+    assert psutil.Process().memory_info().rss - rss < (1 << 30) // 4
+    assert len(llm.block_manager.blocks) == 0 and not runner.kv_cache[:, :, -1].any()
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for turn in range(6):
+        llm.generate([[1 + turn, 2, 3, 4, 5]] * 2, params)
+    # Two sequences of 45 tokens at once: 3 blocks of 16 each, the same 6 blocks every turn.
+    assert sorted(llm.block_manager.blocks) == list(range(6))
+    assert runner.kv_cache[:, :, :6].any() and not runner.kv_cache[:, :, 6:].any()
+    with pytest.raises(IndexError, match="is not in the pool"):
+        llm.block_manager.blocks[runner.num_blocks]

@@ -29,7 +29,7 @@ def run(model, prompts, caching: bool, **settings):
 def assert_no_leak(llm):
     bm = llm.block_manager
     bm.check_all_free()
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert all(b.ref_count == 0 for b in bm.blocks.values())
 
 
 @pytest.mark.parametrize("prefix_len", [5, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK, 3 * BLOCK + 7, 100])

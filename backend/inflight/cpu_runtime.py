@@ -27,6 +27,11 @@ its pages in again, one by one. Gathering keys and values for attention allocate
 layer: with the defaults, the gathered decode attention of 64 sequences of ~430 tokens took 15.5 ms a
 layer on the CI machine, 4.3-4.8 ms with freed memory kept in the process (as a GPU's caching allocator
 keeps it). The thresholds are process-wide; an engine on a CPU owns its process's hot path.
+
+The KV pool: a fifth of the host's free memory by default, which torch.zeros wrote at start-up (5.8 s
+for the 4 GB pool of a test model on the CI machine, seconds of every test's engine). Taken from calloc
+instead, its pages are mapped as blocks are first written; the block manager uses a freed block again
+before a fresh one, so the memory follows the blocks in use and the prefix cache's.
 """
 
 import ctypes
@@ -35,6 +40,7 @@ from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 
 from .shared_matmul import SharedMatmul, sibling_projections, stack_weights
@@ -55,6 +61,13 @@ def keep_freed_memory() -> bool:
     if kept:
         logger.info("allocator: freed memory up to %d MB a block stays in the process", _MMAP_THRESHOLD_MAX >> 20)
     return kept
+
+
+def zeros_mapped_when_written(shape: tuple[int, ...]) -> torch.Tensor:
+    """Bytes of zeros whose pages the system maps as they are first written (calloc, numpy's zeros), where
+    torch.zeros writes every byte at once: the KV pool of a CPU engine, a fifth of the host's free memory
+    by default, took seconds of start-up to fill (5.8 s for 4 GB on the CI machine)."""
+    return torch.from_numpy(np.zeros(shape, dtype=np.uint8))
 
 
 def packing_available() -> bool:

@@ -17,7 +17,7 @@ from . import images, ops, quantization
 from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, AttentionContext
 from .config import EngineConfig
 from .cpu_experts import pack_experts
-from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available
+from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available, zeros_mapped_when_written
 from .compile_warmup import compile_shape_classes
 from .cuda_graphs import StepGraphs
 from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
@@ -220,8 +220,10 @@ class ModelRunner:
         self._kv_bytes = self.kv_cache = self.kv_caches = self.token_history = None  # (the old pool freed first)
         # One tensor for the whole pool: [layer (a hybrid model's: slot), key/value, block, slot, kv head, head dim].
         # (fp8 through bytes: torch's fills and indexed copies do not take every fp8 dtype on every device)
-        self._kv_bytes = torch.zeros(self._cache_slots, 2, num_blocks, self.block_size, self.num_kv_heads,
-                                     self.head_dim * self.kv_dtype.itemsize, dtype=torch.uint8, device=self.device)
+        shape = (self._cache_slots, 2, num_blocks, self.block_size, self.num_kv_heads,
+                 self.head_dim * self.kv_dtype.itemsize)
+        self._kv_bytes = zeros_mapped_when_written(shape) if self.device.type == "cpu" else \
+            torch.zeros(shape, dtype=torch.uint8, device=self.device)
         self.kv_cache = self._kv_bytes.view(self.kv_dtype)
         slots = range(self.num_layers) if self.layer_groups is None else self._layer_slots
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in slots]
