@@ -77,7 +77,7 @@ class TritonServer:
                     break
                 if self.model_ready():
                     return self
-                time.sleep(0.5)
+                time.sleep(0.1)
             else:
                 self.stop()
                 raise RuntimeError(f"tritonserver was not ready in {timeout} s:\n{self.log_tail()}")
@@ -180,12 +180,22 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 self._signal_group(9)
                 self.process.wait()
-            time.sleep(0.5)
+            self._wait_for_group(0.5)  # its stubs and engine processes leave with it
             self._signal_group(9)  # stragglers of the group
         if self.process is not None:
             self._log.close()
             self.final_log = self.log()  # kept for post-mortems after the folder is gone
         self._dir.cleanup()
+
+    def _wait_for_group(self, timeout: float) -> None:
+        """Until no process of the server's group is left, or `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.02)
 
     def _signal_group(self, signal: int) -> None:
         try:

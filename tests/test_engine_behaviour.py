@@ -678,6 +678,38 @@ def test_a_vocabulary_that_is_not_byte_level_decodes_through_the_tokenizer():
     assert streamed == " world world! hello!"
 
 
+def test_a_folders_tokenizer_is_loaded_once_each_engine_getting_its_own(tiny_models, tmp_path, monkeypatch):
+    """tokenizer_cache.py: the second engine of a folder reads its tokenizer back from the process's
+    cache (no load through transformers), an object of its own beside the same byte table; a file of the
+    folder changed since makes the next engine load it again, and see the change."""
+    import json
+    import shutil
+
+    from inflight import tokenizer_cache
+
+    folder = shutil.copytree(tiny_models["llama"], tmp_path / "llama")
+    loads = []
+    load = tokenizer_cache.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(tokenizer_cache.AutoTokenizer, "from_pretrained",
+                        lambda *args, **kwargs: loads.append(args[0]) or load(*args, **kwargs))
+    first = LLM(str(folder), num_kv_blocks=16)
+    first.tokenizer.model_max_length = 7  # (what one engine does to its tokenizer, the next does not see)
+    second = LLM(str(folder), num_kv_blocks=16)
+    assert loads == [str(folder)]
+    assert second.tokenizer is not first.tokenizer and second.tokenizer.model_max_length != 7
+    assert second._token_bytes is first._token_bytes is not None
+    text = "In 1969, the first humans landed on the Moon."
+    assert second.encode(text) == first.encode(text)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    texts = [llm.generate([[1, 17, 300, 42]], greedy)[0].text for llm in (first, second)]
+    assert texts[0] == texts[1] and texts[0]
+
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token": "<|endoftext|>"}))
+    assert LLM(str(folder), num_kv_blocks=16).tokenizer.eos_token == "<|endoftext|>" != first.tokenizer.eos_token
+    assert loads == [str(folder)] * 2
+
+
 def test_abort_frees_blocks_at_once(llm):
     llm.add_request("long", PROMPT, SamplingParams(max_tokens=500, ignore_eos=True))
     for _ in range(3):

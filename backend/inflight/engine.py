@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from . import beam_search, images, lora_tasks, prompt_embeds, prompt_logprobs, raw_logits
 from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer, TokenBytes, find_stop_string
+from .detokenizer import IncrementalDetokenizer, find_stop_string
 from .draft_model import DraftModel
 from .encoders import Encoders, copy_or_load
 from .hybrid_blocks import HybridBlockManager
@@ -47,6 +47,7 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .speculative import NgramProposer, accepted_tokens, draft_distributions, verify
 from .structured_output import StructuredOutputs
+from .tokenizer_cache import load_tokenizer
 
 logger = logging.getLogger(__name__)
 FINISHED = SequenceStatus.FINISHED
@@ -110,10 +111,10 @@ class LLMEngine:
         # The engine decodes its outputs with a tokenizer of its own; requests are encoded on the callers'
         # threads with others (a HF fast tokenizer must not be used by two threads at once), so a huge
         # prompt holds up neither the streams' text nor the encoding of a short prompt beside it. Those are
-        # copies of the engine's, made when first needed (encoders.py).
-        self.tokenizer = self._load_tokenizer()
+        # copies of the engine's, made when first needed (encoders.py). _token_bytes: the detokenizer's byte
+        # table (None: decode through the tokenizer).
+        self.tokenizer, self._token_bytes = load_tokenizer(self.config.model, self.config.trust_remote_code)
         self._decode_lock = threading.Lock()
-        self._token_bytes = TokenBytes.build(self.tokenizer)  # None: decode through the tokenizer
         self._encoders = Encoders(self._copy_tokenizer)
         spec = self.config.speculative_config
         drafter = spec is not None and spec.method == "draft_model"
@@ -171,12 +172,10 @@ class LLMEngine:
         self.accepted_by_position: list[int] = []  # drafts kept at each position after a sequence's last token
         self.num_lora_requests = [0] * (1 + len(self.config.lora_modules or {}))  # admitted, by adapter id
 
-    def _load_tokenizer(self):
-        return AutoTokenizer.from_pretrained(self.config.model, trust_remote_code=self.config.trust_remote_code)
-
     def _copy_tokenizer(self):
         with self._decode_lock:  # not while a step decodes with it
-            return copy_or_load(self.tokenizer, self._load_tokenizer)
+            return copy_or_load(self.tokenizer, lambda: load_tokenizer(self.config.model,
+                                                                       self.config.trust_remote_code)[0])
 
     def _eos_token_ids(self, model: str) -> list[int]:
         ids: set[int] = set()
