@@ -5,7 +5,8 @@ tokenizer.json, then deep-copies what it parsed; the detokenizer's byte table ta
 A process that builds several engines of one model (an application building its LLM again, the tests'
 hundreds) pays that once. What is kept is the tokenizer pickled (1.5 MB for the default model's; read
 back in 0.11-0.17 s), so each engine still gets a tokenizer of its own (a HF fast tokenizer must not be
-used by two threads at once), and the byte table, which nothing writes. A folder's tokenizer is read back only while the folder's files are unchanged (names, sizes, times)."""
+used by two threads at once), and the byte table, which nothing writes. A folder's tokenizer is read
+back only while the folder's files are unchanged (names, sizes, times)."""
 
 import os
 import pickle
