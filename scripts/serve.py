@@ -9,6 +9,7 @@ Ports come from HTTP_PORT, GRPC_PORT and METRICS_PORT (defaults 8000, 8001, 8002
 import argparse
 import os
 import shutil
+import socket
 import sys
 import sysconfig
 from pathlib import Path
@@ -57,6 +58,28 @@ def server_command(model_repository: Path, http_port: int, grpc_port: int, metri
     return args, env
 
 
+def ports_refused(address: str, ports: dict[str, int]) -> list[str]:
+    """Why tritonserver could not listen on `ports` (by the setting that names each) at `address`: a port
+    named twice, or one another process listens on. tritonserver finds out only after it has loaded every
+    model, and then exits."""
+    problems, seen = [], {}
+    for name, port in ports.items():
+        if port in seen:
+            problems.append(f"{seen[port]} and {name} are both {port}")
+            continue
+        seen[port] = name
+        family, kind, proto, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            # (as tritonserver's own listeners do: a port whose last connections are in TIME_WAIT is free)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(where)
+            except OSError as e:
+                problems.append(f"{name} {port} on {address}: {e.strerror}")
+    return problems
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-repository", default=str(ROOT / "model_repository"))
@@ -65,6 +88,14 @@ def main() -> None:
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
     parser.add_argument("--address", default="127.0.0.1")
     args = parser.parse_args()
+    try:
+        refused = ports_refused(args.address, {"HTTP_PORT": args.http_port, "GRPC_PORT": args.grpc_port,
+                                               "METRICS_PORT": args.metrics_port})
+    except socket.gaierror as e:
+        raise SystemExit(f"cannot serve on {args.address}: {e.strerror}")
+    if refused:
+        raise SystemExit(f"cannot serve: {'; '.join(refused)} (stop what listens there, or choose other ports: "
+                         "make serve HTTP_PORT=... GRPC_PORT=... METRICS_PORT=...)")
     command, env = server_command(Path(args.model_repository), args.http_port, args.grpc_port,
                                   args.metrics_port, args.address)
     print("starting:", " ".join(command), file=sys.stderr, flush=True)

@@ -960,6 +960,54 @@ def test_the_stub_that_only_completes_the_config_starts_no_engine_process():
     assert not started_to_complete_config("llm", [])
 
 
+def test_make_serve_refuses_ports_it_cannot_listen_on_before_starting_tritonserver():
+    """tritonserver binds its ports only after loading every model, and then exits (leaving its stub and
+    engine process behind until it is reaped): `make serve` (scripts/serve.py) says at once which of its
+    ports another process listens on or which two settings name one port, and starts nothing."""
+    import socket
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "scripts"))
+    from serve import ports_refused
+
+    with socket.socket() as held, socket.socket() as spare, socket.socket() as other:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        for s in (spare, other):
+            s.bind(("127.0.0.1", 0))
+        taken, free, metrics = (s.getsockname()[1] for s in (held, spare, other))
+        spare.close()  # (closed without a connection: free to bind again)
+        other.close()
+        assert ports_refused("127.0.0.1", {"HTTP_PORT": free}) == []
+        # A server stopped just now: its port's last connection, closed by the server, is in TIME_WAIT; a
+        # new tritonserver could listen there (its listeners reuse such addresses), so serve.py lets it.
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as tritonserver's listeners)
+            listener.bind(("127.0.0.1", free))
+            listener.listen()
+            client = socket.create_connection(("127.0.0.1", free))
+            accepted, _ = listener.accept()
+            accepted.close()  # (the server's side closes first: its end waits in TIME_WAIT)
+            client.close()
+        assert ports_refused("127.0.0.1", {"HTTP_PORT": free}) == []
+        assert ports_refused("127.0.0.1", {"HTTP_PORT": free, "GRPC_PORT": taken}) == [
+            f"GRPC_PORT {taken} on 127.0.0.1: Address already in use"]
+        assert ports_refused("0.0.0.0", {"GRPC_PORT": taken}) == [  # (every address: the loopback's too)
+            f"GRPC_PORT {taken} on 0.0.0.0: Address already in use"]
+        assert ports_refused("127.0.0.1", {"HTTP_PORT": free, "GRPC_PORT": free}) == [
+            f"HTTP_PORT and GRPC_PORT are both {free}"]
+        # (no tritonserver where serve.py would look: had it not refused, it would say so instead)
+        result = subprocess.run([sys.executable, os.path.join(root, "scripts", "serve.py"), "--http-port", str(free),
+                                 "--grpc-port", str(taken), "--metrics-port", str(metrics)],
+                                env={**os.environ, "TRITONSERVER_HOME": os.path.join(root, "no-such-bundle")},
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("cannot serve: ") and \
+        f"GRPC_PORT {taken} on 127.0.0.1: Address already in use" in result.stderr, result.stderr
+
+
 def test_the_serving_profile_sums_threads_and_the_engine_process():
     profile = ServingProfile()
     with profile.timing("send_response"):
