@@ -64,10 +64,21 @@ def tie_to_parent(parent_pid: int) -> None:
     the stub hangs there for good.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    leave_with_parent(parent_pid)
 
+
+def leave_with_parent(parent_pid: int, farewell: str | None = None) -> None:
+    """End this process (saying `farewell` on stderr) as soon as its parent `parent_pid` is gone: it is then
+    given to another parent (init, or a subreaper) at once, whether or not anything has reaped the one
+    that died. (The Python backend's stub looks for its tritonserver by pid, which a dead tritonserver not
+    yet reaped still holds: killed under a launcher that reads its output to the end before waiting for
+    it, tritonserver left the stub, and the engine process under it, running for good, holding the
+    launcher's pipes and the model's memory.)"""
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(0.5)
+        if farewell:
+            print(farewell, file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="inflight-parent-watch", daemon=True).start()

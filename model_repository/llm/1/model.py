@@ -138,7 +138,16 @@ def _start_engine_process_early():
     return start_engine_process()
 
 
+def _leave_with_tritonserver() -> None:
+    from inflight.launch import leave_with_parent
+
+    tritonserver = os.getppid()
+    leave_with_parent(tritonserver, f"inflight: tritonserver (pid {tritonserver}) is gone: its Python model's "
+                                    "process leaves (and its engine process with it)")
+
+
 ROOT = _project_root()
+_leave_with_tritonserver()
 _hide_packages_needing_newer_numpy()
 _utf8_text_files()
 _short_openmp_spin()
