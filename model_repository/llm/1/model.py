@@ -139,6 +139,8 @@ def _start_engine_process_early():
 
 
 def _leave_with_tritonserver() -> None:
+    """This process (the stub) ends once its tritonserver is gone, reaped or not: the stub's own watch
+    misses a dead tritonserver that nothing has reaped yet (launch.leave_with_parent)."""
     from inflight.launch import leave_with_parent
 
     tritonserver = os.getppid()
