@@ -156,6 +156,36 @@ def test_the_engine_process_killed_mid_stream_ends_every_stream():
         assert server.alive()
 
 
+def test_tritonserver_killed_and_not_yet_reaped_leaves_no_process_of_the_model():
+    """tritonserver killed (as by the out-of-memory killer) under a launcher that reads its output to the
+    end before it waits for it: a zombie that keeps its pid, which the Python backend's stub takes for a
+    live tritonserver. The stub leaves all the same, and the engine process with it, within seconds
+    (before, both ran on for good, holding the launcher's pipes and the model's memory)."""
+    import signal
+
+    import psutil
+
+    def running(process) -> bool:
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    server = TritonServer(**SETTINGS).start()
+    try:
+        model = server.descendants("triton_python_backend_stub") + [engine_process(server)]
+        assert len(model) == 2
+        server.process.send_signal(signal.SIGKILL)  # (and nothing reaps it: no wait, no poll, until the end)
+        deadline = time.monotonic() + 10
+        while any(map(running, model)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert psutil.Process(server.process.pid).status() == psutil.STATUS_ZOMBIE
+        left = [p.pid for p in model if running(p)]
+        assert not left, f"still running with tritonserver gone: {left}"
+    finally:
+        server.stop()
+
+
 def test_hostile_sizes_are_refused_quickly_while_good_streams_flow(server, reference):
     """Inputs at and beyond every limit, many at once, beside 8 good streams whose token gaps are
     measured against a quiet run of the same streams."""
