@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -186,6 +187,14 @@ class TritonServer:
             self._log.close()
             self.final_log = self.log()  # kept for post-mortems after the folder is gone
         self._dir.cleanup()
+
+    def stop_in_background(self) -> threading.Thread:
+        """stop() on a thread of its own, so that the caller goes on (the next server starts) while this one
+        shuts down: tritonserver takes ~3 s to, mostly its own waits and polls. The thread is not a daemon:
+        the process exits only once the server has stopped."""
+        thread = threading.Thread(target=self.stop, name="tritonserver-stop")
+        thread.start()
+        return thread
 
     def _wait_for_group(self, timeout: float) -> None:
         """Until no process of the server's group is left, or `timeout` seconds."""

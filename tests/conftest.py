@@ -321,13 +321,17 @@ def concurrently(calls, timeout: float):
 
 def serve(env: dict | None = None, **settings):
     """Body of a module-scoped fixture: a real tritonserver with these engine settings (and extra
-    environment variables), which must still be alive when the module's tests are done."""
+    environment variables), which must still be alive when the module's tests are done. It stops while
+    the next tests run (their servers start on other ports): 3 s a server less of the served part."""
     from server_process import TritonServer
 
     settings.setdefault("device", "cpu")
-    with TritonServer(env=env, **settings) as server:
+    server = TritonServer(env=env, **settings).start()
+    try:
         yield server
         assert server.alive(), f"the server died during the tests:\n{server.log()[-3000:]}"
+    finally:
+        server.stop_in_background()
 
 
 @pytest.fixture(scope="session")
