@@ -381,6 +381,23 @@ def assert_not_ready(server, timeout: float = 60.0):
     assert not server.model_ready(), "the model still reports ready"
 
 
+def wait_gone(processes: list, timeout: float) -> list:
+    """Those of `processes` (psutil's) still running after `timeout` (a zombie has exited: only its parent
+    has yet to reap it)."""
+    import psutil
+
+    def running(process):
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while any(map(running, processes)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in processes if running(p)]
+
+
 @pytest.fixture(scope="session")
 def reference(default_model):
     """Greedy texts from the offline engine, with a roomy pool: what every served request must get."""

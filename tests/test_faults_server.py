@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate, make_inputs  # noqa: E402
 from conftest import (PROMPTS, assert_all_blocks_free, assert_not_ready, concurrently, greedy, serve,  # noqa: E402
-                      stream_to_the_end)
+                      stream_to_the_end, wait_gone)
 from server_process import TritonServer  # noqa: E402
 
 pytestmark = pytest.mark.server
@@ -165,23 +165,14 @@ def test_tritonserver_killed_and_not_yet_reaped_leaves_no_process_of_the_model()
 
     import psutil
 
-    def running(process) -> bool:
-        try:
-            return process.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
     server = TritonServer(**SETTINGS).start()
     try:
         model = server.descendants("triton_python_backend_stub") + [engine_process(server)]
         assert len(model) == 2
         server.process.send_signal(signal.SIGKILL)  # (and nothing reaps it: no wait, no poll, until the end)
-        deadline = time.monotonic() + 10
-        while any(map(running, model)) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        left = wait_gone(model, timeout=10)
         assert psutil.Process(server.process.pid).status() == psutil.STATUS_ZOMBIE
-        left = [p.pid for p in model if running(p)]
-        assert not left, f"still running with tritonserver gone: {left}"
+        assert not left, f"still running with tritonserver gone: {[p.pid for p in left]}"
     finally:
         server.stop()
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from conftest import (PROMPTS, assert_all_blocks_free, assert_not_ready, concurrently, greedy,  # noqa: E402
-                      stream_to_the_end)
+                      stream_to_the_end, wait_gone)
 from grpc_stream import generate  # noqa: E402
 from server_process import TritonServer  # noqa: E402
 
@@ -35,20 +35,6 @@ def engine_processes(server: TritonServer) -> dict[str, list[psutil.Process]]:
     """The Python backend's stub and the tensor-parallel workers it started, under tritonserver."""
     return {"stub": server.descendants("triton_python_backend_stub"),
             "worker": server.descendants("run_child('inflight.parallel', 'worker_main')")}
-
-
-def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Those still running after `timeout` (a zombie has exited: only its parent has yet to reap it)."""
-    def running(process):
-        try:
-            return process.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    deadline = time.monotonic() + timeout
-    while any(map(running, processes)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return [p for p in processes if running(p)]
 
 
 def test_streams_cancellation_bad_input_and_unload_leave_no_process(reference):
