@@ -25,7 +25,13 @@ DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 
 # Two torch threads per test process, one each when pytest-xdist runs two (`make test` on 2 cores).
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(int(os.environ.get("INFLIGHT_TEST_THREADS", max(1, 2 // _workers))))
+_threads = int(os.environ.get("INFLIGHT_TEST_THREADS", max(1, 2 // _workers)))
+torch.set_num_threads(_threads)
+# As many in the processes that tests start (benchmarks' smoke runs, kernel scripts, engine processes):
+# with torch's default, a thread per core, beside the other worker's they took twice as long (bench-gpu's
+# smoke run: 52 s beside a busy core, 27 s on one thread).
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 # The engines under test run on the CPU unless a test asks for a GPU (device="cuda"): "auto" would pick
 # a GPU where there is one, but the HF references and the served tests' expectations are computed on
@@ -319,19 +325,27 @@ def concurrently(calls, timeout: float):
     assert not stuck, f"{stuck} of {len(threads)} calls still running after {timeout} s"
 
 
+@contextlib.contextmanager
+def running(server):
+    """`with running(TritonServer(...)) as server:` starts it, and after the block it stops while the next
+    tests run (their servers start on other ports): tritonserver takes ~3 s to stop, mostly its own
+    waits. For blocks after which the test reads nothing of the server (`with TritonServer` waits)."""
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop_in_background()
+
+
 def serve(env: dict | None = None, **settings):
     """Body of a module-scoped fixture: a real tritonserver with these engine settings (and extra
-    environment variables), which must still be alive when the module's tests are done. It stops while
-    the next tests run (their servers start on other ports): 3 s a server less of the served part."""
+    environment variables), which must still be alive when the module's tests are done."""
     from server_process import TritonServer
 
     settings.setdefault("device", "cpu")
-    server = TritonServer(env=env, **settings).start()
-    try:
+    with running(TritonServer(env=env, **settings)) as server:
         yield server
         assert server.alive(), f"the server died during the tests:\n{server.log()[-3000:]}"
-    finally:
-        server.stop_in_background()
 
 
 @pytest.fixture(scope="session")

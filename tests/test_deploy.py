@@ -277,7 +277,7 @@ def test_the_model_loads_beside_packages_needing_a_newer_numpy(tmp_path, referen
     import os
 
     sys.path.insert(0, str(ROOT / "client"))
-    from conftest import PROMPTS, assert_all_blocks_free, greedy
+    from conftest import PROMPTS, assert_all_blocks_free, greedy, running
     from grpc_stream import generate
     from server_process import TritonServer, server_command
 
@@ -291,8 +291,8 @@ def test_the_model_loads_beside_packages_needing_a_newer_numpy(tmp_path, referen
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\n" + metadata)
     stub_path = server_command(ROOT / "model_repository", 0, 0, 0)[1]["INFLIGHT_SITE_PACKAGES"] + os.pathsep + str(site)
-    with TritonServer(env={"INFLIGHT_SITE_PACKAGES": stub_path}, device="cpu", num_kv_blocks=128,
-                      kv_cache_memory=None, max_num_seqs=4) as server:
+    with running(TritonServer(env={"INFLIGHT_SITE_PACKAGES": stub_path}, device="cpu", num_kv_blocks=128,
+                              kv_cache_memory=None, max_num_seqs=4)) as server:
         assert "sklearn, scipy hidden from the Triton stub" in server.log()
         assert generate(server.grpc_url, PROMPTS[4], **greedy(8)).text == reference(PROMPTS[4:5], 8)[0]
         assert_all_blocks_free(server)

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate, make_inputs  # noqa: E402
-from conftest import (PROMPTS, assert_all_blocks_free, assert_not_ready, concurrently, greedy, serve,  # noqa: E402
-                      stream_to_the_end, wait_gone)
+from conftest import (PROMPTS, assert_all_blocks_free, assert_not_ready, concurrently, greedy, running,  # noqa: E402
+                      serve, stream_to_the_end, wait_gone)
 from server_process import TritonServer  # noqa: E402
 
 pytestmark = pytest.mark.server
@@ -96,7 +96,8 @@ def test_an_http_client_that_disconnects_mid_stream(server, reference):
 
 
 def test_a_persistent_fault_makes_the_model_not_ready():
-    with TritonServer(env={"INFLIGHT_FAULTS": "forward@5+"}, max_consecutive_failed_steps=3, **SETTINGS) as server:
+    with running(TritonServer(env={"INFLIGHT_FAULTS": "forward@5+"}, max_consecutive_failed_steps=3,
+                              **SETTINGS)) as server:
         results = [stream_to_the_end(server.grpc_url, PROMPTS[0], quiet_s=0.3, **greedy(8)) for _ in range(4)]
         assert results[0]["error"] is not None and "injected forward fault" in results[0]["error"]
         assert all(r["finals"] == 1 and r["after_final"] == 0 for r in results)
@@ -111,7 +112,7 @@ def test_a_hung_engine_step_ends_every_stream_and_makes_the_model_not_ready():
     """The model forward of the engine's 6th step never returns (as on a hung GPU): after step_timeout_s
     each stream gets one final response, an UNAVAILABLE error naming the time-out, and the model reports
     not-ready for an orchestrator to restart it; tritonserver lives on."""
-    with TritonServer(env={"INFLIGHT_FAULTS": "hang@6"}, step_timeout_s=3, **SETTINGS) as server:
+    with running(TritonServer(env={"INFLIGHT_FAULTS": "hang@6"}, step_timeout_s=3, **SETTINGS)) as server:
         started = time.monotonic()
         results = {}
 
@@ -137,7 +138,7 @@ def test_the_engine_process_killed_mid_stream_ends_every_stream():
     """The engine process dies (as by the out-of-memory killer) while 6 streams run: each gets exactly
     one final response, an UNAVAILABLE error naming the death, none hangs; the model then reports
     not-ready and refuses at once, and tritonserver itself lives on."""
-    with TritonServer(**SETTINGS) as server:
+    with running(TritonServer(**SETTINGS)) as server:
         results = {}
 
         def run(i):

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import concurrently, graphs_on_a_cpu
+from conftest import concurrently, graphs_on_a_cpu, running
 from inflight import LLM, SamplingParams, faults
 from lora_adapters import make_lora_adapters
 
@@ -432,8 +432,8 @@ def test_a_random_mix_through_tritonserver_gets_each_stream_its_output_alone(tin
         results[request_id] = generate(server.grpc_url, None, cancel_after=cancel_after,
                                        **served_inputs(prompt, params, priority, lora_name))
 
-    with TritonServer(model=model, device="cpu", kv_cache_memory=None, num_threads=1, lora_modules=adapters,
-                      **TIGHT, **settings) as server:
+    with running(TritonServer(model=model, device="cpu", kv_cache_memory=None, num_threads=1,
+                              lora_modules=adapters, **TIGHT, **settings)) as server:
         calls = [functools.partial(send, *request, rng.random() * 3, rng.choice([1, 2, 3]) if rng.random() < 0.2
                                    else None) for request in requests]
         with concurrently(calls, timeout=120):

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate, make_inputs  # noqa: E402
-from conftest import PROMPTS, assert_all_blocks_free, concurrently, greedy, serve  # noqa: E402
+from conftest import PROMPTS, assert_all_blocks_free, concurrently, greedy, running, serve  # noqa: E402
 from server_process import TritonServer  # noqa: E402
 from soak import soak  # noqa: E402
 
@@ -221,7 +221,7 @@ def test_cache_exhaustion_preempts_and_completes_everything(server, reference):
 def test_admission_limits():
     limits = dict(SETTINGS, max_queued_requests=2, max_tokens_limit=64, max_prompt_tokens=32, max_num_seqs=2,
                   max_num_batched_tokens=64)
-    with TritonServer(**limits) as server:
+    with running(TritonServer(**limits)) as server:
         error = generate(server.grpc_url, "hi", max_tokens=65).error
         assert error and "max_tokens" in error and "64" in error
         error = generate(server.grpc_url, "word " * 40, max_tokens=2).error

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from grpc_stream import generate  # noqa: E402
-from conftest import concurrently, serve  # noqa: E402
+from conftest import concurrently, running, serve  # noqa: E402
 from lora_adapters import make_lora_adapters, trtllm_lora_tensors  # noqa: E402
 
 pytestmark = pytest.mark.server
@@ -180,13 +180,13 @@ def joined(result) -> dict:
 
 
 def test_a_random_mix_of_streams_gives_each_request_its_output_alone(server):
-    """48 requests of every kind at once, 16 at a time, some cancelled mid-stream: each request that ran
+    """32 requests of every kind at once, 16 at a time, some cancelled mid-stream: each request that ran
     to its end gets, sent again alone, the same responses' contents: tokens, text, finish reason and the
     tokens' logprobs bit for bit (on a CPU the engine's output does not depend on the batch, its chunks
     or the prefix cache: README, "The same output whatever the batch"); every block back after."""
     rng = random.Random(11)
     requests = []
-    for _ in range(48):
+    for _ in range(32):
         requests.append(random_request(rng, [(prompt, inputs) for prompt, inputs, _ in requests]))
 
     def run(prompt, inputs, cancel_after=None):
@@ -198,7 +198,7 @@ def test_a_random_mix_of_streams_gives_each_request_its_output_alone(server):
     server.wait_for_metric("inflight_prefix_cache_hit_tokens_total", lambda v: v > hits, timeout=5)
     finished = [(request, result) for request, result in zip(requests, together) if result.error != "cancelled"]
     assert all(result.error is None for _, result in finished), [result.error for _, result in finished]
-    assert len(finished) < len(requests) and sum(1 for (_, _, c), _ in finished if c is None) > 30
+    assert len(finished) < len(requests) and sum(1 for (_, _, c), _ in finished if c is None) > 20
     server.wait_for_metric("inflight_kv_blocks_used", lambda v: v == 0, timeout=10)
     for (prompt, inputs, _), result in finished:
         assert joined(run(prompt, inputs)) == joined(result), (prompt, inputs)
@@ -770,8 +770,8 @@ def test_adapters_added_by_loading_the_model_again(tmp_path, lora_modules, offli
     expected_long, expected_alpha = (o.text for o in offline.generate(  # one batch, the base model beside alpha
         [PROMPTS[0], PROMPTS[4]], [SamplingParams(**long_params), SamplingParams(**greedy())],
         lora_name=[None, "alpha"]))
-    with TritonServer(repository=tmp_path / "repository", device="cpu", server_args=("--exit-timeout-secs", "5"),
-                      **SETTINGS) as server:
+    with running(TritonServer(repository=tmp_path / "repository", device="cpu",
+                              server_args=("--exit-timeout-secs", "5"), **SETTINGS)) as server:
         error = generate(server.grpc_url, PROMPTS[4], sampling_parameters={**greedy(), "lora_name": "alpha"}).error
         assert error and "this server has none" in error, error
         load = urllib.request.Request(f"{server.http_url}/v2/repository/models/llm/load", data=b"{}", method="POST")
@@ -828,7 +828,7 @@ def test_a_port_taken_meanwhile_moves_the_server_to_others(offline_texts):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", server.grpc_port))
         taken.listen()
-        with server:
+        with running(server):
             assert [ports[1] for ports in server.ports_taken] == [taken.getsockname()[1]]
             assert server.grpc_port != taken.getsockname()[1]
             assert generate(server.grpc_url, PROMPTS[4], **greedy()).text == offline_texts[PROMPTS[4]]

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
 
 from conftest import (PROMPTS, assert_all_blocks_free, assert_not_ready, concurrently, greedy,  # noqa: E402
-                      stream_to_the_end, wait_gone)
+                      running, stream_to_the_end, wait_gone)
 from grpc_stream import generate  # noqa: E402
 from server_process import TritonServer  # noqa: E402
 
@@ -38,7 +38,7 @@ def engine_processes(server: TritonServer) -> dict[str, list[psutil.Process]]:
 
 
 def test_streams_cancellation_bad_input_and_unload_leave_no_process(reference):
-    with TritonServer(**SETTINGS) as server:
+    with running(TritonServer(**SETTINGS)) as server:
         processes = engine_processes(server)
         assert len(processes["stub"]) == 1 and len(processes["worker"]) == 2, processes
         prompts = [f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(6)]
@@ -67,7 +67,7 @@ def test_streams_cancellation_bad_input_and_unload_leave_no_process(reference):
 
 
 def test_a_killed_worker_ends_every_stream_with_an_error_and_the_model_unloads():
-    with TritonServer(**SETTINGS) as server:
+    with running(TritonServer(**SETTINGS)) as server:
         processes = engine_processes(server)
         results = {}
         calls = [lambda i=i: results.__setitem__(i, stream_to_the_end(server.grpc_url, PROMPTS[i], quiet_s=0.5,
