@@ -27,9 +27,9 @@ DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _threads = int(os.environ.get("INFLIGHT_TEST_THREADS", max(1, 2 // _workers)))
 torch.set_num_threads(_threads)
-# As many in the processes that tests start (benchmarks' smoke runs, kernel scripts, engine processes):
-# with torch's default, a thread per core, beside the other worker's they took twice as long (bench-gpu's
-# smoke run: 52 s beside a busy core, 27 s on one thread).
+# The processes that tests start (benchmarks' smoke runs, kernel scripts, engine processes) get as many
+# (OMP_NUM_THREADS): with torch's default of a thread per core, beside the other worker's they took twice
+# as long (bench-gpu's smoke run: 52 s beside a busy core, 27 s on one thread).
 if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
