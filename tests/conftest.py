@@ -400,16 +400,16 @@ def wait_gone(processes: list, timeout: float) -> list:
     has yet to reap it)."""
     import psutil
 
-    def running(process):
+    def alive(process):
         try:
             return process.status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
 
     deadline = time.monotonic() + timeout
-    while any(map(running, processes)) and time.monotonic() < deadline:
+    while any(map(alive, processes)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return [p for p in processes if running(p)]
+    return [p for p in processes if alive(p)]
 
 
 @pytest.fixture(scope="session")
