@@ -68,7 +68,7 @@ SWEEP_PREFILL = {"block_m": [64, 128], "tile_n": [32, 64, 128], "num_warps": [4,
 # The sweep variants that spill registers on sm_90 (`scripts/compile_kernels.py --sweep --targets 90 --dtypes
 # bfloat16`, 2026-12-05, query-head groups packed unpadded), by triton version: the engine may not launch one, so
 # the sweep leaves them out. A variant is left out when its parameters include every item of an entry for its
-# shape and phase. With 3.8 (this machine's; a test keeps its list equal to what compiling finds), 24 of the
+# shape and phase. With 3.8 (this machine's; a test compiles those it leaves out: each must spill), 24 of the
 # 168: 4-warp prefill tiles larger than 64 by 64 and a few more, and a default-shape decode tile of 64 keys at 2
 # stages. With 3.6 (the GPU image's, installed beside the venv for the run), 37: also decode tiles of one split
 # with 64 keys at 3 stages (the default shape) or 128 keys (the Llama-3-8B shape).

@@ -21,9 +21,18 @@ leaves them out (bench_kernels.SPILLING_BY_TRITON), since the engine may not cho
 --sweep must not spill).
 
     .venv/bin/python scripts/compile_kernels.py --sweep --targets 90 --dtypes bfloat16
+
+With --listed-spilling besides, only the sweep variants bench_kernels.SPILLING_BY_TRITON lists for the
+installed triton, each of which must spill (else the exit status is 1): the check the tests run, a seventh of
+the whole sweep's compiles. (A variant spilling unlisted costs the GPU's sweep a try; one listed wrongly would
+keep a variant from it; and the engine's own variants, which the sweep's best may become, are compiled
+above, where a spill is an error.)
+
+    .venv/bin/python scripts/compile_kernels.py --sweep --listed-spilling --targets 90 --dtypes bfloat16
 """
 
 import argparse
+import ast
 import contextlib
 import io
 import itertools
@@ -246,6 +255,13 @@ def sweep_variants(dtypes: list[torch.dtype], shapes: list[str], block_size: int
             yield name, attention, constants, dtype, multiples_of_16(attention, heads, head_dim)
 
 
+def sweep_entry(name: str) -> tuple[str, str, dict]:
+    """(shape, phase, launch parameters) of a sweep variant by its name: "paged_attention smollm2 decode
+    num_splits=1 tile_n=64 ...", as bench_kernels.spills takes them."""
+    _, shape, phase, *params = name.split()
+    return shape, phase, {key: ast.literal_eval(value) for key, value in (p.split("=") for p in params)}
+
+
 def report(job: tuple[int, list[str], list[str], int, bool]) -> tuple[str, bool]:
     """Compile the index-th variant of `dtypes` (of the sweep's, with `sweep`) for `arch`: its table row,
     and whether it failed (did not compile, spilled, or needs more shared memory than the GPU has).
@@ -272,13 +288,20 @@ def main() -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="variants compiled at once")
     parser.add_argument("--sweep", action="store_true", help="bench_kernels.py's sweep variants: which spill")
+    parser.add_argument("--listed-spilling", action="store_true",
+                        help="with --sweep: only those SPILLING_BY_TRITON lists, each of which must spill")
     args = parser.parse_args()
+    if args.listed_spilling and not args.sweep:
+        parser.error("--listed-spilling picks among the sweep's variants: give --sweep too")
+    if args.listed_spilling and ".".join(triton.__version__.split(".")[:2]) not in bench_kernels.SPILLING_BY_TRITON:
+        parser.error(f"bench_kernels.SPILLING_BY_TRITON has no list for triton {triton.__version__}")
     dtype_names, shapes = args.dtypes.split(","), args.shapes.split(",")
     listed = sweep_variants if args.sweep else variants
     jobs = [(arch, dtype_names, shapes, i, args.sweep) for arch in map(int, args.targets.split(","))
-            for i, (_, _, constants, dtype, _) in enumerate(listed([getattr(torch, n) for n in dtype_names], shapes,
-                                                                   arch=arch))
-            if supported(arch, dtype, constants)]
+            for i, (name, _, constants, dtype, _) in enumerate(listed([getattr(torch, n) for n in dtype_names],
+                                                                      shapes, arch=arch))
+            if supported(arch, dtype, constants)
+            and not (args.listed_spilling and not bench_kernels.spills(*sweep_entry(name)))]
     print("| target | kernel | dtype | warps | registers | spill stores (bytes) | shared memory (bytes) |")
     print("|---|---|---|---:|---:|---:|---:|")
     failures = 0
@@ -293,6 +316,9 @@ def main() -> int:
     if pool is not None:
         pool.close()
         pool.join()
+    if args.listed_spilling:
+        print(f"\n{failures} of the {len(jobs)} sweep variants listed as spilling spilled or did not compile")
+        return 0 if failures == len(jobs) else 1
     if args.sweep:  # (variants for the GPU to try: spilling ones are listed to be left out, not an error)
         print(f"\n{failures} of {len(jobs)} sweep variants spilled or did not compile")
         return 0

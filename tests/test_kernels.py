@@ -4,7 +4,6 @@ Tolerances: float32 1e-5, float16 2e-3 (absolute, on unit-variance inputs). Shap
 tiles large, because the interpreter costs milliseconds per program and loop iteration.
 """
 
-import ast
 import itertools
 import os
 import random
@@ -948,8 +947,8 @@ def test_kernels_compile_for_gpus():
     no GPU needed) within the GPUs' shared memory and without spilling registers: what the interpreter
     cannot check."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_kernels.py")], env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_kernels.py"), "--jobs",
+                             str(torch.get_num_threads())], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sm_")]
     # 19 variants for each of 3 dtypes (5 shapes' decode, split decode and prefill; 2 KV writes and 2
@@ -969,10 +968,12 @@ def test_kernels_compile_for_gpus():
     assert sum("top_p_cut" in row for row in rows) == 2
 
 
-def test_sweep_leaves_out_exactly_the_spilling_variants():
-    """bench_kernels.SPILLING_BY_TRITON names, for the installed triton, the sweep variants that
-    compile_kernels.py --sweep finds spilling on sm_90 in bfloat16, and no other: the GPU's sweep tries
-    every variant the engine could launch, and spends no time on one it could not."""
+def test_sweep_leaves_out_only_variants_that_spill():
+    """bench_kernels.SPILLING_BY_TRITON names, for the installed triton, sweep variants that spill on sm_90 in
+    bfloat16 (compile_kernels.py --sweep --listed-spilling compiles just those): the GPU's sweep keeps from
+    its tries no variant the engine could launch. (The other way, a spilling variant the list misses costs
+    the sweep a try; the engine's own variants, which a sweep's best may become, must not spill:
+    test_kernels_compile_for_gpus. The whole sweep, which finds the list, is 7x the compiles.)"""
     import triton
 
     sys.path.insert(0, str(ROOT / "client"))
@@ -981,22 +982,20 @@ def test_sweep_leaves_out_exactly_the_spilling_variants():
     version = ".".join(triton.__version__.split(".")[:2])
     if version not in bench_kernels.SPILLING_BY_TRITON:
         pytest.skip(f"no list of spilling variants for triton {triton.__version__}")
+    listed = [(shape, phase, params) for shape in bench_kernels.SHAPES
+              for phase, grid in (("decode", bench_kernels.SWEEP_DECODE), ("prefill", bench_kernels.SWEEP_PREFILL))
+              for params in (dict(zip(grid, values)) for values in itertools.product(*grid.values()))
+              if bench_kernels.spills(shape, phase, params)]
+    assert listed
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_kernels.py"), "--sweep", "--targets",
-                             "90", "--dtypes", "bfloat16"], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    found, spilled = [], []
-    for row in result.stdout.splitlines():
-        if row.startswith("| sm_90 | paged_attention "):
-            _, shape, phase, *params = row.split(" | ")[1].split()
-            variant = (shape, phase, {k: ast.literal_eval(v) for k, v in (p.split("=") for p in params)})
-            found.append(variant)
-            if "(spilled)" in row or "FAILED" in row or "(over the limit)" in row:
-                spilled.append(variant)
-    grids = len(list(itertools.product(*bench_kernels.SWEEP_DECODE.values()))) + \
-        len(list(itertools.product(*bench_kernels.SWEEP_PREFILL.values())))
-    assert len(found) == len(bench_kernels.SHAPES) * grids
-    assert spilled == [v for v in found if bench_kernels.spills(*v)]
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_kernels.py"), "--sweep",
+                             "--listed-spilling", "--targets", "90", "--dtypes", "bfloat16",
+                             "--jobs", str(torch.get_num_threads())], env=env, capture_output=True, text=True,
+                            timeout=600)
+    rows = [row for row in result.stdout.splitlines() if row.startswith("| sm_90 | paged_attention ")]
+    assert sorted(tuple(row.split(" | ")[1].split()[1:3]) for row in rows) == sorted((s, p) for s, p, _ in listed)
+    not_spilled = [row for row in rows if not ("(spilled)" in row or "FAILED" in row or "(over the limit)" in row)]
+    assert not not_spilled and result.returncode == 0, "\n".join(not_spilled) + result.stderr[-3000:]
 
 
 def test_bench_kernels_says_whether_each_option_was_faster():
