@@ -26,26 +26,13 @@ serve: setup-serving
 
 # The engine's tests in TEST_WORKERS processes (pytest-xdist; one per core of a 2-core CI host, none on
 # a GPU host, where they would share one GPU's memory), then the served ones one at a time: their
-# timings (refusals within a second, latency gaps) assume the server has the cores to itself. Beside
-# them, at the lowest priority, the engine's tests that time nothing and start no server (the kernels'
-# and the offline random mixes): a served test's client mostly waits on its server, which leaves about
-# half a core idle, and these take only what the served ones leave. Their report follows the served one.
-BESIDE_SERVED := tests/test_kernels.py tests/test_random_mixes.py
+# timings (refusals within a second, latency gaps) assume the server has the cores to itself.
 test: setup-serving
-	$(PYTEST) --durations=15 -m "not server" $(IN_WORKERS) $(addprefix --ignore=,$(BESIDE_SERVED)) tests; \
+	$(PYTEST) --durations=15 -m "not server" $(IN_WORKERS) tests; \
 	engine=$$?; \
-	beside_log=$$(mktemp); \
-	nice -n 19 $(PYTEST) --durations=10 -m "not server" $(IN_WORKERS) $(BESIDE_SERVED) > $$beside_log 2>&1 & \
-	beside_pid=$$!; \
-	trap 'kill $$beside_pid 2>/dev/null' EXIT; \
 	$(PYTEST) --durations=15 -m server tests; \
 	served=$$?; \
-	wait $$beside_pid; \
-	beside=$$?; \
-	echo "== the engine's tests run beside the served ones (nice 19): $(BESIDE_SERVED)"; \
-	cat $$beside_log; \
-	rm -f $$beside_log; \
-	exit $$(( engine || served || beside ))
+	exit $$(( engine || served ))
 
 test-fast: setup
 	$(PYTEST) -m "not slow and not server" $(IN_WORKERS) tests
