@@ -26,7 +26,10 @@ serve: setup-serving
 
 # The engine's tests in TEST_WORKERS processes (pytest-xdist; one per core of a 2-core CI host, none on
 # a GPU host, where they would share one GPU's memory), then the served ones one at a time: their
-# timings (refusals within a second, latency gaps) assume the server has the cores to itself.
+# timings (refusals within a second, latency gaps) assume the server has the cores to itself. (Tried
+# 2026-12-07: the kernels' and the offline random mixes' tests beside them at nice 19, to fill the time
+# a served test's client waits: the served part took 1,179 s instead of 686, its latency-bound steps
+# slowed by whatever ran beside them, niced or not.)
 test: setup-serving
 	$(PYTEST) --durations=15 -m "not server" $(IN_WORKERS) tests; \
 	engine=$$?; \
