@@ -95,12 +95,17 @@ SPILLING_BY_TRITON = {
 }
 
 
+def installed_triton() -> str:
+    """The installed triton's major.minor, as SPILLING_BY_TRITON is keyed."""
+    import triton
+
+    return ".".join(triton.__version__.split(".")[:2])
+
+
 def spills(shape: str, phase: str, params: dict, version: str | None = None) -> bool:
     """Whether a sweep variant spills with this triton (`version`: its major.minor; None: the installed
     one's), by SPILLING_BY_TRITON; under a version it does not list, with any version it lists."""
-    import triton
-
-    version = version or ".".join(triton.__version__.split(".")[:2])
+    version = version or installed_triton()
     lists = [SPILLING_BY_TRITON[version]] if version in SPILLING_BY_TRITON else SPILLING_BY_TRITON.values()
     return any(entry.items() <= params.items() for spilling in lists for entry in spilling.get((shape, phase), []))
 

@@ -293,7 +293,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.listed_spilling and not args.sweep:
         parser.error("--listed-spilling picks among the sweep's variants: give --sweep too")
-    if args.listed_spilling and ".".join(triton.__version__.split(".")[:2]) not in bench_kernels.SPILLING_BY_TRITON:
+    if args.listed_spilling and bench_kernels.installed_triton() not in bench_kernels.SPILLING_BY_TRITON:
         parser.error(f"bench_kernels.SPILLING_BY_TRITON has no list for triton {triton.__version__}")
     dtype_names, shapes = args.dtypes.split(","), args.shapes.split(",")
     listed = sweep_variants if args.sweep else variants
