@@ -8,7 +8,7 @@ block back. One step at a time and pipelined, with and without speculative decod
 adapters; three seeds each; Llama, Mistral (blocks given back behind its sliding window) and Gemma 2 (its
 windowed layer's blocks in tables of their own). With
 faults injected at random steps: only the requests of those steps may fail. And over two ranks (tensor
-parallelism), with and without faults.
+parallelism), with and without faults. And with the prefix cache's host tier.
 
 Mixes like these found that a prompt's end which drafted stranded the second of n completions (never
 scheduled again, so its request never finished) and dropped the last row of context logits, while
@@ -331,6 +331,24 @@ def test_a_random_mix_with_a_draft_model_gets_each_request_its_output_alone(tiny
                     speculative_config={"model": model, "num_speculative_tokens": 3})
     llm, stats, _ = check_a_mix(model, settings, seed, tmp_path_factory, blocks_given_back=family == "gemma2")
     assert stats["spec_decode_accepted_tokens_total"] > 0 and llm.draft_model is not None
+
+
+@pytest.mark.parametrize("family, seed, config", [("llama", 0, "adapters"), ("gemma2", 2, "graphs")])
+def test_a_random_mix_with_a_host_tier_gets_each_request_its_output_alone(tiny_models, more_tiny_models,
+                                                                         tmp_path_factory, family, seed, config,
+                                                                         monkeypatch):
+    """The prefix cache's host tier (kv_offload_memory) under a mix: blocks the tight pool hands out kept in
+    a host tier smaller than what it hands out, found there by later prompts (of an adapter, or by Gemma 2's
+    windowed layers too) and copied back, three blocks at a time, into steps pipelined with drafts."""
+    from inflight import kv_offload
+
+    monkeypatch.setattr(kv_offload, "STAGED_BLOCKS", 3)
+    model = tiny_models[family] if family in tiny_models else more_tiny_models(family)
+    settings = dict(CONFIGS[config], kv_offload_memory=(1 << 20) if family == "gemma2" else (1 << 16))
+    graphed = settings.pop("graphs", False)
+    llm, stats, _ = check_a_mix(model, settings, seed, tmp_path_factory, graphed, blocks_given_back=family != "llama")
+    assert stats["kv_offload_loaded_blocks_total"] > 0
+    assert stats["kv_offload_stored_blocks_total"] > stats["kv_offload_blocks_total"]  # (the oldest forgotten)
 
 
 @pytest.mark.parametrize("family, seed", [("llama", 19), ("mistral", 12)])
