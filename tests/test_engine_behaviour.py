@@ -71,7 +71,8 @@ def test_a_requests_logits_do_not_depend_on_the_batch(request, model):
         assert got.token_ids == expected.token_ids
 
 
-@pytest.mark.parametrize("model", ["tiny llama", "tiny mistral", "tiny mixtral", "tiny gpt_oss", "default"])
+@pytest.mark.parametrize("model", ["tiny llama", "tiny mistral", "tiny mixtral", "tiny gpt_oss", "tiny llama4_text",
+                                   "tiny gpt2", "default"])
 def test_tokens_computed_again_give_the_logits_of_their_first_computation(request, model):
     """Tokens whose keys and values the decode kernel computed, computed again by the prefill kernel: a
     preempted sequence's answer so far (recomputed with its prompt when it is scheduled again), and
@@ -80,10 +81,12 @@ def test_tokens_computed_again_give_the_logits_of_their_first_computation(reques
     sum a token's attention in one order. The tiny Mistral's layers see a window of 48 tokens, which the
     longer sequences here pass (the second turn's first chunk starts where its window does not). Mixtral
     and gpt-oss route each token to experts (cpu_experts.py: their products through packed weights, as
-    the dense layers'), gpt-oss with biases, its own gating and sinks."""
+    the dense layers'), gpt-oss with biases, its own gating and sinks; Llama 4 its own way (each token's
+    expert alone, its score's sigmoid in vector steps) and its rotary embedding's angles made contiguous;
+    GPT-2's Conv1D layers packed as linear ones (cpu_runtime.py)."""
     family = model.removeprefix("tiny ")
     path = request.getfixturevalue("default_model") if model == "default" \
-        else request.getfixturevalue("more_tiny_models")(family) if family in ("mixtral", "gpt_oss") \
+        else request.getfixturevalue("more_tiny_models")(family) if family not in ("llama", "mistral") \
         else request.getfixturevalue("tiny_models")[family]
     vocab = 49152 if model == "default" else 512
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, return_generation_logits=True)
@@ -109,6 +112,20 @@ def test_tokens_computed_again_give_the_logits_of_their_first_computation(reques
     assert np.array_equal(got.outputs[0].generation_logits, expected.outputs[0].generation_logits)
     assert got.token_ids == expected.token_ids
     chat.block_manager.check_all_free()
+
+
+def test_llama4_router_scores_do_not_depend_on_how_many_tokens_a_step_holds():
+    """torch's sigmoid over a tensor computes the elements past its last vector step one at a time, which
+    rounds otherwise (on the development host, for 164 of the lengths 1-299): Llama 4's router scores, one a token,
+    would then depend on how many tokens the step held. cpu_experts.py computes them in vector steps
+    only: the first n scores of 300 the same as those of n, for every n."""
+    from inflight.cpu_experts import _sigmoid_in_vector_steps
+
+    logits = torch.randn(300, 1, generator=torch.Generator().manual_seed(0)) * 4
+    scores = _sigmoid_in_vector_steps(logits)
+    torch.testing.assert_close(scores, torch.sigmoid(logits), rtol=1e-6, atol=0)
+    for n in range(1, 300):
+        assert torch.equal(_sigmoid_in_vector_steps(logits[:n]), scores[:n]), n
 
 
 def test_draws_follow_the_distribution():

@@ -9,9 +9,15 @@ differed from itself alone within rounding). Here every expert's weights and eve
 once, the experts run through an implementation registered with transformers' `ExpertsInterface`
 (the family's own gating, `_apply_gate`, unchanged) and a router's `F.linear` through its packed weight:
 a row then gets the same bits whatever the step holds beside it.
+
+Llama 4's block (`Llama4TextMoe`) has no such interface: transformers runs every token through every
+expert with `torch.bmm`, the inputs of experts a token was not routed to scaled by zero (16 or 128
+experts' work for the one each token takes). Here its forward computes each token's own experts alone,
+through packed weights.
 """
 
 import logging
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +46,56 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
         projected = down(projected) * top_k_weights[token_idx, top_k_pos, None]
         out.index_add_(0, token_idx, projected.to(out.dtype))
     return out
+
+
+def _llama4_moe_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Llama4TextMoe.forward with each token through its top-k experts only (an expert's
+    input scaled by the token's score, as there), their outputs added per token in expert order, then to
+    the shared expert's; the router's and the experts' products through packed weights."""
+    hidden = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = self.inflight_router(hidden)
+    top_values, top_index = torch.topk(router_logits, self.top_k, dim=1)
+    scores = _sigmoid_in_vector_steps(top_values.float()).to(hidden.dtype)
+    routed = torch.zeros_like(hidden)
+    for expert in torch.unique(top_index).tolist():
+        token_idx, top_k_pos = torch.where(top_index == expert)
+        gate_up, down = self.experts.inflight_matmuls[expert]
+        gate, up = gate_up(hidden[token_idx] * scores[token_idx, top_k_pos, None]).chunk(2, dim=-1)
+        routed.index_add_(0, token_idx, down(up * self.experts.act_fn(gate)))
+    out = self.shared_expert(hidden)
+    out.add_(routed)
+    return out, router_logits
+
+
+def _sigmoid_in_vector_steps(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid(x) computed over a copy padded to a multiple of 64 elements (a vector step is two
+    vectors: 32 floats with AVX-512, 16 with AVX2). torch runs an elementwise function over a contiguous
+    tensor in vector steps and the elements left over after the last one alone, which rounds otherwise:
+    over a step's tokens' scores (one a token), the last tokens' scores depended on how many tokens the
+    step held."""
+    flat = x.reshape(-1)
+    padded = torch.cat((flat, flat.new_zeros(-len(flat) % 64)))
+    return torch.sigmoid(padded)[:len(flat)].view_as(x)
+
+
+def _pack_llama4_moe(block: torch.nn.Module, tokens_hint: int, max_rows: int, warm_up: dict) -> None:
+    experts = block.experts
+    experts.inflight_matmuls = [(packed_matmul(experts.gate_up_proj[e].t(), None, tokens_hint),
+                                 packed_matmul(experts.down_proj[e].t(), None, tokens_hint))
+                                for e in range(experts.num_experts)]
+    block.inflight_router = packed_matmul(block.router.weight, block.router.bias, tokens_hint)
+    block.forward = partial(_llama4_moe_forward, block)
+    for matmul, weight in [(block.inflight_router, block.router.weight),
+                           *zip(experts.inflight_matmuls[0], (experts.gate_up_proj[0].t(), experts.down_proj[0].t()))]:
+        warm_up.setdefault((weight.shape, True, weight.dtype), (matmul, max_rows))
+    for module, name in [(experts, "gate_up_proj"), (experts, "down_proj"), (block.router, "weight")]:
+        _release(module, name)
+
+
+def _release(module: torch.nn.Module, name: str) -> None:
+    """The parameter as one element of memory, its shape and dtype kept: nothing reads its values now."""
+    weight = getattr(module, name)
+    setattr(module, name, torch.nn.Parameter(weight.new_zeros(()).expand(weight.shape), requires_grad=False))
 
 
 def _expert_matmul(weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, tokens_hint: int):
@@ -95,8 +151,9 @@ def _is_router(module: torch.nn.Module, experts: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def pack_experts(model: torch.nn.Module, tokens_hint: int, max_rows: int) -> int:
-    """Pack every experts module's weights and its block's router, build their kernels up to `max_rows`
-    rows; returns how many experts modules were packed. Their stacked weights are released."""
+    """Pack every experts module's weights and its block's router (and Llama 4's blocks), build their
+    kernels up to `max_rows` rows; returns how many experts modules were packed. Their stacked weights
+    are released."""
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _experts_forward)
     warm_up = {}
     blocks = [m for m in model.modules() if any(_is_experts(c) for c in m.children())]
@@ -118,9 +175,13 @@ def pack_experts(model: torch.nn.Module, tokens_hint: int, max_rows: int) -> int
             shape = weight.t().shape if experts.is_transposed else weight.shape  # one expert's stand for all
             warm_up.setdefault((shape, True, weight.dtype), (matmul, max_rows))
         for name in ("gate_up_proj" if experts.has_gate else "up_proj", "down_proj"):
-            weight = getattr(experts, name)  # one element of memory: nothing reads its values now
-            setattr(experts, name, torch.nn.Parameter(weight.new_zeros(()).expand(weight.shape), requires_grad=False))
+            _release(experts, name)
+    # (by name: importing Llama 4's modeling module for every model would cost each start-up its time)
+    llama4_blocks = [m for m in model.modules() if type(m).__name__ == "Llama4TextMoe"
+                     and m.experts.down_proj.device.type == "cpu" and m.experts.down_proj.dtype in packable_dtypes()]
+    for block in llama4_blocks:
+        _pack_llama4_moe(block, tokens_hint, max_rows, warm_up)
     build_kernels(warm_up)
-    if blocks:
-        logger.info("packed the experts of %d mixture-of-experts layers for oneDNN", len(blocks))
-    return len(blocks)
+    if blocks or llama4_blocks:
+        logger.info("packed the experts of %d mixture-of-experts layers for oneDNN", len(blocks) + len(llama4_blocks))
+    return len(blocks) + len(llama4_blocks)

@@ -42,6 +42,7 @@ from functools import partial
 
 import numpy as np
 import torch
+from transformers.pytorch_utils import Conv1D
 
 from .shared_matmul import SharedMatmul, sibling_projections, stack_weights
 
@@ -128,14 +129,14 @@ def build_kernels(warm_up: dict[tuple, tuple[Callable, int]]) -> None:
 @torch.no_grad()
 def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, head_rows: int | None = None,
                        merge_siblings: bool = False) -> int:
-    """Pack every CPU nn.Linear of the model for oneDNN and build its kernels for every bucket up to
-    `max_rows` rows, the output head's up to `head_rows` if given; `tokens_hint`, the rows a typical
-    call has, picks the blocked layout. `merge_siblings`: the projections that read one input (queries,
-    keys and values; gate and up) are packed as one weight and computed as one matmul. Returns how many
-    layers were packed."""
+    """Pack every CPU nn.Linear of the model (and GPT-2's Conv1D, a linear layer whose weight is stored
+    transposed) for oneDNN and build its kernels for every bucket up to `max_rows` rows, the output head's
+    up to `head_rows` if given; `tokens_hint`, the rows a typical call has, picks the blocked layout.
+    `merge_siblings`: the projections that read one input (queries, keys and values; gate and up) are
+    packed as one weight and computed as one matmul. Returns how many layers were packed."""
     dtypes = packable_dtypes()
     # (not layers whose forward is another's: a compressed-tensors layer rounds its input first, quantization.py)
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)
+    linears = [m for m in model.modules() if type(m) in (torch.nn.Linear, Conv1D) and "forward" not in vars(m)
                and m.weight.device.type == "cpu" and m.weight.dtype in dtypes]
     packable = {id(m) for m in linears}
     groups = [group for group in sibling_projections(model) if all(id(m) in packable for m in group)] \
@@ -147,6 +148,8 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, 
     warm_up: dict[tuple, tuple[Callable, int]] = {}  # one matmul per shape, and the most rows it needs
     for unit in units:
         weight, bias = stack_weights(unit) if len(unit) > 1 else (unit[0].weight, unit[0].bias)
+        if type(unit[0]) is Conv1D:  # ([in, out]: its addmm through MKL gave a row other bits among more rows)
+            weight = weight.t()
         matmul = packed_matmul(weight, bias, tokens_hint)
         if len(unit) > 1:
             SharedMatmul(unit, matmul)
@@ -163,3 +166,19 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, 
     build_kernels(warm_up)
     logger.info("packed the weights of %d linear layers for oneDNN (%d groups merged)", len(linears), len(groups))
     return len(linears)
+
+
+def _contiguous_outputs(forward: Callable, *args, **kwargs):
+    out = forward(*args, **kwargs)
+    return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+
+
+def contiguous_rotary_embeddings(model: torch.nn.Module) -> None:
+    """Each rotary embedding module's outputs made contiguous. torch rounds a complex product over a
+    strided operand otherwise than over a contiguous one (its loops differ), and Llama 4's rotary embedding
+    hands a step's angles transposed ([1, tokens, d], unit stride along the tokens), contiguous only for a
+    step of one token: a decode's queries and keys had other bits alone than beside other tokens.
+    (Elsewhere the outputs are contiguous already, and contiguous() hands them back as they are.)"""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            module.forward = partial(_contiguous_outputs, module.forward)

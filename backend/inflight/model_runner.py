@@ -17,7 +17,8 @@ from . import images, ops, quantization
 from .attention import ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION_COMPILED, AttentionContext
 from .config import EngineConfig
 from .cpu_experts import pack_experts
-from .cpu_runtime import keep_freed_memory, pack_linear_layers, packing_available, zeros_mapped_when_written
+from .cpu_runtime import (contiguous_rotary_embeddings, keep_freed_memory, pack_linear_layers, packing_available,
+                          zeros_mapped_when_written)
 from .compile_warmup import compile_shape_classes
 from .cuda_graphs import StepGraphs
 from .fused_layers import FUSED_MODEL_TYPES, FusedLayers, warm_up_fused_layers
@@ -179,6 +180,7 @@ class ModelRunner:
                                head_rows=config.max_num_seqs,
                                merge_siblings=self.hf_config.model_type in FUSED_MODEL_TYPES)
             pack_experts(self.model, config.max_num_seqs, config.max_num_batched_tokens)
+            contiguous_rotary_embeddings(self.model)  # (with the packed layers: a row's bits whatever the batch)
         self.fused_layers = None
         if config.torch_compile:
             self._compile()
