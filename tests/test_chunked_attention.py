@@ -4,6 +4,8 @@ its greedy output equal to HF's token for token; the scheduler keeps a sequence'
 one chunk (drafts included), and the chunked layers read each sequence from its chunk's start
 (input_buffers.chunk_view)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,13 @@ def tiny_llama4(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(tiny_llama4):
     return AutoModelForCausalLM.from_pretrained(tiny_llama4, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama4_scaled(tmp_path_factory) -> str:
+    """Its layer without rotary embedding (the fourth) scales queries from position 3 on, by up to 2.6 at 100."""
+    return str(make_tiny_model("llama4_text", tmp_path_factory.mktemp("llama4-scaled"), attention_chunk_size=CHUNK,
+                               num_hidden_layers=4, floor_scale=4, attn_scale=0.5))
 
 
 def within_chunks(llm: LLM) -> list[tuple[int, int, list[int]]]:
@@ -79,6 +88,29 @@ def test_drafts_stay_within_a_chunk(tiny_llama4, reference):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.stats()["spec_decode_draft_tokens_total"] > 0
     assert any(n > 1 and (start + n) % CHUNK == 0 for start, n, _ in steps)  # (drafts cut at a chunk's end)
+    llm.block_manager.check_all_free()
+
+
+def test_queries_scaled_by_position_equal_hf(tiny_llama4_scaled):
+    """Llama 4's layers without rotary embedding scale their queries by log1p(floor((position + 1) /
+    floor_scale)) * attn_scale + 1, which transformers computes from the step's row indices when no cache
+    is passed: the engine scales them in attention by the tokens' positions (model_support.py). Prompts
+    chunked and preempted: each token HF's greedy choice after the same tokens, the logits HF's forward
+    over the whole sequence gives (floor_scale 4 here, 8,192 in Llama 4's checkpoints: their contexts past
+    8K)."""
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama4_scaled, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    prompts = random_prompts(5, 5, 70, 512, seed=4)
+    llm = LLM(tiny_llama4_scaled, max_model_len=128, max_num_batched_tokens=12, max_num_seqs=4, num_kv_blocks=28,
+              block_size=8)
+    outs = llm.generate(prompts, dataclasses.replace(GREEDY, return_generation_logits=True))
+    assert llm.stats()["num_preemptions"] > 0
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:]
+        assert out.token_ids == logits.argmax(-1).tolist()
+        np.testing.assert_allclose(out.outputs[0].generation_logits, logits.numpy(), atol=1e-4, rtol=1e-4)
+    assert llm.runner.query_scaling[1][:3].tolist() == pytest.approx([1, 1 + 0.5 * np.log(2), 1 + 0.5 * np.log(3)])
     llm.block_manager.check_all_free()
 
 

@@ -49,6 +49,9 @@ class AttentionContext:
     chunked_layers: list[bool] | None = None
     chunk_seq_lens: torch.Tensor | None = None
     chunk_block_tables: list[torch.Tensor] = field(default_factory=list)  # the step's, each window group's
+    # [T] float32: each token's query scale in layers marked `inflight_scaled_queries` (Llama 4's without
+    # rotary embedding: model_support.take_over_query_scaling)
+    query_scales: torch.Tensor | None = None
 
 
 @dataclass
@@ -84,6 +87,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         slot_mapping, block_tables = ctx.slot_mapping, ctx.block_tables
     # [1, heads, T, D] -> [T, heads, D]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    if ctx.query_scales is not None and getattr(module, "inflight_scaled_queries", False):  # (as transformers would)
+        q = (q * ctx.query_scales[:, None, None]).to(q.dtype)
     ops.write_kv_cache(k, v, key_cache, value_cache, slot_mapping, impl=ctx.impl)
     seq_lens = ctx.seq_lens
     if ctx.chunk_seq_lens is not None and ctx.chunked_layers[module.layer_idx]:  # (from its chunk's start)

@@ -29,7 +29,8 @@ from .kernel_warmup import compile_attention_kernels
 from .kv_offload import FROM_HOST, ON_DEVICE, TO_HOST, BlockCopy, HostKVStore, runs_of_kind
 from .lora import LoRAAdapters
 from .model_support import (UnsupportedModel, attention_chunk, check_attention_calls, chunked_layers,
-                            common_sliding_window, kv_heads_and_head_dim, refuse, windowed_layers)
+                            common_sliding_window, kv_heads_and_head_dim, refuse, take_over_query_scaling,
+                            windowed_layers)
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
 from .step_memory import largest_step, peak_bytes, run_largest_step
@@ -131,6 +132,9 @@ class ModelRunner:
         self.chunk_view = (self.attention_chunk if self.attention_chunk is not None
                            and (config.max_model_len or 0) > self.attention_chunk else None)
         self.chunked_layers = chunked_layers(hf_config) if self.chunk_view else None
+        # (past max_position_embeddings, a padded verify step's positions: their scale is looked up clamped)
+        self.query_scaling = take_over_query_scaling(self.model, getattr(hf_config, "max_position_embeddings", 0),
+                                                     self.device)
         if self.chunk_view is not None and self.chunk_view % config.block_size:
             raise UnsupportedModel(f"max_model_len ({config.max_model_len}) exceeds this model's attention chunk "
                                    f"({self.chunk_view}), which is not a multiple of block_size "
@@ -542,6 +546,7 @@ class ModelRunner:
             chunk_block_tables=[] if step.chunk_first_blocks is None else [
                 chunk_tables(tables, step.chunk_first_blocks, step.chunk_width)
                 for tables in [step.block_tables, *step.window_block_tables]],
+            query_scales=None if self.query_scaling is None else self._query_scales(step.positions),
         )
         if step.embeds is None:
             tokens = dict(input_ids=step.input_ids[None])
@@ -555,6 +560,12 @@ class ModelRunner:
             inflight_context=context,
         )
         return output.logits[0].float() if out is None else out.copy_(output.logits[0])
+
+    def _query_scales(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's query scale (model_support.take_over_query_scaling), on the device: in a CUDA graph too."""
+        floor_scale, scales = self.query_scaling
+        steps = ((positions + 1).float() / floor_scale).floor_().long().clamp_(max=len(scales) - 1)
+        return scales[steps]
 
     def close(self) -> None:
         """Nothing to release in-process; the tensor-parallel runner stops its workers."""

@@ -14,8 +14,11 @@ sinks (gpt-oss). Anything else would run wrong, or fail in a request, so it is r
 Chunked attention (Llama 4: a token sees its own chunk's keys up to itself) equals full attention over
 contexts of up to one chunk; beyond, its layers read each sequence from its chunk's start
 (input_buffers.chunk_view): `attention_chunk` says how long a chunk is, `chunked_layers` which layers.
+Llama 4's layers without rotary embedding scale their queries by position, which the engine does in
+attention (`take_over_query_scaling`).
 """
 
+import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .attention import AttentionCall
@@ -66,6 +69,28 @@ def chunked_layers(hf_config) -> list[bool]:
     """Each layer's attention: chunked (Llama 4's) or not."""
     layer_types, _ = get_layer_types_and_kwargs(hf_config)
     return [kind == "chunked_attention" for kind in layer_types]
+
+
+def take_over_query_scaling(model: torch.nn.Module, max_positions: int,
+                            device: torch.device) -> tuple[float, torch.Tensor] | None:
+    """Llama 4's layers without rotary embedding scale their queries by position (attn_temperature_tuning:
+    log1p(floor((position + 1) / floor_scale)) * attn_scale + 1), which transformers computes from the
+    step's row indices when no cache is passed, and the engine passes none: wrong from position 8,191 on
+    (floor_scale 8,192), and for a step's rows from the 8,192nd. Here those layers' own scaling is turned
+    off, each marked `inflight_scaled_queries`, and attention.py scales their queries by the tokens'
+    positions. Returns floor_scale and the scales by floor((position + 1) / floor_scale) for positions
+    below `max_positions`, on `device` (looked up: a token's scale the same whatever the step holds); None
+    for a model without such layers."""
+    layers = [m for m in model.modules()
+              if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)]
+    if not layers:
+        return None
+    for layer in layers:
+        layer.attn_temperature_tuning = False
+        layer.inflight_scaled_queries = True
+    floor_scale, attn_scale = layers[0].floor_scale, layers[0].attn_scale
+    steps = torch.arange(int(max_positions // floor_scale) + 2, dtype=torch.float32)
+    return floor_scale, (torch.log1p(steps) * attn_scale + 1.0).to(device)
 
 
 def check_attention_calls(calls: list[AttentionCall], model_type: str, num_layers: int, num_kv_heads: int,
