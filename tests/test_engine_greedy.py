@@ -1,11 +1,13 @@
 """Greedy outputs equal HF transformers' `generate` token for token, whatever the batching does."""
 
+import dataclasses
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import MORE_FAMILIES, hf_greedy, random_prompts
+from conftest import DEFAULT_MODEL, MORE_FAMILIES, hf_greedy, random_prompts
 from inflight import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -197,3 +199,62 @@ def test_more_model_types_match_hf(more_tiny_models, hf_eager_reference, family,
                           **schedule_settings(schedule, family))
     if mode == "cuda" and llm.runner.graphs is None:  # allowed (model_runner._capture_graphs), and worth knowing
         warnings.warn(f"{family}: CUDA graphs were not captured, decode steps ran eagerly")
+
+
+def rotary_checkpoint(out, model_type: str, rope: dict, **sizes) -> str:
+    """A tiny checkpoint whose rotary embedding is of one of transformers' dynamic kinds, its original
+    length 32 tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  initializer_range=0.2, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                                  tie_word_embeddings=False, rope_scaling=rope, **sizes)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(out)
+    return str(out)
+
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [1.0 + 2.0 * i for i in range(8)]}
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_rotary_frequencies_are_chosen_once_from_max_model_len(tmp_path, kind):
+    """transformers' longrope (Phi-3's 128K models) and dynamic NTK rotary embeddings choose their
+    frequencies at each forward from its largest position: in an engine's step, any sequence's. The engine
+    chooses them once from max_model_len (model_support.fix_rotary_frequencies): a short request's logits
+    the same bit for bit alone and beside a long one (CPU, float32); longrope's short factors up to
+    original_max_position_embeddings (32 here; HF's for a sequence that short), its long ones beyond (HF's
+    for a longer one), each against HF's forward over the whole sequence; NTK's for max_model_len."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    path = (rotary_checkpoint(tmp_path, "phi3", LONGROPE, max_position_embeddings=256,
+                              original_max_position_embeddings=32) if kind == "longrope" else
+            rotary_checkpoint(tmp_path, "llama", {"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=32))
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = dataclasses.replace(GREEDY, max_tokens=20, return_generation_logits=True)
+    short, long = random_prompts(1, 8, 8, 512, seed=1)[0], random_prompts(1, 60, 60, 512, seed=2)[0]
+
+    def hf_logits(prompt, out):
+        with torch.no_grad():
+            return reference(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:].numpy()
+
+    for max_model_len in (32, 128):
+        alone = LLM(path, max_model_len=max_model_len).generate([short], params)[0]
+        llm = LLM(path, max_model_len=max_model_len)
+        beside = llm.generate([short, long] if max_model_len > 32 else [short, short[:5]], params)
+        assert np.array_equal(beside[0].outputs[0].generation_logits, alone.outputs[0].generation_logits)
+        rotary = llm.runner.model.model.rotary_emb
+        if kind == "dynamic":
+            expected = ROPE_INIT_FUNCTIONS["dynamic"](reference.config, seq_len=max_model_len)[0] \
+                if max_model_len > 32 else rotary.original_inv_freq
+            assert torch.equal(rotary.inv_freq, expected)
+        elif max_model_len == 32:
+            np.testing.assert_allclose(alone.outputs[0].generation_logits, hf_logits(short, alone), atol=1e-4,
+                                       rtol=1e-4)
+        else:
+            np.testing.assert_allclose(beside[1].outputs[0].generation_logits, hf_logits(long, beside[1]), atol=1e-4,
+                                       rtol=1e-4)

@@ -29,8 +29,8 @@ from .kernel_warmup import compile_attention_kernels
 from .kv_offload import FROM_HOST, ON_DEVICE, TO_HOST, BlockCopy, HostKVStore, runs_of_kind
 from .lora import LoRAAdapters
 from .model_support import (UnsupportedModel, attention_chunk, check_attention_calls, chunked_layers,
-                            common_sliding_window, kv_heads_and_head_dim, refuse, take_over_query_scaling,
-                            windowed_layers)
+                            common_sliding_window, fix_rotary_frequencies, kv_heads_and_head_dim, refuse,
+                            take_over_query_scaling, windowed_layers)
 from .prompt_embeds import embed
 from .scheduler import ScheduledBatch
 from .step_memory import largest_step, peak_bytes, run_largest_step
@@ -169,6 +169,7 @@ class ModelRunner:
                                   config.max_lora_rank)
                      if config.lora_modules or config.lora_task_slots else None)
         self.max_model_len = self._max_model_len()
+        fix_rotary_frequencies(self.model, self.max_model_len, self.device)
         # (a step verifying drafts in a CUDA graph pads a sequence's tokens to the verify length: its
         # table is read that far past max_model_len)
         self.buffers = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,

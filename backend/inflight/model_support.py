@@ -15,13 +15,21 @@ Chunked attention (Llama 4: a token sees its own chunk's keys up to itself) equa
 contexts of up to one chunk; beyond, its layers read each sequence from its chunk's start
 (input_buffers.chunk_view): `attention_chunk` says how long a chunk is, `chunked_layers` which layers.
 Llama 4's layers without rotary embedding scale their queries by position, which the engine does in
-attention (`take_over_query_scaling`).
+attention (`take_over_query_scaling`); rotary embeddings whose frequencies transformers chooses at each
+forward by its largest position get them once, from max_model_len (`fix_rotary_frequencies`).
 """
+
+import inspect
+import logging
+import types
 
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AttentionCall
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Arguments to attention that the kernels honour, and those transformers' layers pass along that have no
@@ -91,6 +99,46 @@ def take_over_query_scaling(model: torch.nn.Module, max_positions: int,
     floor_scale, attn_scale = layers[0].floor_scale, layers[0].attn_scale
     steps = torch.arange(int(max_positions // floor_scale) + 2, dtype=torch.float32)
     return floor_scale, (torch.log1p(steps) * attn_scale + 1.0).to(device)
+
+
+def fix_rotary_frequencies(model: torch.nn.Module, max_model_len: int, device: torch.device) -> None:
+    """Rotary embeddings of transformers' dynamic kinds ("longrope": Phi-3's and Phi-3.5's 128K models,
+    Phi-4-mini; "dynamic": NTK scaling) choose their frequencies at every forward from the largest position
+    it holds, which in an engine's step is any of its sequences': a request's queries and keys were rotated
+    by whatever else the step held, its cached keys by other frequencies than its new ones, and reading the
+    largest position cost a host sync (which a CUDA graph's capture does not allow). Here each is chosen
+    once, from max_model_len, as vLLM chooses longrope's: its long factors if max_model_len exceeds
+    original_max_position_embeddings, else its short ones (HF's for sequences up to that length); NTK's
+    frequencies for max_model_len where that exceeds the original length, else the original ones. The
+    forward then runs as written, without transformers' update."""
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        if not type(module).__name__.endswith("RotaryEmbedding") or not isinstance(kinds, (str, dict)):
+            continue
+        chosen = {}
+        for layer_type, kind in (kinds.items() if isinstance(kinds, dict) else [(None, kinds)]):
+            if kind == "longrope":
+                parameters = module.config.rope_parameters
+                original = (parameters[layer_type] if layer_type else parameters)["original_max_position_embeddings"]
+                chosen[layer_type] = (kind, original + 1 if max_model_len > original else None)
+            elif "dynamic" in kind:
+                chosen[layer_type] = (kind, max_model_len if max_model_len > module.original_max_seq_len else None)
+        for layer_type, (kind, seq_len) in chosen.items():
+            prefix = "" if layer_type is None else f"{layer_type}_"
+            if seq_len is None:  # (the start-up's forwards may have moved them)
+                inv_freq = getattr(module, f"{prefix}original_inv_freq")
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](module.config, device, seq_len=seq_len,
+                                                              layer_type=layer_type)
+                if "dynamic" in kind:  # (as transformers' update sets it)
+                    module.attention_scaling = scaling
+            module.register_buffer(f"{prefix}inv_freq", inv_freq.to(device), persistent=False)
+            chose = ("its original frequencies" if seq_len is None else "its long factors" if kind == "longrope"
+                     else f"the frequencies for {seq_len} tokens")
+            logger.info("rotary embedding (%s%s): %s for every sequence, max_model_len being %d", kind,
+                        f", {layer_type}" if layer_type else "", chose, max_model_len)
+        if chosen:
+            module.forward = types.MethodType(inspect.unwrap(type(module).forward), module)
 
 
 def check_attention_calls(calls: list[AttentionCall], model_type: str, num_layers: int, num_kv_heads: int,
