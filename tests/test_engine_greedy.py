@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEFAULT_MODEL, MORE_FAMILIES, hf_greedy, random_prompts
+from conftest import MORE_FAMILIES, hf_greedy, make_tiny_model, random_prompts
 from inflight import LLM, SamplingParams
 
 MAX_TOKENS = 24
@@ -201,21 +201,6 @@ def test_more_model_types_match_hf(more_tiny_models, hf_eager_reference, family,
         warnings.warn(f"{family}: CUDA graphs were not captured, decode steps ran eagerly")
 
 
-def rotary_checkpoint(out, model_type: str, rope: dict, **sizes) -> str:
-    """A tiny checkpoint whose rotary embedding is of one of transformers' dynamic kinds, its original
-    length 32 tokens."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    config = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  initializer_range=0.2, eos_token_id=2, bos_token_id=1, pad_token_id=0,
-                                  tie_word_embeddings=False, rope_scaling=rope, **sizes)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(out)
-    return str(out)
-
-
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
             "long_factor": [1.0 + 2.0 * i for i in range(8)]}
 
@@ -231,9 +216,10 @@ def test_rotary_frequencies_are_chosen_once_from_max_model_len(tmp_path, kind):
     from transformers import AutoModelForCausalLM
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    path = (rotary_checkpoint(tmp_path, "phi3", LONGROPE, max_position_embeddings=256,
-                              original_max_position_embeddings=32) if kind == "longrope" else
-            rotary_checkpoint(tmp_path, "llama", {"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=32))
+    path = str(make_tiny_model("phi3", tmp_path, rope_scaling=LONGROPE, max_position_embeddings=256,
+                               original_max_position_embeddings=32) if kind == "longrope" else
+               make_tiny_model("llama", tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                               max_position_embeddings=32))
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     params = dataclasses.replace(GREEDY, max_tokens=20, return_generation_logits=True)
     short, long = random_prompts(1, 8, 8, 512, seed=1)[0], random_prompts(1, 60, 60, 512, seed=2)[0]
