@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from .cpu_runtime import build_kernels, packable_dtypes, packed_matmul
+from .cpu_runtime import build_kernels, packable_dtypes, packed_matmul, release_parameter
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +89,7 @@ def _pack_llama4_moe(block: torch.nn.Module, tokens_hint: int, max_rows: int, wa
                            *zip(experts.inflight_matmuls[0], (experts.gate_up_proj[0].t(), experts.down_proj[0].t()))]:
         warm_up.setdefault((weight.shape, True, weight.dtype), (matmul, max_rows))
     for module, name in [(experts, "gate_up_proj"), (experts, "down_proj"), (block.router, "weight")]:
-        _release(module, name)
-
-
-def _release(module: torch.nn.Module, name: str) -> None:
-    """The parameter as one element of memory, its shape and dtype kept: nothing reads its values now."""
-    weight = getattr(module, name)
-    setattr(module, name, torch.nn.Parameter(weight.new_zeros(()).expand(weight.shape), requires_grad=False))
+        release_parameter(module, name)
 
 
 def _expert_matmul(weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool, tokens_hint: int):
@@ -175,7 +169,7 @@ def pack_experts(model: torch.nn.Module, tokens_hint: int, max_rows: int) -> int
             shape = weight.t().shape if experts.is_transposed else weight.shape  # one expert's stand for all
             warm_up.setdefault((shape, True, weight.dtype), (matmul, max_rows))
         for name in ("gate_up_proj" if experts.has_gate else "up_proj", "down_proj"):
-            _release(experts, name)
+            release_parameter(experts, name)
     # (by name: importing Llama 4's modeling module for every model would cost each start-up its time)
     llama4_blocks = [m for m in model.modules() if type(m).__name__ == "Llama4TextMoe"
                      and m.experts.down_proj.device.type == "cpu" and m.experts.down_proj.dtype in packable_dtypes()]

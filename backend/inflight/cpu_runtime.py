@@ -117,6 +117,13 @@ def packed_matmul(weight: torch.Tensor, bias: torch.Tensor | None, tokens_hint: 
     return partial(_packed_forward, packed, bias, _one_row_as(packed, bias, weight.shape[1], weight.dtype))
 
 
+def release_parameter(module: torch.nn.Module, name: str) -> None:
+    """A packed weight's dense copy let go: the parameter becomes one element of memory, its shape and dtype
+    kept for whoever asks (nothing reads its values now)."""
+    weight = getattr(module, name)
+    setattr(module, name, torch.nn.Parameter(weight.new_zeros(()).expand(weight.shape), requires_grad=False))
+
+
 def build_kernels(warm_up: dict[tuple, tuple[Callable, int]]) -> None:
     """oneDNN's kernels for every bucket of rows, at start-up: `warm_up` maps a weight's (shape, no bias,
     dtype) to a packed_matmul of that shape and the most rows it will get (the kernels are shared by
@@ -157,9 +164,7 @@ def pack_linear_layers(model: torch.nn.Module, tokens_hint: int, max_rows: int, 
             unit[0].forward = matmul
         for module in unit:
             if uses[id(module.weight)] == 1:
-                # Same shape and dtype for whoever asks, one element of memory: nothing reads its values.
-                module.weight = torch.nn.Parameter(module.weight.new_zeros(()).expand(module.weight.shape),
-                                                   requires_grad=False)
+                release_parameter(module, "weight")
         rows = head_rows if head_rows and unit[0] is head else max_rows  # the head is never merged
         shape = (weight.shape, bias is None, weight.dtype)
         warm_up[shape] = (matmul, max(rows, warm_up.get(shape, (None, 0))[1]))
